@@ -1,0 +1,22 @@
+# The two quickstart commands. Each creates .venv and installs the pinned packages on first
+# use (a stamp file makes later runs skip it), then does its job.
+#   make train   # the embedded default: tiny model, synthetic data, 8 simulated CPU devices
+#   make test    # the whole test suite
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+ARGS ?=
+
+.PHONY: train test bench
+
+train: $(STAMP)
+	$(VENV)/bin/python -m trainer --config configs/tiny_cpu.py $(ARGS)
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q $(ARGS)
+
+$(STAMP): pyproject.toml constraints.txt
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is needed, found " + sys.version.split()[0]'
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]'
+	touch $(STAMP)

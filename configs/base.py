@@ -1,0 +1,106 @@
+"""Every default of the trainer, one comment each. Other config files start from this one.
+
+    python -m trainer --config configs/base.py --config.train.steps=10
+
+runs the tiny defaults below; the named configs (`tiny_cpu.py`, `1b_32k_*.py`,
+`7b_256k_*.py`) override model, data, mesh and schedule for their purpose.
+"""
+
+import ml_collections
+
+
+def get_config(arg=None) -> ml_collections.ConfigDict:
+  del arg  # No variants of the base config.
+  config = ml_collections.ConfigDict()
+  config.seed = 0  # Seeds parameter init, data shuffling and dropout-free training RNG.
+  config.cpu_devices = 0  # Simulated CPU devices when JAX runs on the CPU; 0 keeps JAX's default.
+
+  config.model = ml_collections.ConfigDict()
+  config.model.num_layers = 2  # Decoder blocks.
+  config.model.d_model = 128  # Residual stream width.
+  config.model.num_heads = 4  # Query heads.
+  config.model.num_kv_heads = 4  # Key/value heads (GQA when fewer than num_heads).
+  config.model.head_dim = 0  # Per-head width; 0 means d_model // num_heads.
+  config.model.d_ff = 344  # SwiGLU hidden width.
+  config.model.vocab_size = 512  # Embedding rows; must be >= the tokenizer's vocabulary.
+  config.model.rope_theta = 10000.0  # RoPE base; long-context runs raise it.
+  config.model.norm_eps = 1e-5  # RMSNorm epsilon.
+  config.model.tie_embeddings = False  # Share the input embedding with the output projection.
+  config.model.init_std = 0.02  # Std of the normal initialiser of every matrix.
+  config.model.attention = "dense"  # One of dense, ring, striped, zigzag.
+  config.model.kernel = "xla"  # Per-block attention kernel for ring layouts: xla or pallas.
+  config.model.attention_tile = 512  # Query/key tile of the blockwise kernels (tile skipping).
+  config.model.dtype = "bfloat16"  # Compute dtype of activations and matmuls.
+  config.model.param_dtype = "float32"  # Dtype of parameters (master weights).
+
+  config.mesh = ml_collections.ConfigDict()
+  config.mesh.data = 1  # Pure data parallelism (replicated parameters).
+  config.mesh.fsdp = -1  # Data parallelism with sharded parameters; -1 takes the remaining devices.
+  config.mesh.sequence = 1  # Ring size: devices the sequence is split over.
+  config.mesh.tensor = 1  # Tensor parallelism over heads and MLP width.
+  # Logical axis name -> mesh axes. Parameters use the plain names, activations the
+  # `activation_*` ones; a mesh axis may appear once per array (checked at start-up).
+  config.mesh.rules = (
+      ("layers", None),
+      ("embed", ("fsdp", "sequence")),  # ZeRO-3 over the ring too: 7B fits 8 devices.
+      ("vocab", "tensor"),
+      ("heads", "tensor"),
+      ("kv_heads", "tensor"),
+      ("mlp", "tensor"),
+      ("head_dim", None),
+      ("norm", None),
+      ("activation_batch", ("data", "fsdp")),
+      ("activation_seq", "sequence"),
+      ("activation_embed", None),
+      ("activation_heads", "tensor"),
+      ("activation_kv_heads", "tensor"),
+      ("activation_mlp", "tensor"),
+      ("activation_vocab", "tensor"),
+  )
+
+  config.data = ml_collections.ConfigDict()
+  config.data.dataset = "synthetic_longrange"  # synthetic_longrange, text_files, or a TFDS name.
+  config.data.seq_len = 256  # Tokens per packed row.
+  config.data.tokenizer = ""  # Path to a SentencePiece model; empty trains one at preparation.
+  config.data.tokenizer_vocab_size = 512  # Vocabulary of a tokenizer trained at preparation.
+  config.data.data_dir = ".data"  # Where prepared datasets and tokenizers are cached.
+  config.data.path = ""  # Directory of .txt/.jsonl files for the text_files dataset.
+  config.data.text_field = "text"  # JSON field holding a document in .jsonl files.
+  config.data.train_split = "train"  # Split the trainer reads.
+  config.data.eval_split = "validation"  # Held-out split for evals.
+  config.data.cross_document_attention = False  # Let packed documents attend to each other.
+  config.data.num_documents = 2000  # Documents in the synthetic corpus's train split.
+  config.data.max_document_tokens = 1024  # Longest synthetic document (may exceed seq_len).
+  config.data.on_bad_file = "skip"  # text_files: skip (and count) or fail on unreadable files.
+  config.data.prefetch = 2  # Batches prepared ahead in the background.
+
+  config.train = ml_collections.ConfigDict()
+  config.train.steps = 100  # Optimizer steps.
+  config.train.batch_size = 8  # Global batch in rows; divisible by data * fsdp.
+  config.train.lr = 3e-3  # Peak learning rate.
+  config.train.min_lr_ratio = 0.1  # Cosine decays to lr * min_lr_ratio.
+  config.train.warmup_steps = 10  # Linear warmup from 0 to lr.
+  config.train.weight_decay = 0.1  # AdamW decoupled weight decay (matrices only).
+  config.train.b1 = 0.9  # AdamW beta1.
+  config.train.b2 = 0.95  # AdamW beta2.
+  config.train.grad_clip = 1.0  # Global-norm clipping threshold; 0 disables.
+  config.train.remat = "none"  # Activation checkpointing: none, full, save_dots, save_attention.
+  config.train.log_every = 10  # Steps between metric lines.
+  config.train.eval_every = 50  # Steps between evals; 0 disables.
+  config.train.eval_steps = 2  # Batches per eval.
+
+  config.checkpoint = ml_collections.ConfigDict()
+  config.checkpoint.every_steps = 50  # Steps between checkpoints.
+  config.checkpoint.keep = 3  # Newest checkpoints kept.
+  config.checkpoint["async"] = True  # Write checkpoints in the background.
+
+  config.wandb = ml_collections.ConfigDict()
+  config.wandb.project = "long-context"  # W&B project.
+  config.wandb.mode = "auto"  # auto (online with an API key, else offline), online, offline, disabled.
+  config.wandb.entity = ""  # W&B entity (team); empty uses the default.
+  config.wandb.name = ""  # Run name; empty derives one from model size, seq_len and attention.
+  config.wandb.group = ""  # Run group; empty groups by model size and seq_len.
+  config.wandb.tags = ""  # Extra comma-separated tags; the attention layout is always a tag.
+
+  config.accelerator = ""  # Peak-FLOPs table entry for MFU (h100, a100, tpu_v4...); empty guesses.
+  return config

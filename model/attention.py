@@ -1,0 +1,75 @@
+"""Grouped-query self-attention and its dispatch by `ModelConfig.attention`.
+
+Visibility is decided by indices, never by array position, so every layout shares one rule:
+query i may see key j iff `token_index[j] <= token_index[i]` and their segment ids match.
+`dense` applies that rule to the whole (possibly permuted) row; `ring`, `striped` and
+`zigzag` hand the same operands to `parallelism.ring_attention`, which distributes it.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+import parallelism
+from model.config import ModelConfig
+from model.layers import Projection, apply_rope, constrain
+
+
+def dense_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
+                    token_index_BS: jax.Array, segment_ids_BS: jax.Array) -> jax.Array:
+  """Masked softmax attention over the whole row; K/V heads are shared by query groups.
+
+  Scores and softmax are float32. A query that sees no key gets zeros, not NaN.
+  """
+  batch, seq, num_heads, head_dim = q_BSHD.shape
+  num_kv_heads = k_BSKD.shape[2]
+  q_BSKGD = q_BSHD.reshape(batch, seq, num_kv_heads, num_heads // num_kv_heads, head_dim)
+  scores_BKGST = jnp.einsum("bskgd,btkd->bkgst", q_BSKGD, k_BSKD,
+                            preferred_element_type=jnp.float32) / jnp.sqrt(head_dim)
+  visible_BST = ((token_index_BS[:, None, :] <= token_index_BS[:, :, None])
+                 & (segment_ids_BS[:, None, :] == segment_ids_BS[:, :, None]))
+  visible_B11ST = visible_BST[:, None, None]
+  scores_BKGST = jnp.where(visible_B11ST, scores_BKGST, -jnp.inf)
+  row_max_BKGS1 = jnp.max(scores_BKGST, axis=-1, keepdims=True)
+  row_max_BKGS1 = jnp.where(jnp.isfinite(row_max_BKGS1), row_max_BKGS1, 0.0)
+  weights_BKGST = jnp.exp(scores_BKGST - row_max_BKGS1)
+  denom_BKGS1 = jnp.sum(weights_BKGST, axis=-1, keepdims=True)
+  probs_BKGST = weights_BKGST / jnp.where(denom_BKGS1 > 0, denom_BKGS1, 1.0)
+  out_BSKGD = jnp.einsum("bkgst,btkd->bskgd", probs_BKGST.astype(v_BSKD.dtype), v_BSKD,
+                         preferred_element_type=jnp.float32)
+  return out_BSKGD.reshape(q_BSHD.shape).astype(q_BSHD.dtype)
+
+
+class Attention(nn.Module):
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BSE: jax.Array, positions_BS: jax.Array, token_index_BS: jax.Array,
+               segment_ids_BS: jax.Array) -> jax.Array:
+    cfg = self.cfg
+
+    def project(heads, names, name):
+      return Projection(cfg, "bse,ehd->bshd", (cfg.d_model, heads, cfg.head_size), names,
+                        name=name)(x_BSE)
+
+    q_BSHD = project(cfg.num_heads, ("embed", "heads", "head_dim"), "query")
+    k_BSKD = project(cfg.num_kv_heads, ("embed", "kv_heads", "head_dim"), "key")
+    v_BSKD = project(cfg.num_kv_heads, ("embed", "kv_heads", "head_dim"), "value")
+    q_BSHD = constrain(apply_rope(q_BSHD, positions_BS, cfg.rope_theta),
+                       ("activation_batch", "activation_seq", "activation_heads", None))
+    k_BSKD = constrain(apply_rope(k_BSKD, positions_BS, cfg.rope_theta),
+                       ("activation_batch", "activation_seq", "activation_kv_heads", None))
+
+    if cfg.attention == "dense":
+      out_BSHD = dense_attention(q_BSHD, k_BSKD, v_BSKD, token_index_BS, segment_ids_BS)
+    else:
+      out_BSHD = parallelism.ring_attention(
+          q_BSHD, k_BSKD, v_BSKD, token_index_BS, segment_ids_BS,
+          kernel=cfg.kernel, tile_size=cfg.attention_tile)
+    # Named so that the `save_attention` remat policy can keep it.
+    out_BSHD = checkpoint_name(out_BSHD, "attention_out")
+    return Projection(cfg, "bshd,hde->bse", (cfg.num_heads, cfg.head_size, cfg.d_model),
+                      ("heads", "head_dim", "embed"), name="out")(out_BSHD)

@@ -1,0 +1,47 @@
+"""The model's frozen, typed configuration: ConfigDict stops at the trainer."""
+
+from __future__ import annotations
+
+import dataclasses
+
+ATTENTIONS = ("dense", "ring", "striped", "zigzag")
+KERNELS = ("xla", "pallas")
+REMAT_POLICIES = ("none", "full", "save_dots", "save_attention")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """A LLaMA-style decoder. Field meanings are documented in configs/base.py."""
+
+  num_layers: int
+  d_model: int
+  num_heads: int
+  num_kv_heads: int
+  d_ff: int
+  vocab_size: int
+  head_dim: int = 0
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-5
+  tie_embeddings: bool = False
+  init_std: float = 0.02
+  attention: str = "dense"
+  kernel: str = "xla"
+  attention_tile: int = 512
+  dtype: str = "bfloat16"
+  param_dtype: str = "float32"
+  remat: str = "none"
+
+  @property
+  def head_size(self) -> int:
+    return self.head_dim or self.d_model // self.num_heads
+
+  @property
+  def layout(self) -> str:
+    """The sequence layout the data must arrive in: dense attention reads the original order."""
+    return "ring" if self.attention == "dense" else self.attention
+
+  def matmul_params(self) -> int:
+    """Parameters that take part in a matmul per token (all but the embedding lookup)."""
+    attention = self.d_model * self.head_size * (2 * self.num_heads + 2 * self.num_kv_heads)
+    mlp = 3 * self.d_model * self.d_ff
+    return self.num_layers * (attention + mlp) + self.d_model * self.vocab_size

@@ -1,0 +1,77 @@
+"""The LLaMA-style decoder: embedding, scanned pre-norm blocks, final norm, logits."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from model.attention import Attention
+from model.config import ModelConfig
+from model.layers import Projection, RMSNorm, SwiGLU, constrain
+
+_ACTIVATION_BSE = ("activation_batch", "activation_seq", "activation_embed")
+
+
+class Block(nn.Module):
+  """One pre-norm residual block; shaped (carry, broadcast...) -> (carry, None) for nn.scan."""
+
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BSE, positions_BS, token_index_BS, segment_ids_BS):
+    cfg = self.cfg
+    h_BSE = RMSNorm(cfg, name="attention_norm")(x_BSE)
+    x_BSE = x_BSE + Attention(cfg, name="attention")(
+        h_BSE, positions_BS, token_index_BS, segment_ids_BS)
+    h_BSE = RMSNorm(cfg, name="mlp_norm")(x_BSE)
+    x_BSE = constrain(x_BSE + SwiGLU(cfg, name="mlp")(h_BSE), _ACTIVATION_BSE)
+    return x_BSE, None
+
+
+def _remat_policy(name: str):
+  return {
+      "full": None,  # Save nothing; recompute the whole block in the backward pass.
+      "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+      "save_attention": jax.checkpoint_policies.save_only_these_names("attention_out"),
+  }[name]
+
+
+class Decoder(nn.Module):
+  """Maps a batch's `tokens`, `positions`, `token_index`, `segment_ids` to float32 logits.
+
+  The blocks are one `nn.scan` so compile time does not grow with depth; parameters of the
+  stack gain a leading `layers` axis.
+  """
+
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens_BS, positions_BS, token_index_BS, segment_ids_BS) -> jax.Array:
+    cfg = self.cfg
+    table_VE = self.param(
+        "embedding", nn.with_logical_partitioning(
+            nn.initializers.normal(cfg.init_std), ("vocab", "embed")),
+        (cfg.vocab_size, cfg.d_model), jnp.dtype(cfg.param_dtype)).astype(cfg.dtype)
+    # Gather the table's `embed` shards before the lookup: a row gather from a table sharded
+    # along its width would otherwise be replicated and re-split by the partitioner.
+    table_VE = constrain(table_VE, ("vocab", None))
+    x_BSE = constrain(jnp.take(table_VE, tokens_BS, axis=0), _ACTIVATION_BSE)
+
+    block = Block
+    if cfg.remat != "none":
+      block = nn.remat(Block, policy=_remat_policy(cfg.remat), prevent_cse=False)
+    blocks = nn.scan(
+        block, variable_axes={"params": 0}, split_rngs={"params": True},
+        in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.num_layers,
+        metadata_params={nn.PARTITION_NAME: "layers"})
+    x_BSE, _ = blocks(cfg, name="blocks")(x_BSE, positions_BS, token_index_BS, segment_ids_BS)
+    x_BSE = RMSNorm(cfg, name="final_norm")(x_BSE)
+
+    if cfg.tie_embeddings:
+      logits_BSV = jnp.einsum("bse,ve->bsv", x_BSE, table_VE)
+    else:
+      logits_BSV = Projection(cfg, "bse,ev->bsv", (cfg.d_model, cfg.vocab_size),
+                              ("embed", "vocab"), name="lm_head")(x_BSE)
+    logits_BSV = constrain(logits_BSV, ("activation_batch", "activation_seq", "activation_vocab"))
+    return logits_BSV.astype(jnp.float32)

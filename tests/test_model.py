@@ -1,0 +1,99 @@
+"""The decoder on its own: shapes, dtypes, RoPE relativity, causality, GQA."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model import Decoder, ModelConfig, dense_attention
+from model.decoder import Block
+
+B, S = 2, 32
+
+
+def _config(**overrides) -> ModelConfig:
+  fields = dict(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=96, vocab_size=101,
+                dtype="float32")
+  return ModelConfig(**{**fields, **overrides})
+
+
+def _inputs(seed=0, offset=0):
+  rng = np.random.default_rng(seed)
+  tokens = jnp.asarray(rng.integers(0, 101, (B, S)), jnp.int32)
+  index = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+  return tokens, index + offset, index, jnp.ones((B, S), jnp.int32)
+
+
+def _init_apply(cfg, *inputs):
+  model = Decoder(cfg)
+  params = model.init(jax.random.key(0), *inputs)
+  return model, params
+
+
+def test_shapes_and_dtypes():
+  cfg = _config(dtype="bfloat16")
+  model, variables = _init_apply(cfg, *_inputs())
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(variables))
+  logits = model.apply(variables, *_inputs())
+  assert logits.shape == (B, S, cfg.vocab_size) and logits.dtype == jnp.float32
+  # The residual stream and every block's output are computed in bf16.
+  x_BSE = jnp.ones((B, S, cfg.d_model), jnp.bfloat16)
+  block_vars = Block(cfg).init(jax.random.key(1), x_BSE, *_inputs()[1:])
+  out_BSE, _ = Block(cfg).apply(block_vars, x_BSE, *_inputs()[1:])
+  assert out_BSE.dtype == jnp.bfloat16
+
+
+def test_every_parameter_has_logical_axis_names():
+  import flax.linen as nn
+  boxed = jax.eval_shape(Decoder(_config(tie_embeddings=True)).init, jax.random.key(0),
+                         *_inputs())["params"]
+  leaves = jax.tree.leaves(boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+  assert leaves and all(isinstance(leaf, nn.Partitioned) for leaf in leaves)
+  assert all(len(leaf.names) == leaf.value.ndim for leaf in leaves)
+
+
+def test_rope_depends_only_on_relative_position():
+  cfg = _config()
+  model, variables = _init_apply(cfg, *_inputs())
+  base = model.apply(variables, *_inputs())
+  shifted = model.apply(variables, *_inputs(offset=7))
+  # Angles are position * frequency in float32: a shift of 7 changes them by rounding only.
+  np.testing.assert_allclose(shifted, base, atol=2e-5, rtol=1e-5)
+
+
+def test_changing_a_future_token_never_changes_earlier_logits():
+  cfg = _config()
+  tokens, positions, index, segments = _inputs()
+  model, variables = _init_apply(cfg, tokens, positions, index, segments)
+  base = model.apply(variables, tokens, positions, index, segments)
+  t = 20
+  changed = model.apply(variables, tokens.at[:, t].set((tokens[:, t] + 1) % 101),
+                        positions, index, segments)
+  np.testing.assert_array_equal(changed[:, :t], base[:, :t])
+  assert not np.allclose(changed[:, t:], base[:, t:])
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_gqa_equals_multihead_with_repeated_kv(groups):
+  rng = np.random.default_rng(groups)
+  heads, kv_heads, dim = 4, 4 // groups, 16
+  q = jnp.asarray(rng.normal(size=(B, S, heads, dim)), jnp.float32)
+  k = jnp.asarray(rng.normal(size=(B, S, kv_heads, dim)), jnp.float32)
+  v = jnp.asarray(rng.normal(size=(B, S, kv_heads, dim)), jnp.float32)
+  index = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+  segments = jnp.asarray(np.repeat([[1, 2]], S // 2, axis=1), jnp.int32).repeat(B, 0)
+  gqa = dense_attention(q, k, v, index, segments)
+  mha = dense_attention(q, jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2),
+                        index, segments)
+  np.testing.assert_allclose(gqa, mha, atol=1e-6, rtol=1e-6)
+
+
+def test_packed_documents_do_not_see_each_other():
+  cfg = _config()
+  tokens, positions, index, _ = _inputs()
+  segments = jnp.where(index < 12, 1, 2)
+  model, variables = _init_apply(cfg, tokens, positions, index, segments)
+  base = model.apply(variables, tokens, positions, index, segments)
+  changed = model.apply(variables, tokens.at[:, 3].set((tokens[:, 3] + 1) % 101),
+                        positions, index, segments)
+  np.testing.assert_array_equal(changed[:, 12:], base[:, 12:])

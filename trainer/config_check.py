@@ -1,0 +1,99 @@
+"""Start-up checks of a resolved config: fail early, in one line that names the field.
+
+Runs before any device memory is touched (only the device count is read), so a bad
+override costs seconds, not a compile.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+import jax.numpy as jnp
+
+import parallelism
+from model import ATTENTIONS, KERNELS, REMAT_POLICIES
+
+WANDB_MODES = ("auto", "online", "offline", "disabled")
+
+
+class ConfigError(ValueError):
+  """A config value that cannot work; the message names the field and what to change."""
+
+
+def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
+  m, t, d = config.model, config.train, config.data
+  for field in ("num_layers", "d_model", "num_heads", "num_kv_heads", "d_ff", "vocab_size",
+                "attention_tile"):
+    _require(m[field] > 0, f"model.{field}={m[field]} must be positive")
+  for field in ("steps", "batch_size", "log_every"):
+    _require(t[field] > 0, f"train.{field}={t[field]} must be positive")
+  _require(d.seq_len > 0, f"data.seq_len={d.seq_len} must be positive")
+  _require(m.attention in ATTENTIONS, f"model.attention='{m.attention}' must be one of {ATTENTIONS}")
+  _require(m.kernel in KERNELS, f"model.kernel='{m.kernel}' must be one of {KERNELS}")
+  _require(t.remat in REMAT_POLICIES, f"train.remat='{t.remat}' must be one of {REMAT_POLICIES}")
+  for field in ("dtype", "param_dtype"):
+    _require(_is_float_dtype(m[field]), f"model.{field}='{m[field]}' is not a float dtype")
+  _require(m.num_heads % m.num_kv_heads == 0,
+           f"model.num_heads={m.num_heads} must be divisible by model.num_kv_heads={m.num_kv_heads}")
+  head_size = m.head_dim or m.d_model // m.num_heads
+  _require(m.head_dim or m.d_model % m.num_heads == 0,
+           f"model.d_model={m.d_model} must be divisible by model.num_heads={m.num_heads} "
+           f"(or set model.head_dim)")
+  _require(head_size % 2 == 0, f"head size {head_size} must be even for rotary embeddings "
+                               f"(model.head_dim or model.d_model / model.num_heads)")
+  _require(t.lr > 0, f"train.lr={t.lr} must be positive")
+  _require(0 <= t.warmup_steps <= t.steps,
+           f"train.warmup_steps={t.warmup_steps} must be between 0 and train.steps={t.steps}")
+  _require(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables)")
+  _require(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
+  _require(t.eval_every >= 0 and t.eval_steps >= 0, "train.eval_every and train.eval_steps must be >= 0")
+  _require(config.checkpoint.every_steps > 0,
+           f"checkpoint.every_steps={config.checkpoint.every_steps} must be positive")
+  _require(config.checkpoint.keep >= 1, f"checkpoint.keep={config.checkpoint.keep} must be >= 1")
+  _require(config.wandb.mode in WANDB_MODES,
+           f"wandb.mode='{config.wandb.mode}' must be one of {WANDB_MODES}")
+  _require(d.dataset != "text_files" or d.path,
+           "data.path must name a directory of .txt/.jsonl files when data.dataset='text_files'")
+  _check_mesh(config, num_devices, head_size)
+
+
+def _check_mesh(config: ml_collections.ConfigDict, num_devices: int, head_size: int) -> None:
+  m = config.model
+  try:
+    shape = dict(zip(parallelism.MESH_AXES,
+                     parallelism.resolve_mesh_shape(config.mesh, num_devices)))
+    parallelism.check_rules(config.mesh.rules)
+  except ValueError as error:
+    raise ConfigError(str(error)) from None
+  batch_shards = shape["data"] * shape["fsdp"]
+  _require(config.train.batch_size % batch_shards == 0,
+           f"train.batch_size={config.train.batch_size} must be divisible by mesh.data x mesh.fsdp"
+           f" = {batch_shards}")
+  tensor = shape["tensor"]
+  for field in ("num_heads", "num_kv_heads", "d_ff"):
+    _require(m[field] % tensor == 0,
+             f"model.{field}={m[field]} must be divisible by mesh.tensor={tensor}")
+  layout = "ring" if m.attention == "dense" else m.attention
+  sequence = shape["sequence"]
+  seq_len = config.data.seq_len
+  divisor = parallelism.layouts.required_divisor(layout, sequence)
+  _require(seq_len % divisor == 0,
+           f"data.seq_len={seq_len} must be divisible by {divisor} (mesh.sequence={sequence}"
+           f"{' x 2 for zigzag' if layout == 'zigzag' else ''})")
+  if m.attention != "dense":
+    block = seq_len // sequence
+    tile = min(m.attention_tile, block // (2 if layout == "zigzag" else 1))
+    _require(block % tile == 0,
+             f"data.seq_len={seq_len} must be divisible by mesh.sequence x model.attention_tile"
+             f" = {sequence} x {tile}")
+
+
+def _is_float_dtype(name: str) -> bool:
+  try:
+    return jnp.issubdtype(jnp.dtype(name), jnp.floating)
+  except TypeError:
+    return False
+
+
+def _require(condition: bool, message: str) -> None:
+  if not condition:
+    raise ConfigError(message)

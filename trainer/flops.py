@@ -1,0 +1,47 @@
+"""Model FLOPs per token and MFU.
+
+FLOPs per trained token = 6 * N_matmul + 6 * L * H_q * D_head * S, where N_matmul counts the
+parameters used in a matmul per token (all but the embedding lookup, the output projection
+included) and the second term is attention: QK^T and PV cost 2 * 2 * S * H_q * D_head
+forward per token and layer, x3 for forward plus backward = 12 * L * H_q * D_head * S for
+full attention, halved because a causal mask skips half of it.
+
+MFU = FLOPs per token * tokens per second / (devices * peak FLOP/s of one device).
+"""
+
+from __future__ import annotations
+
+from model import ModelConfig
+
+# Dense bf16 peak FLOP/s of one device (chip), from the vendors' spec sheets (no sparsity).
+PEAK_FLOPS = {
+    "h100": 989e12,
+    "h200": 989e12,
+    "a100": 312e12,
+    "tpu_v4": 275e12,
+    "tpu_v5e": 197e12,
+    "tpu_v5p": 459e12,
+}
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+  attention = 6 * cfg.num_layers * cfg.num_heads * cfg.head_size * seq_len
+  return 6 * cfg.matmul_params() + attention
+
+
+def accelerator_name(device_kind: str) -> str | None:
+  """Best guess of the PEAK_FLOPS key from a JAX device kind ('NVIDIA H100 80GB HBM3')."""
+  kind = device_kind.lower().replace(" ", "")
+  for name, needle in (("h200", "h200"), ("h100", "h100"), ("a100", "a100"),
+                       ("tpu_v5p", "v5p"), ("tpu_v5e", "v5lite"), ("tpu_v5e", "v5e"),
+                       ("tpu_v4", "v4")):
+    if needle in kind:
+      return name
+  return None
+
+
+def mfu(flops_token: float, tokens_per_sec: float, num_devices: int,
+        peak_flops: float | None) -> float | None:
+  if not peak_flops:
+    return None
+  return flops_token * tokens_per_sec / (num_devices * peak_flops)
