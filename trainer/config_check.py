@@ -10,6 +10,7 @@ import ml_collections
 import jax.numpy as jnp
 
 import parallelism
+from trainer import flops
 from model import ATTENTIONS, KERNELS, REMAT_POLICIES
 
 WANDB_MODES = ("auto", "online", "offline", "disabled")
@@ -40,9 +41,14 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
            f"(or set model.head_dim)")
   _require(head_size % 2 == 0, f"head size {head_size} must be even for rotary embeddings "
                                f"(model.head_dim or model.d_model / model.num_heads)")
+  _require(t.on_nonfinite in ("stop", "skip"),
+           f"train.on_nonfinite='{t.on_nonfinite}' must be 'stop' or 'skip'")
   _require(t.lr > 0, f"train.lr={t.lr} must be positive")
-  _require(0 <= t.warmup_steps <= t.steps,
-           f"train.warmup_steps={t.warmup_steps} must be between 0 and train.steps={t.steps}")
+  schedule = t.schedule_steps or t.steps
+  _require(t.schedule_steps >= 0, f"train.schedule_steps={t.schedule_steps} must be >= 0")
+  _require(0 <= t.warmup_steps <= schedule,
+           f"train.warmup_steps={t.warmup_steps} must be between 0 and the schedule length "
+           f"{schedule} (train.schedule_steps, or train.steps when that is 0)")
   _require(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables)")
   _require(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
   _require(t.eval_every >= 0 and t.eval_steps >= 0, "train.eval_every and train.eval_steps must be >= 0")
@@ -53,6 +59,11 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
            f"wandb.mode='{config.wandb.mode}' must be one of {WANDB_MODES}")
   _require(d.dataset != "text_files" or d.path,
            "data.path must name a directory of .txt/.jsonl files when data.dataset='text_files'")
+  _require(not config.accelerator or config.accelerator in flops.PEAK_FLOPS,
+           f"accelerator='{config.accelerator}' must be empty (guess from the device) or one of "
+           f"{', '.join(flops.PEAK_FLOPS)}")
+  _require(config.peak_flops_per_device >= 0,
+           f"peak_flops_per_device={config.peak_flops_per_device} must be >= 0 (0 uses the table)")
   _check_mesh(config, num_devices, head_size)
 
 
@@ -68,6 +79,11 @@ def _check_mesh(config: ml_collections.ConfigDict, num_devices: int, head_size: 
   _require(config.train.batch_size % batch_shards == 0,
            f"train.batch_size={config.train.batch_size} must be divisible by mesh.data x mesh.fsdp"
            f" = {batch_shards}")
+  micro = config.train.micro_batches
+  _require(micro >= 1 and config.train.batch_size % (micro * batch_shards) == 0,
+           f"train.micro_batches={micro} must be >= 1 and split train.batch_size="
+           f"{config.train.batch_size} into slices divisible by mesh.data x mesh.fsdp = "
+           f"{batch_shards}")
   tensor = shape["tensor"]
   for field in ("num_heads", "num_kv_heads", "d_ff"):
     _require(m[field] % tensor == 0,

@@ -1,22 +1,26 @@
-"""Model FLOPs per token and MFU.
+"""Model FLOPs per token, the accelerator's peak, and MFU.
 
 FLOPs per trained token = 6 * N_matmul + 6 * L * H_q * D_head * S, where N_matmul counts the
 parameters used in a matmul per token (all but the embedding lookup, the output projection
 included) and the second term is attention: QK^T and PV cost 2 * 2 * S * H_q * D_head
 forward per token and layer, x3 for forward plus backward = 12 * L * H_q * D_head * S for
-full attention, halved because a causal mask skips half of it.
+full attention, halved because a causal mask skips half of it. Remat recomputation is not
+counted (it is hardware FLOPs, not model FLOPs), so MFU does not rise when remat is on.
 
 MFU = FLOPs per token * tokens per second / (devices * peak FLOP/s of one device).
 """
 
 from __future__ import annotations
 
+import ml_collections
+
 from model import ModelConfig
 
 # Dense bf16 peak FLOP/s of one device (chip), from the vendors' spec sheets (no sparsity).
 PEAK_FLOPS = {
-    "h100": 989e12,
-    "h200": 989e12,
+    "h100": 989e12,  # H100 SXM.
+    "h100_pcie": 756e12,
+    "h200": 989e12,  # Same tensor cores as H100 SXM; more and faster memory.
     "a100": 312e12,
     "tpu_v4": 275e12,
     "tpu_v5e": 197e12,
@@ -30,14 +34,38 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 
 def accelerator_name(device_kind: str) -> str | None:
-  """Best guess of the PEAK_FLOPS key from a JAX device kind ('NVIDIA H100 80GB HBM3')."""
+  """Best guess of the PEAK_FLOPS key from a JAX device kind ('NVIDIA H100 80GB HBM3').
+
+  JAX names a v5e chip 'TPU v5 lite' and a v5p chip 'TPU v5' (or 'TPU v5p').
+  """
   kind = device_kind.lower().replace(" ", "")
-  for name, needle in (("h200", "h200"), ("h100", "h100"), ("a100", "a100"),
-                       ("tpu_v5p", "v5p"), ("tpu_v5e", "v5lite"), ("tpu_v5e", "v5e"),
-                       ("tpu_v4", "v4")):
+  for name, needle in (("h200", "h200"), ("h100_pcie", "h100pcie"), ("h100", "h100"),
+                       ("a100", "a100"), ("tpu_v5p", "v5p"), ("tpu_v5e", "v5lite"),
+                       ("tpu_v5e", "v5e"), ("tpu_v5p", "tpuv5"), ("tpu_v4", "v4")):
     if needle in kind:
       return name
   return None
+
+
+def peak_flops(config: ml_collections.ConfigDict, device_kind: str) -> float | None:
+  """Peak FLOP/s of one device: the config's number, else its named table entry, else a guess.
+
+  Returns None (so MFU is not reported) when nothing names a known accelerator, e.g. on CPU.
+  A misspelt `config.accelerator` is an error rather than a silently missing MFU.
+  """
+  number = float(config.get("peak_flops_per_device", 0.0) or 0.0)
+  if number < 0:
+    raise ValueError(f"config.peak_flops_per_device={number} must be >= 0 (0 uses the table)")
+  if number:
+    return number
+  name = (config.get("accelerator", "") or "").lower()
+  if name:
+    if name not in PEAK_FLOPS:
+      raise ValueError(f"config.accelerator={name!r} is not one of {', '.join(PEAK_FLOPS)}; "
+                       f"name one or set config.peak_flops_per_device")
+    return PEAK_FLOPS[name]
+  guess = accelerator_name(device_kind)
+  return PEAK_FLOPS[guess] if guess else None
 
 
 def mfu(flops_token: float, tokens_per_sec: float, num_devices: int,

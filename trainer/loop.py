@@ -1,4 +1,4 @@
-"""The host loop: build everything from the config, then dispatch steps and log behind them.
+"""The host loop: build everything from the config, resume, then dispatch steps and log behind.
 
 The loop dispatches step N before it reads step N-1's metrics, so the device always has
 queued work and never waits for the host's logging.
@@ -6,27 +6,32 @@ queued work and never waits for the host's logging.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import json
 import os
+import signal
 import statistics
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import flax.linen as nn
 import jax
 import ml_collections
-import numpy as np
+from jax.experimental import multihost_utils
 
 import data
 import parallelism
 from model import Decoder, ModelConfig
 from trainer import flops
+from trainer.checkpointing import CheckpointError, Checkpointer
 from trainer.optimizer import make_optimizer, make_schedule
-from trainer.state import init_state, state_shardings
-from trainer.step import eval_step, train_step
-from trainer.tracking import ConsoleTracker, JsonlTracker
+from trainer.resume import compare_configs, config_path, load_stored_config
+from trainer.state import abstract_state, init_state, state_shardings
+from trainer.step import eval_step, jit_train_step
+from trainer.tracking import device_memory_bytes, make_trackers
+
+
+class NonFiniteError(RuntimeError):
+  """The loss or gradient of a step was NaN or Inf and the config says stop."""
 
 
 def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
@@ -38,120 +43,228 @@ def data_config(config: ml_collections.ConfigDict) -> data.DataConfig:
 
 
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-  """Trains `config.train.steps` steps; returns a summary (first/last loss, median speed)."""
+  """Trains up to `config.train.steps`, resuming from `workdir` when it holds a checkpoint.
+
+  Returns a summary (first/last loss, median speed, final step, whether a signal stopped it).
+  """
+  checkpointer = Checkpointer(workdir, config.checkpoint.every_steps, config.checkpoint.keep,
+                              config.checkpoint["async"])
+  stored = load_stored_config(workdir)
+  changes = compare_configs(stored, config) if stored and checkpointer.has_checkpoints() else []
   mesh = parallelism.make_mesh(config.mesh)
-  model_cfg = model_config(config)
-  data_cfg = data_config(config)
-  data.prepare(data_cfg)
-  data.check_vocab(data_cfg, model_cfg.vocab_size)
+  model_cfg, data_cfg = model_config(config), data_config(config)
   is_writer = jax.process_index() == 0
+  _prepare_data(data_cfg, is_writer)
+  data.check_vocab(data_cfg, model_cfg.vocab_size)
   if is_writer:
     os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
+    with open(config_path(workdir), "w", encoding="utf-8") as f:
       f.write(config.to_json_best_effort(indent=2, sort_keys=True))
-  trackers = [JsonlTracker(os.path.join(workdir, "metrics.jsonl")),
-              ConsoleTracker(config.train.steps)] if is_writer else []
 
   model = Decoder(model_cfg)
   optimizer = make_optimizer(config.train)
   batch_sharding = parallelism.batch_sharding(mesh)
   rows = parallelism.batch_shards(mesh)  # Smallest batch that shards: enough for init shapes.
+  iterator = _make_iterator(config, data_cfg, model_cfg, mesh, data_cfg.train_split)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.mesh.rules):
     shardings = state_shardings(model, optimizer, mesh, config.mesh.rules, rows,
                                 data_cfg.seq_len)
-    state = init_state(model, optimizer, shardings, config.seed, rows, data_cfg.seq_len)
-    step_fn = jax.jit(
-        functools.partial(train_step, model=model, optimizer=optimizer,
-                          schedule=make_schedule(config.train)),
-        in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None),
-        donate_argnums=0)
+    restored = checkpointer.restore(
+        abstract_state(model, optimizer, shardings, rows, data_cfg.seq_len))
+    if restored:
+      start, state, data_state, _ = restored
+      iterator.set_state(data_state)
+      if is_writer:
+        print(f"resuming from step {start} ({checkpointer.directory}/{start})"
+              + (f"; changed: {', '.join(changes)}" if changes else ""), flush=True)
+    else:
+      start = 0
+      state = init_state(model, optimizer, shardings, config.seed, rows, data_cfg.seq_len)
+    step_fn = jit_train_step(model, optimizer, make_schedule(config.train),
+                             config.train.micro_batches, shardings, batch_sharding)
     eval_fn = jax.jit(functools.partial(eval_step, model=model),
                       in_shardings=(shardings.params, batch_sharding))
-    batches = _global_batches(config, data_cfg, model_cfg, mesh, data_cfg.train_split)
-    summary = _run(config, state, step_fn, eval_fn, batches, trackers, model_cfg, mesh)
-  for tracker in trackers:
-    tracker.close()
+    trackers = make_trackers(config, workdir) if is_writer else []
+    run = _Run(config, model_cfg, mesh, checkpointer, trackers, iterator, eval_fn)
+    try:
+      summary = run.loop(state, step_fn, start)
+      checkpointer.wait()  # An async save that failed raises here: the exit is non-zero.
+    except BaseException:
+      # Let saves already started commit; the original error is the one to report.
+      try:
+        checkpointer.wait()
+      except CheckpointError as error:
+        print(f"also: {error}", flush=True)
+      raise
+    finally:
+      checkpointer.close()
+      for tracker in trackers:
+        tracker.close()
   return summary
 
 
-def _global_batches(config, data_cfg, model_cfg, mesh, split, repeat=True) -> Iterator[dict]:
-  iterator = data.make_iterator(
+def _prepare_data(data_cfg: data.DataConfig, is_writer: bool) -> None:
+  """Process 0 prepares first; the others then find it done on a shared disk, or build their
+  own copy on a local one, but never race process 0 for the same files."""
+  if jax.process_count() == 1:
+    data.prepare(data_cfg)
+    return
+  if is_writer:
+    data.prepare(data_cfg)
+  multihost_utils.sync_global_devices("data prepared by process 0")
+  if not is_writer:
+    data.prepare(data_cfg)
+
+
+def _make_iterator(config, data_cfg, model_cfg, mesh, split):
+  rows = data.process_rows(parallelism.batch_sharding(mesh), config.train.batch_size,
+                           data_cfg.seq_len)
+  return data.make_iterator(
       data_cfg, split=split, global_batch_size=config.train.batch_size,
       layout=model_cfg.layout, num_shards=mesh.shape["sequence"], seed=config.seed,
-      process_index=jax.process_index(), process_count=jax.process_count(), repeat=repeat)
-  sharding = parallelism.batch_sharding(mesh)
-  for batch in iterator:
-    yield data.to_global_batch(batch, sharding)
+      repeat=True, rows=rows)
 
 
-def _run(config, state, step_fn, eval_fn, batches, trackers, model_cfg, mesh) -> dict[str, Any]:
-  steps, log_every = config.train.steps, config.train.log_every
-  tokens_per_step = config.train.batch_size * config.data.seq_len
-  flops_token = flops.flops_per_token(model_cfg, config.data.seq_len)
-  peak = flops.PEAK_FLOPS.get(config.accelerator or flops.accelerator_name(
-      jax.devices()[0].device_kind) or "")
-  pending = None  # (step, metrics) dispatched but not yet read.
-  last_time, last_step = time.monotonic(), 0
-  records = []
+class _StopSignals:
+  """Turns SIGTERM/SIGINT into a request to save and stop after the current step."""
 
-  def emit(step: int, metrics) -> None:
-    nonlocal last_time, last_step
-    values = jax.device_get(metrics)  # Blocks until that step is done; the next is queued.
+  def __init__(self):
+    self.received: str | None = None
+    self._previous = {}
+
+  def __enter__(self):
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      self._previous[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def _handle(self, signum, frame):
+    del frame
+    self.received = signal.Signals(signum).name
+
+  def __exit__(self, *exc):
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+
+
+class _Run:
+  """The state of one pass of the host loop: timing, pending metrics, records."""
+
+  def __init__(self, config, model_cfg, mesh, checkpointer, trackers, iterator, eval_fn):
+    self.config, self.model_cfg, self.mesh = config, model_cfg, mesh
+    self.checkpointer, self.trackers = checkpointer, trackers
+    self.iterator, self.eval_fn = iterator, eval_fn
+    self.tokens_per_step = config.train.batch_size * config.data.seq_len
+    self.flops_token = flops.flops_per_token(model_cfg, config.data.seq_len)
+    self.peak = flops.peak_flops(config, jax.devices()[0].device_kind)
+    self.records: list[dict[str, Any]] = []
+    self.skipped = 0
+
+  def loop(self, state, step_fn, start: int) -> dict[str, Any]:
+    steps = self.config.train.steps
+    sharding = parallelism.batch_sharding(self.mesh)
+    self.last_time, self.last_step = time.monotonic(), start
+    self.start_step = start
+    pending = None  # (step, metrics) dispatched but not read yet.
+    stop = None
+    with _StopSignals() as signals:
+      for step in range(start + 1, steps + 1):
+        batch = data.to_global_batch(next(self.iterator), sharding, self.config.train.batch_size)
+        state, metrics = step_fn(state, batch)
+        if pending:
+          self._read(*pending)
+        pending = (step, metrics)
+        stop = signals.received or self.checkpointer.reached_preemption(step)
+        if self.checkpointer.due(step) or step == steps or stop:
+          self._read(*pending)  # Know the step was finite before its state is saved.
+          pending = None
+          self.checkpointer.save(step, state, data.gather_state(self.iterator.get_state()),
+                                 {"seed": self.config.seed})
+          self._restart_clock(step)  # Save time is not step time.
+        if self.config.train.eval_every and (step % self.config.train.eval_every == 0
+                                             or step == steps):
+          if pending:
+            self._read(*pending)
+            pending = None
+          self._evaluate(state, step)
+          self._restart_clock(step)
+        if stop:
+          print(f"stopping at step {step} on {signals.received or 'preemption'}: saved a "
+                f"checkpoint; re-run with the same --workdir to resume", flush=True)
+          break
+      if pending:
+        self._read(*pending)
+    return self._summarise(stopped=bool(stop))
+
+  def _read(self, step: int, metrics) -> None:
+    """Reads a step's metrics (blocking until it is done; the next step is queued)."""
+    values = jax.device_get(metrics)
+    if not values["finite"]:
+      self._non_finite(step)
+    if step % self.config.train.log_every and step != self.config.train.steps:
+      return
     now = time.monotonic()
-    step_time = (now - last_time) / (step - last_step)
-    tokens_per_sec = tokens_per_step / step_time
+    step_time = (now - self.last_time) / (step - self.last_step)
+    tokens_per_sec = self.tokens_per_step / step_time
     record = {
         "step": step, "loss": float(values["loss"]), "grad_norm": float(values["grad_norm"]),
         "lr": float(values["lr"]), "tokens_per_sec": tokens_per_sec,
         "tokens_per_sec_per_device": tokens_per_sec / jax.device_count(),
         "step_time_s": step_time,
-        "mfu": flops.mfu(flops_token, tokens_per_sec, jax.device_count(), peak),
-        "attention": model_cfg.attention, "warmup": last_step == 0, "time": time.time()}
-    records.append(record)
-    for tracker in trackers:
+        "mfu": flops.mfu(self.flops_token, tokens_per_sec, jax.device_count(), self.peak),
+        "device_memory_bytes": device_memory_bytes(),  # None where unreported (CPU).
+        "attention": self.model_cfg.attention,
+        "warmup": not self.records,  # The first interval includes compilation.
+        "time": time.time()}
+    self.records.append(record)
+    for tracker in self.trackers:
       tracker.log(record)
-    last_time, last_step = now, step
+    self.last_time, self.last_step = now, step
 
-  for step in range(1, steps + 1):
-    state, metrics = step_fn(state, next(batches))
-    if pending is not None:
-      emit(*pending)
-      pending = None
-    if step % log_every == 0 or step == steps:
-      pending = (step, metrics)
-    if config.train.eval_every and (step % config.train.eval_every == 0 or step == steps):
-      if pending is not None:
-        emit(*pending)
-        pending = None
-      _evaluate(config, state, eval_fn, model_cfg, mesh, step, trackers)
-      last_time = time.monotonic()  # Eval time is not train step time.
-  if pending is not None:
-    emit(*pending)
-  return _summarise(records, trackers)
+  def _non_finite(self, step: int) -> None:
+    last_good = self.checkpointer.latest_committed()
+    where = (f"the last good checkpoint is step {last_good} in {self.checkpointer.directory}"
+             if last_good is not None else "there is no checkpoint yet")
+    if self.config.train.on_nonfinite == "skip":
+      self.skipped += 1
+      print(f"warning: non-finite loss or gradient at step {step}; update skipped "
+            f"({self.skipped} so far)", flush=True)
+      return
+    raise NonFiniteError(f"non-finite loss or gradient at step {step}; the update was not "
+                         f"applied and the run stops; {where}")
 
+  def _evaluate(self, state, step: int) -> None:
+    cfg = self.config
+    iterator = _make_iterator(cfg, data_config(cfg), self.model_cfg, self.mesh,
+                              cfg.data.eval_split)
+    sharding = parallelism.batch_sharding(self.mesh)
+    totals: dict[str, float] = {}
+    for _ in range(cfg.train.eval_steps):
+      sums = self.eval_fn(state.params, data.to_global_batch(next(iterator), sharding,
+                                                             cfg.train.batch_size))
+      for key, value in jax.device_get(sums).items():
+        totals[key] = totals.get(key, 0.0) + float(value)
+    record = {"step": step, "eval_loss": totals["loss_sum"] / max(totals["tokens"], 1.0)}
+    if totals.get("answers"):
+      record["eval_retrieval_accuracy"] = totals["answers_correct"] / totals["answers"]
+    for tracker in self.trackers:
+      tracker.log(record)
 
-def _evaluate(config, state, eval_fn, model_cfg, mesh, step, trackers) -> None:
-  data_cfg = data_config(config)
-  batches = _global_batches(config, data_cfg, model_cfg, mesh, data_cfg.eval_split)
-  totals: dict[str, float] = {}
-  for _ in range(config.train.eval_steps):
-    for key, value in jax.device_get(eval_fn(state.params, next(batches))).items():
-      totals[key] = totals.get(key, 0.0) + float(value)
-  record = {"step": step, "eval_loss": totals["loss_sum"] / max(totals["tokens"], 1.0)}
-  if totals.get("answers"):
-    record["eval_retrieval_accuracy"] = totals["answers_correct"] / totals["answers"]
-  for tracker in trackers:
-    tracker.log(record)
+  def _restart_clock(self, step: int) -> None:
+    """Starts step timing afresh after host work (save, eval) with nothing in flight."""
+    self.last_time, self.last_step = time.monotonic(), step
 
-
-def _summarise(records: list[dict[str, Any]], trackers) -> dict[str, Any]:
-  timed = [r["tokens_per_sec"] for r in records if not r["warmup"]]
-  summary = {"first_loss": records[0]["loss"], "last_loss": records[-1]["loss"],
-             "median_tokens_per_sec": statistics.median(timed) if timed else None,
-             "steps": records[-1]["step"]}
-  if trackers:
-    speed = (f"{summary['median_tokens_per_sec']:,.0f} tok/s median after warm-up"
-             if timed else "too few steps to time")
-    print(f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} -> "
-          f"{summary['last_loss']:.4f}, {speed}", flush=True)
-  return summary
+  def _summarise(self, stopped: bool) -> dict[str, Any]:
+    timed = [r["tokens_per_sec"] for r in self.records if not r["warmup"]]
+    summary = {"first_loss": self.records[0]["loss"] if self.records else None,
+               "last_loss": self.records[-1]["loss"] if self.records else None,
+               "median_tokens_per_sec": statistics.median(timed) if timed else None,
+               "steps": self.records[-1]["step"] if self.records else self.start_step,
+               "stopped_by_signal": stopped, "skipped_steps": self.skipped}
+    if self.trackers and self.records:
+      speed = (f"{summary['median_tokens_per_sec']:,.0f} tok/s median after warm-up"
+               if timed else "too few steps to time")
+      print(f"done: step {summary['steps']}, loss {summary['first_loss']:.4f} -> "
+            f"{summary['last_loss']:.4f}, {speed}", flush=True)
+    elif self.trackers:
+      print(f"nothing to do: the run is already at step {self.start_step}", flush=True)
+    return summary

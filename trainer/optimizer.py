@@ -8,9 +8,15 @@ import optax
 
 
 def make_schedule(train: ml_collections.ConfigDict) -> optax.Schedule:
+  """Linear warmup to `lr`, cosine decay to `lr * min_lr_ratio` at the schedule's end.
+
+  The schedule's length is its own field so that a run stopped early and resumed, or
+  extended, can keep the learning rate of the run it continues.
+  """
+  length = train.schedule_steps or train.steps
   return optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=train.lr, warmup_steps=train.warmup_steps,
-      decay_steps=max(train.steps, train.warmup_steps + 1),
+      decay_steps=max(length, train.warmup_steps + 1),
       end_value=train.lr * train.min_lr_ratio)
 
 

@@ -50,11 +50,23 @@ def state_shardings(model: Decoder, optimizer: optax.GradientTransformation, mes
                       is_leaf=lambda x: isinstance(x, P))
 
 
+def abstract_state(model: Decoder, optimizer: optax.GradientTransformation,
+                   shardings: TrainState, batch: int, seq_len: int) -> TrainState:
+  """Shapes, dtypes and target shardings of the state, allocating nothing (for restores)."""
+  shapes = jax.eval_shape(
+      lambda rng: _init(model, optimizer, rng, batch, seq_len), jax.random.key(0))
+  return jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                                               sharding=sharding),
+                      shapes, shardings)
+
+
+def _init(model, optimizer, rng, batch, seq_len) -> TrainState:
+  params = nn.meta.unbox(model.init(rng, *dummy_inputs(batch, seq_len))["params"])
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                    opt_state=optimizer.init(params))
+
+
 def init_state(model: Decoder, optimizer: optax.GradientTransformation, shardings: TrainState,
                seed: int, batch: int, seq_len: int) -> TrainState:
-  def init(rng):
-    params = nn.meta.unbox(model.init(rng, *dummy_inputs(batch, seq_len))["params"])
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=optimizer.init(params))
-
-  return jax.jit(init, out_shardings=shardings)(jax.random.key(seed))
+  return jax.jit(lambda rng: _init(model, optimizer, rng, batch, seq_len),
+                 out_shardings=shardings)(jax.random.key(seed))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -21,24 +24,68 @@ def token_losses(logits_BSV: jax.Array, targets_BS: jax.Array) -> jax.Array:
                                                          targets_BS)
 
 
+def _micro_batches(batch: dict[str, jax.Array], count: int) -> dict[str, jax.Array]:
+  """[B, S] -> [count, B // count, S], micro-batch i holding rows i, i + count, ...
+
+  Strided rather than contiguous rows so that each micro-batch spreads over every batch
+  shard of the mesh (rows are sharded in contiguous runs) instead of sitting on a few.
+  """
+  def split(x_BS):
+    x_MbS = x_BS.reshape(x_BS.shape[0] // count, count, *x_BS.shape[1:]).swapaxes(0, 1)
+    return nn.with_logical_constraint(x_MbS, (None, "activation_batch", "activation_seq"))
+
+  return jax.tree.map(split, batch)
+
+
 def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: Decoder,
-               optimizer: optax.GradientTransformation,
-               schedule: optax.Schedule) -> tuple[TrainState, dict[str, jax.Array]]:
-  """One AdamW update on the masked mean token loss of the batch."""
+               optimizer: optax.GradientTransformation, schedule: optax.Schedule,
+               micro_batches: int = 1) -> tuple[TrainState, dict[str, jax.Array]]:
+  """One AdamW update on the masked mean token loss of the batch.
+
+  With `micro_batches` > 1 the gradient is accumulated over that many slices of the batch
+  (a `lax.scan`, so activations of one slice are live at a time) and normalised by the
+  whole batch's token count: the update equals one step on the whole batch.
+  """
   mask_BS = batch["loss_mask"].astype(jnp.float32)
   num_tokens = jnp.maximum(jnp.sum(mask_BS), 1.0)
 
-  def loss_fn(params):
-    losses_BS = token_losses(_logits(model, params, batch), batch["targets"])
-    return jnp.sum(losses_BS * mask_BS) / num_tokens
+  def loss_sum_fn(params, part):
+    losses_BS = token_losses(_logits(model, params, part), part["targets"])
+    return jnp.sum(losses_BS * part["loss_mask"].astype(jnp.float32)) / num_tokens
 
-  loss, grads = jax.value_and_grad(loss_fn)(state.params)
+  if micro_batches == 1:
+    loss, grads = jax.value_and_grad(loss_sum_fn)(state.params, batch)
+  else:
+    def accumulate(carry, part):
+      loss_part, grads_part = jax.value_and_grad(loss_sum_fn)(state.params, part)
+      return jax.tree.map(jnp.add, carry, (loss_part, grads_part)), None
+
+    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
+    (loss, grads), _ = jax.lax.scan(accumulate, zeros, _micro_batches(batch, micro_batches))
+  grad_norm = optax.tree.norm(grads)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-  new_state = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                         opt_state=opt_state)
-  metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": schedule(state.step),
-             "loss_tokens": jnp.sum(mask_BS)}
+  # A NaN/Inf loss or gradient leaves parameters and optimizer state untouched, so no
+  # non-finite value ever reaches the state (or a checkpoint); the host decides what next.
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  keep_old = lambda new, old: jnp.where(finite, new, old)
+  new_state = TrainState(
+      step=state.step + 1,
+      params=jax.tree.map(keep_old, optax.apply_updates(state.params, updates), state.params),
+      opt_state=jax.tree.map(keep_old, opt_state, state.opt_state))
+  metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step),
+             "loss_tokens": jnp.sum(mask_BS), "finite": finite}
   return new_state, metrics
+
+
+def jit_train_step(model: Decoder, optimizer: optax.GradientTransformation,
+                   schedule: optax.Schedule, micro_batches: int, state_shardings: TrainState,
+                   batch_sharding: jax.sharding.Sharding):
+  """The train step jitted once: sharded in and out, the old state donated to the new."""
+  return jax.jit(
+      functools.partial(train_step, model=model, optimizer=optimizer, schedule=schedule,
+                        micro_batches=micro_batches),
+      in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, None),
+      donate_argnums=0)
 
 
 def eval_step(params, batch: dict[str, jax.Array], *, model: Decoder) -> dict[str, jax.Array]:

@@ -1,7 +1,10 @@
-"""Where metrics go: `<workdir>/metrics.jsonl` and the console. Only process 0 writes.
+"""Where metrics go: `<workdir>/metrics.jsonl`, the console and Weights & Biases.
 
-The JSONL file is appended and flushed per line, never rewritten, so a crash loses at most
-the line being written and a resumed run continues the same file.
+Every tracker has `log(record)` and `close()`; the loop builds them with `make_trackers` on
+process 0 only, so other processes write nothing. The JSONL file is appended and flushed per
+line, never rewritten, so a crash loses at most the line being written and a resumed run
+continues the same file. Secrets never reach a tracker: `scrub` redacts config fields named
+like one and any string holding the value of a secret environment variable.
 """
 
 from __future__ import annotations
@@ -9,18 +12,75 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
-import time
-from typing import Any
+from typing import Any, Protocol
+
+import jax
+import ml_collections
+
+# Environment variables whose names contain these hold secrets; their values are redacted
+# wherever they appear. Config fields are matched by whole words instead, so that
+# `data.tokenizer` or `max_document_tokens` stay visible.
+SECRET_ENV_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL", re.IGNORECASE)
+SECRET_FIELD_WORDS = frozenset(
+    {"key", "apikey", "token", "secret", "password", "passwd", "credential", "credentials"})
+REDACTED = "<redacted>"
+
+
+class Tracker(Protocol):
+  def log(self, record: dict[str, Any]) -> None: ...
+
+  def close(self) -> None: ...
+
+
+def secret_values(environ: dict[str, str] | None = None) -> list[str]:
+  """Values of the environment variables named like secrets (long enough to be one)."""
+  environ = os.environ if environ is None else environ
+  return sorted({value for name, value in environ.items()
+                 if SECRET_ENV_NAME.search(name) and len(value) >= 8}, key=len, reverse=True)
+
+
+def _secret_field(name: Any) -> bool:
+  return bool(SECRET_FIELD_WORDS.intersection(re.split(r"[^a-z0-9]+", str(name).lower())))
+
+
+def scrub(value: Any, secrets: list[str] | None = None) -> Any:
+  """A copy of `value` (nested dicts/lists) with secret-named keys and secret values redacted."""
+  secrets = secret_values() if secrets is None else secrets
+  if isinstance(value, dict):
+    return {key: REDACTED if _secret_field(key) and isinstance(item, str) and item
+            else scrub(item, secrets) for key, item in value.items()}
+  if isinstance(value, (list, tuple)):
+    return type(value)(scrub(item, secrets) for item in value)
+  if isinstance(value, str):
+    for secret in secrets:
+      value = value.replace(secret, REDACTED)
+  return value
+
+
+def device_memory_bytes() -> int | None:
+  """Bytes in use on this process's first device, where the backend reports it (not on CPU)."""
+  stats = jax.local_devices()[0].memory_stats()
+  return int(stats["bytes_in_use"]) if stats and "bytes_in_use" in stats else None
+
+
+class NoopTracker:
+  def log(self, record: dict[str, Any]) -> None:
+    del record
+
+  def close(self) -> None:
+    pass
 
 
 class JsonlTracker:
   def __init__(self, path: str):
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     self._file = open(path, "a", encoding="utf-8")
+    self._secrets = secret_values()
 
   def log(self, record: dict[str, Any]) -> None:
-    self._file.write(json.dumps(record, allow_nan=True) + "\n")
+    self._file.write(json.dumps(scrub(record, self._secrets), allow_nan=True) + "\n")
     self._file.flush()
 
   def close(self) -> None:
@@ -28,28 +88,53 @@ class JsonlTracker:
 
 
 class ConsoleTracker:
-  """One plain progress line per logged step: step, loss, tokens/sec and ETA."""
+  """Progress: a tqdm bar on a terminal, else one plain line per logged step.
 
-  def __init__(self, total_steps: int, stream=sys.stdout):
+  Both show step, loss, tokens/sec and an ETA from the latest step time (the first interval
+  includes compilation, so it shows "warm-up" instead of a speed).
+  """
+
+  def __init__(self, total_steps: int, stream=None, bar: bool | None = None):
     self._total = total_steps
-    self._stream = stream
-    self._start = time.monotonic()
+    self._stream = stream or sys.stdout
+    self._bar = None
+    if bar is None:
+      bar = hasattr(self._stream, "isatty") and self._stream.isatty()
+    if bar:
+      try:
+        import tqdm  # pylint: disable=g-import-not-at-top  # Only on a terminal.
+      except ImportError:
+        return
+      self._bar = tqdm.tqdm(total=total_steps, file=self._stream, dynamic_ncols=True,
+                            bar_format="{l_bar}{bar}| step {n_fmt}/{total_fmt}{postfix}")
 
   def log(self, record: dict[str, Any]) -> None:
-    if "loss" in record:
-      eta = _eta(record.get("step_time_s"), self._total - record["step"])
-      tps = record.get("tokens_per_sec")
-      tps_text = "warm-up" if record.get("warmup") else f"{tps:,.0f} tok/s"
-      line = (f"step {record['step']:>6}/{self._total}  loss {record['loss']:.4f}  "
-              f"grad_norm {record['grad_norm']:.3f}  {tps_text}  ETA {eta}")
-    else:
+    if "loss" not in record:
       parts = [f"{key} {value:.4f}" for key, value in record.items()
                if key.startswith("eval_") and isinstance(value, float)]
-      line = f"eval at step {record['step']}: " + "  ".join(parts)
-    print(line, file=self._stream, flush=True)
+      self._write(f"eval at step {record['step']}: " + "  ".join(parts))
+      return
+    eta = _eta(record.get("step_time_s"), self._total - record["step"])
+    speed = "warm-up" if record.get("warmup") else f"{record['tokens_per_sec']:,.0f} tok/s"
+    if self._bar is not None:
+      self._bar.set_postfix_str(f"loss {record['loss']:.4f}  {speed}  ETA {eta}", refresh=False)
+      self._bar.update(record["step"] - self._bar.n)
+      if record["step"] >= self._total:
+        self.close()  # Leave the line finished before the loop prints its summary.
+      return
+    self._write(f"step {record['step']:>6}/{self._total}  loss {record['loss']:.4f}  "
+                f"grad_norm {record['grad_norm']:.3f}  {speed}  ETA {eta}")
+
+  def _write(self, line: str) -> None:
+    if self._bar is not None:
+      self._bar.write(line, file=self._stream)
+    else:
+      print(line, file=self._stream, flush=True)
 
   def close(self) -> None:
-    pass
+    if self._bar is not None:
+      self._bar.close()
+      self._bar = None
 
 
 def _eta(step_time: float | None, steps_left: int) -> str:
@@ -57,3 +142,12 @@ def _eta(step_time: float | None, steps_left: int) -> str:
     return "?"
   seconds = int(step_time * steps_left)
   return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def make_trackers(config: ml_collections.ConfigDict, workdir: str) -> list[Tracker]:
+  """The trackers of process 0 for this run: JSONL, console, and W&B unless disabled."""
+  from trainer import wandb_tracker  # pylint: disable=g-import-not-at-top  # It imports this.
+
+  return [JsonlTracker(os.path.join(workdir, "metrics.jsonl")),
+          ConsoleTracker(config.train.steps),
+          wandb_tracker.make(config, workdir)]

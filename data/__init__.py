@@ -1,0 +1,21 @@
+"""The data pipeline (see DESIGN.md): TFDS builders, SentencePiece, packing, layouts, global batches.
+
+    cfg = data.DataConfig(**config.data.to_dict())
+    data.prepare(cfg)                      # once; cached under cfg.data_dir
+    data.check_vocab(cfg, model_vocab_size)
+    it = data.make_iterator(cfg, split=cfg.train_split, global_batch_size=8, layout="striped",
+                            num_shards=4, seed=0, process_index=0, process_count=1)
+    batch = data.to_global_batch(next(it), sharding)
+"""
+
+from data.config import DataConfig, DataError
+from data.global_batch import gather_state, process_rows, to_global_batch
+from data.packing import FIELDS
+from data.pipeline import DataIterator, make_iterator
+from data.prepare import check_vocab, load_tokenizer, prepare, tokenizer_path
+from data.tokenizer import Tokenizer, train_tokenizer
+
+__all__ = ["DataConfig", "DataError", "DataIterator", "FIELDS", "Tokenizer", "check_vocab",
+           "gather_state", "process_rows",
+           "load_tokenizer", "make_iterator", "prepare", "to_global_batch", "tokenizer_path",
+           "train_tokenizer"]

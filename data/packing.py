@@ -1,0 +1,105 @@
+"""Packing tokenized documents end to end into rows of `seq_len` (+1 for the targets).
+
+The stream of documents is cut into rows with no padding except at the very end of a finite
+stream: row k holds stream tokens [k*S, k*S + S] (S + 1 of them; the last is only a target
+and is also the first token of row k + 1), so every document token is a `tokens` entry
+exactly once. A document longer than the rest of a row continues in the next row.
+
+Per row (before any layout permutation):
+- `tokens`, `targets` (= the next stream token), int32.
+- `loss_mask` float32: 1 where the target belongs to the same document piece as the token;
+  0 where a target crosses into the next document and on padding.
+- `positions`: 0, 1, ... from the start of each document piece. A document continued from the
+  previous row restarts at 0 there too: the model cannot see the earlier row anyway.
+- `segment_ids`: 1, 2, ... per document piece within the row (all 1 with
+  `cross_document_attention`); 0 on padding.
+- `token_index`: 0..S-1.
+- `answer_distance`: d > 0 at position i when `targets[i]` is an answer token whose fact lies
+  d tokens earlier in the same piece (so it can be retrieved); else 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+FIELDS = ("tokens", "targets", "loss_mask", "positions", "segment_ids", "token_index",
+          "answer_distance")
+
+
+@dataclasses.dataclass
+class StreamPosition:
+  """Where the next row starts: `offset` tokens into document `doc` of the stream."""
+
+  doc: int = 0
+  offset: int = 0
+
+
+def pack_row(read: Callable[[int], tuple[np.ndarray, np.ndarray] | None], start: StreamPosition,
+             seq_len: int, pad_id: int, cross_document_attention: bool,
+             ) -> tuple[dict[str, np.ndarray], StreamPosition] | None:
+  """Packs one row from `start`; returns it and where the next row starts, or None at the end.
+
+  `read(doc)` gives document `doc`'s (ids, answer_distance) arrays, or None past the end.
+  """
+  need = seq_len + 1
+  ids, dist, pos, piece = [], [], [], []
+  doc, offset, filled, pieces = start.doc, start.offset, 0, 0
+  last = start
+  while filled < need:
+    document = read(doc)
+    if document is None:
+      break
+    doc_ids, doc_dist = document
+    take = min(len(doc_ids) - offset, need - filled)
+    if take <= 0:  # An empty document, or one used up exactly at the previous row's end.
+      doc, offset = doc + 1, 0
+      continue
+    pieces += 1
+    ids.append(doc_ids[offset:offset + take])
+    # An answer is retrievable only when its fact is inside this piece.
+    local = np.arange(take, dtype=np.int32)
+    d = doc_dist[offset:offset + take]
+    dist.append(np.where(local - d >= 0, d, 0))
+    pos.append(local)
+    piece.append(np.full(take, pieces, np.int32))
+    last = StreamPosition(doc, offset + take - 1)
+    filled += take
+    offset += take
+    if offset >= len(doc_ids):
+      doc, offset = doc + 1, 0
+  if filled == 0:
+    return None
+  # A full row's last token (a target only) starts the next row; a short row ends the stream.
+  next_start = last if filled == need else StreamPosition(doc, offset)
+  pad = need - filled
+  ids_ = np.concatenate(ids + [np.full(pad, pad_id, np.int32)])
+  dist_ = np.concatenate(dist + [np.zeros(pad, np.int32)])
+  pos_ = np.concatenate(pos + [np.zeros(pad, np.int32)])
+  piece_ = np.concatenate(piece + [np.zeros(pad, np.int32)])
+  same = (piece_[1:] == piece_[:-1]) & (piece_[:-1] > 0)
+  segments = piece_[:-1]
+  if cross_document_attention:
+    segments = (segments > 0).astype(np.int32)
+  row = {
+      "tokens": ids_[:-1].astype(np.int32),
+      "targets": ids_[1:].astype(np.int32),
+      "loss_mask": same.astype(np.float32),
+      "positions": pos_[:-1].astype(np.int32),
+      "segment_ids": segments.astype(np.int32),
+      "token_index": np.arange(seq_len, dtype=np.int32),
+      "answer_distance": np.where(same, dist_[1:], 0).astype(np.int32),
+  }
+  return row, next_start
+
+
+def empty_row(seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
+  """An all-padding row: fills the last batch of a finite stream to full size."""
+  row = {name: np.zeros(seq_len, np.int32) for name in FIELDS}
+  row["tokens"][:] = pad_id
+  row["targets"][:] = pad_id
+  row["loss_mask"] = np.zeros(seq_len, np.float32)
+  row["token_index"] = np.arange(seq_len, dtype=np.int32)
+  return row

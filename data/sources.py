@@ -1,0 +1,148 @@
+"""Which TFDS builder a config names, preparing it once, and reading its documents.
+
+Everything is stored as array_record files and read with `tfds` data sources, so no
+TensorFlow is needed: TFDS serialises examples with its own protobufs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow_datasets as tfds
+
+from data import synthetic, text_files
+from data.config import DataConfig, DataError
+
+FILE_FORMAT = "array_record"
+
+
+def dataset_builder(cfg: DataConfig) -> tfds.core.DatasetBuilder:
+  """The builder for `cfg.dataset`, rooted at `cfg.data_dir` (nothing is built here)."""
+  with _quiet_absl():
+    return _builder(cfg)
+
+
+@contextlib.contextmanager
+def _quiet_absl():
+  # TFDS warns "Using custom data configuration" on every builder made from a config
+  # object, which is how all of ours are made: expected, so not worth a line each time.
+  logger = logging.getLogger("absl")
+  level = logger.level
+  logger.setLevel(logging.ERROR)
+  try:
+    yield
+  finally:
+    logger.setLevel(level)
+
+
+def _builder(cfg: DataConfig) -> tfds.core.DatasetBuilder:
+  if cfg.dataset == "synthetic_longrange":
+    config = synthetic.SyntheticLongrangeConfig(
+        num_documents=cfg.num_documents, num_eval_documents=cfg.num_eval_documents,
+        max_document_tokens=cfg.max_document_tokens, seed=cfg.corpus_seed)
+    # TFDS refuses an instance equal to a predefined config, but takes its name.
+    predefined = {c.name for c in synthetic.SyntheticLongrange.BUILDER_CONFIGS}
+    return synthetic.SyntheticLongrange(
+        config=config.name if config.name in predefined else config, data_dir=cfg.data_dir,
+        file_format=FILE_FORMAT)
+  if cfg.dataset == "text_files":
+    config = text_files.TextFilesConfig(path=cfg.path, text_field=cfg.text_field,
+                                        on_bad_file=cfg.on_bad_file)
+    return text_files.TextFiles(config=config, data_dir=cfg.data_dir, file_format=FILE_FORMAT)
+  return _registered_builder(cfg)
+
+
+def _registered_builder(cfg: DataConfig) -> tfds.core.DatasetBuilder:
+  if not os.path.isdir(cfg.data_dir) or not os.listdir(cfg.data_dir):
+    raise DataError(f"data.data_dir={cfg.data_dir} is missing or empty; prepare "
+                    f"'{cfg.dataset}' there with TFDS (file_format='array_record') or fix the path")
+  try:
+    return tfds.builder(cfg.dataset, data_dir=cfg.data_dir)
+  except tfds.core.registered.DatasetNotFoundError:
+    raise DataError(f"data.dataset='{cfg.dataset}' is neither synthetic_longrange, text_files, "
+                    f"a registered TFDS name nor prepared under data.data_dir={cfg.data_dir}"
+                    ) from None
+
+
+def prepare_dataset(cfg: DataConfig) -> tfds.core.DatasetBuilder:
+  """Builds the dataset's array_record files under `cfg.data_dir` unless already there."""
+  builder = dataset_builder(cfg)
+  if builder.is_prepared():
+    _check_format(cfg, builder)
+    return builder
+  if cfg.dataset not in ("synthetic_longrange", "text_files"):
+    # A registered dataset may need a download; TFDS raises if it cannot get one.
+    print(f"preparing TFDS dataset '{cfg.dataset}' under {cfg.data_dir}", flush=True)
+  else:
+    print(f"preparing {cfg.dataset} ({builder.builder_config.name}) under {cfg.data_dir}",
+          flush=True)
+  os.makedirs(cfg.data_dir, exist_ok=True)
+  try:
+    builder.download_and_prepare(
+        file_format=FILE_FORMAT,
+        download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+  except DataError:
+    raise
+  except Exception as error:  # TFDS and download errors come in many types.
+    if cfg.dataset in ("synthetic_longrange", "text_files"):
+      raise
+    raise DataError(f"cannot prepare TFDS dataset '{cfg.dataset}' under data.data_dir="
+                    f"{cfg.data_dir}: {type(error).__name__}: {str(error).splitlines()[0]}; "
+                    f"prepare it there beforehand (array_record) or fix data.dataset") from None
+  return builder
+
+
+def _check_format(cfg: DataConfig, builder: tfds.core.DatasetBuilder) -> None:
+  file_format = builder.info.file_format
+  if file_format is not None and file_format.value != FILE_FORMAT:
+    raise DataError(f"'{cfg.dataset}' under {cfg.data_dir} is stored as {file_format.value}; "
+                    f"re-prepare it with file_format='array_record' (no TensorFlow to read it)")
+
+
+def split_source(cfg: DataConfig, split: str) -> Sequence[dict[str, Any]]:
+  """Random-access records of one split of a prepared dataset."""
+  builder = dataset_builder(cfg)
+  if not builder.is_prepared():
+    raise DataError(f"'{cfg.dataset}' is not prepared under data.data_dir={cfg.data_dir}; "
+                    f"call data.prepare(cfg) first")
+  _check_format(cfg, builder)
+  if split not in builder.info.splits:
+    raise DataError(f"split '{split}' is not in '{cfg.dataset}' (has "
+                    f"{sorted(builder.info.splits)}); fix data.train_split/data.eval_split")
+  features = builder.info.features
+  if cfg.text_field not in features and "text" not in features:
+    raise DataError(f"'{cfg.dataset}' has no text feature '{cfg.text_field}' (has "
+                    f"{sorted(features)}); set data.text_field")
+  source = builder.as_data_source(split=split)
+  if len(source) == 0:
+    raise DataError(f"split '{split}' of '{cfg.dataset}' is empty; add documents or choose "
+                    f"another split (data.train_split/data.eval_split)")
+  return source
+
+
+def text_of(cfg: DataConfig, example: dict[str, Any]) -> str:
+  """The document text of one decoded record (TFDS returns text features as bytes)."""
+  value = example[cfg.text_field] if cfg.text_field in example else example["text"]
+  if isinstance(value, np.ndarray):
+    value = value.item()
+  return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def iter_texts(cfg: DataConfig, split: str, limit: int) -> Iterator[str]:
+  """Up to `limit` documents of a split, spread evenly over it (for tokenizer training)."""
+  source = split_source(cfg, split)
+  count = min(limit, len(source))
+  for index in np.linspace(0, len(source) - 1, count).astype(int):
+    yield text_of(cfg, source[int(index)])
+
+
+def storage_name(cfg: DataConfig) -> str:
+  """A file-name-safe identity of the prepared corpus (dataset and builder config)."""
+  builder = dataset_builder(cfg)
+  config = builder.builder_config.name if builder.builder_config else "default"
+  return f"{builder.name}-{config}".replace("/", "_")

@@ -1,0 +1,144 @@
+"""`text_files`: a TFDS builder over a directory of `.txt` or `.jsonl` files.
+
+One document per `.txt` file, or per line of a `.jsonl` file (the `text_field` of each JSON
+object). Files are found recursively and read in sorted order. Every 20th document (index
+19, 39, ...) goes to the `validation` split, the rest to `train`.
+
+An unreadable file, a file that is not UTF-8, or a JSON line that does not parse or lacks the
+field is "bad": with `on_bad_file='skip'` it is left out and counted (the count is printed
+and written to `bad_files.json` beside the prepared data), with `'fail'` preparation stops
+with a `DataError` naming it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+from etils import epath
+import tensorflow_datasets as tfds
+
+from data.config import DataError
+
+EXTENSIONS = (".txt", ".jsonl")
+VALIDATION_EVERY = 20
+
+
+def list_files(path: str) -> list[str]:
+  """The `.txt`/`.jsonl` files under `path`, sorted; DataError when there are none."""
+  if not path:
+    raise DataError("data.path is empty; name a directory of .txt/.jsonl files for text_files")
+  if not os.path.isdir(path):
+    raise DataError(f"data.path={path} is not a directory; name a directory of .txt/.jsonl files")
+  files = []
+  for root, dirs, names in os.walk(path):
+    dirs.sort()
+    files += [os.path.join(root, n) for n in sorted(names) if n.endswith(EXTENSIONS)]
+  if not files:
+    raise DataError(f"data.path={path} holds no .txt or .jsonl files; add some or fix data.path")
+  return files
+
+
+def fingerprint(path: str, text_field: str, on_bad_file: str) -> str:
+  """A hash of the options and of every file's name, size and mtime: edits make a new build."""
+  digest = hashlib.sha256(json.dumps([os.path.abspath(path), text_field, on_bad_file]).encode())
+  for file in list_files(path):
+    try:
+      stat = os.stat(file)
+      signature = f"{stat.st_size}\0{stat.st_mtime_ns}"
+    except OSError:  # A dangling link, say: reading it later reports the problem.
+      signature = "unreadable"
+    digest.update(f"{os.path.relpath(file, path)}\0{signature}\n".encode())
+  return digest.hexdigest()[:12]
+
+
+class TextFilesConfig(tfds.core.BuilderConfig):
+  """A directory and how to read it; the name carries a fingerprint of the files."""
+
+  def __init__(self, *, path: str, text_field: str = "text", on_bad_file: str = "skip"):
+    base = "".join(c if c.isalnum() else "_" for c in os.path.basename(os.path.normpath(path)))
+    super().__init__(name=f"{base or 'root'}_{fingerprint(path, text_field, on_bad_file)}",
+                     description=f"Text documents from {path}")
+    self.path = path
+    self.text_field = text_field
+    self.on_bad_file = on_bad_file
+
+
+class TextFiles(tfds.core.GeneratorBasedBuilder):
+  """Documents from a user's directory; build with `TextFiles(config=TextFilesConfig(...))`."""
+
+  VERSION = tfds.core.Version("1.0.0")
+  BUILDER_CONFIGS = []  # A config is always given: it names the directory.
+
+  @tfds.core.utils.classproperty
+  @classmethod
+  def code_path(cls) -> epath.Path:
+    # TFDS 4.9.10 otherwise imports `importlib_resources` (a Python < 3.9 backport) here.
+    return epath.Path(__file__)
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    return tfds.core.DatasetInfo(
+        builder=self, description=__doc__.split("\n\n")[0],
+        features=tfds.features.FeaturesDict({"text": tfds.features.Text()}))
+
+  def _split_generators(self, dl_manager):
+    del dl_manager  # The files are local.
+    return {"train": self._generate_examples(train=True),
+            "validation": self._generate_examples(train=False)}
+
+  def _generate_examples(self, train: bool):
+    bad: list[str] = []
+    index = 0
+    for file, document, problem in self._documents():
+      if problem:
+        bad.append(f"{file}: {problem}")
+        if self.builder_config.on_bad_file == "fail":
+          raise DataError(f"bad input {file}: {problem}; fix or remove it, or set "
+                          f"data.on_bad_file=skip")
+        continue
+      if (index % VALIDATION_EVERY == VALIDATION_EVERY - 1) == train:
+        index += 1
+        continue
+      yield f"{index:012d}", {"text": document}
+      index += 1
+    if train:
+      self._report_bad(bad)
+
+  def _documents(self):
+    """(file, document, problem) for each document, or for each bad file or line."""
+    field = self.builder_config.text_field
+    for file in list_files(self.builder_config.path):
+      try:
+        with open(file, "rb") as f:
+          raw = f.read()
+        text = raw.decode("utf-8")
+      except OSError as error:
+        yield file, None, f"unreadable ({error.strerror or error})"
+        continue
+      except UnicodeDecodeError as error:
+        yield file, None, f"not UTF-8 (byte {error.start})"
+        continue
+      if file.endswith(".txt"):
+        yield file, text, None
+        continue
+      for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+          continue
+        try:
+          value = json.loads(line)[field]
+          if not isinstance(value, str):
+            raise TypeError
+        except (ValueError, KeyError, TypeError, IndexError):
+          yield f"{file}:{number}", None, f"not a JSON object with a string field '{field}'"
+          continue
+        yield file, value, None
+
+  def _report_bad(self, bad: list[str]) -> None:
+    if not bad:
+      return
+    print(f"text_files: skipped {len(bad)} bad file(s) or line(s) under "
+          f"{self.builder_config.path}; first: {bad[0]}", flush=True)
+    os.makedirs(self.data_dir, exist_ok=True)
+    with open(os.path.join(self.data_dir, "bad_files.json"), "w", encoding="utf-8") as f:
+      json.dump({"count": len(bad), "bad": bad}, f, indent=1)

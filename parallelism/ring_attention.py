@@ -1,0 +1,227 @@
+"""Exact causal attention over a sequence sharded on one mesh axis, by a ring of K/V blocks.
+
+Each device keeps its query block and passes its K/V block (with the keys' token_index
+and segment_ids) around the `axis` ring with `lax.ppermute`; after N steps every query
+block has met every key block. The next transfer is issued before the current block is
+computed so communication can overlap compute. Partial (out, lse) pairs merge by the
+stable log-sum-exp rule. Which tiles are computed is decided from the indices alone
+(`parallelism.tiles`), so the same code is ring, striped or zigzag attention depending
+only on how the data pipeline permuted the sequence (see DESIGN.md).
+
+The gradient is a `jax.custom_vjp`: the forward saves its inputs plus the global output
+and lse; the backward is a second ring pass that recomputes each block's probabilities
+from them, while dK/dV accumulators travel with their K/V block and, after N hops, arrive
+back at the device that owns it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from parallelism import kernel_pallas, kernel_xla
+
+KERNELS = ("xla", "pallas")
+# name -> (block forward, block backward); the Pallas kernel registers here when it lands.
+_BLOCK_KERNELS = {"xla": (kernel_xla.block_fwd, kernel_xla.block_bwd),
+                  "pallas": (kernel_pallas.block_fwd, kernel_pallas.block_bwd)}
+
+
+def _merge(out_a_BTHD, lse_a_BTH, out_b_BTHD, lse_b_BTH):
+  """Combines two partial softmax results over disjoint key sets (float32)."""
+  lse_max = jnp.maximum(lse_a_BTH, lse_b_BTH)
+  # Both -inf means neither part saw a key: shift by 0 so the weights are 0, not NaN.
+  shift = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
+  w_a, w_b = jnp.exp(lse_a_BTH - shift), jnp.exp(lse_b_BTH - shift)
+  total = w_a + w_b
+  seen = total > 0
+  lse_BTH = jnp.where(seen, shift + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
+  inv = jnp.where(seen, 1.0 / jnp.where(seen, total, 1.0), 0.0)
+  out_BTHD = out_a_BTHD * (w_a * inv)[..., None] + out_b_BTHD * (w_b * inv)[..., None]
+  return out_BTHD, lse_BTH
+
+
+def _ring_fwd_pass(q_BTHD, k_BTKD, v_BTKD, index_BT, seg_BT, *, axis: str, num_shards: int,
+                   tile: int, kernel: str):
+  """Per-device forward ring: returns (out f32 [B,T,Hq,D], lse f32 [B,T,Hq])."""
+  perm = [(i, (i + 1) % num_shards) for i in range(num_shards)]
+  block = functools.partial(_BLOCK_KERNELS[kernel][0], tile=tile)
+
+  def step(carry, send: bool):
+    out_BTHD, lse_BTH, kv = carry
+    # Issue the transfer of the next block first; the compute below does not depend on it.
+    kv_next = lax.ppermute(kv, axis, perm) if send else kv
+    k_BTKD, v_BTKD, k_index_BT, k_seg_BT = kv
+    out_b, lse_b = block(q_BTHD, k_BTKD, v_BTKD, index_BT, seg_BT, k_index_BT, k_seg_BT)
+    return (*_merge(out_BTHD, lse_BTH, out_b, lse_b), kv_next)
+
+  # The device's own keys carry the same indices as its queries.
+  carry = (jnp.zeros(q_BTHD.shape, jnp.float32), jnp.full(q_BTHD.shape[:3], -jnp.inf, jnp.float32),
+           (k_BTKD, v_BTKD, index_BT, seg_BT))
+  if num_shards > 1:
+    carry = lax.fori_loop(0, num_shards - 1, lambda _, c: step(c, True), carry)
+  out_BTHD, lse_BTH, _ = step(carry, False)  # the last block needs no onward transfer
+  return out_BTHD, lse_BTH
+
+
+def _ring_bwd_pass(q_BTHD, k_BTKD, v_BTKD, index_BT, seg_BT, out_BTHD, lse_BTH, dout_BTHD, *,
+                   axis: str, num_shards: int, tile: int, kernel: str):
+  """Per-device backward ring: returns (dq, dk, dv) in float32."""
+  perm = [(i, (i + 1) % num_shards) for i in range(num_shards)]
+  block = functools.partial(_BLOCK_KERNELS[kernel][1], tile=tile)
+  delta_BTH = jnp.sum(dout_BTHD.astype(jnp.float32) * out_BTHD.astype(jnp.float32), axis=-1)
+
+  def step(carry, send_kv: bool):
+    dq_BTHD, kv, (dk_BTKD, dv_BTKD) = carry
+    kv_next = lax.ppermute(kv, axis, perm) if send_kv else kv
+    k_b, v_b, k_index_BT, k_seg_BT = kv
+    dq_b, dk_b, dv_b = block(q_BTHD, k_b, v_b, dout_BTHD, lse_BTH, delta_BTH, index_BT, seg_BT,
+                             k_index_BT, k_seg_BT)
+    # The accumulators follow their K/V block; N hops bring them home to its owner.
+    dkv = (dk_BTKD + dk_b, dv_BTKD + dv_b)
+    if num_shards > 1:
+      dkv = lax.ppermute(dkv, axis, perm)
+    return dq_BTHD + dq_b, kv_next, dkv
+
+  carry = (jnp.zeros(q_BTHD.shape, jnp.float32), (k_BTKD, v_BTKD, index_BT, seg_BT),
+           (jnp.zeros(k_BTKD.shape, jnp.float32), jnp.zeros(v_BTKD.shape, jnp.float32)))
+  if num_shards > 1:
+    carry = lax.fori_loop(0, num_shards - 1, lambda _, c: step(c, True), carry)
+  dq_BTHD, _, (dk_BTKD, dv_BTKD) = step(carry, False)
+  return dq_BTHD, dk_BTKD, dv_BTKD
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _ring(q_BTHD, k_BTKD, v_BTKD, index_BT, seg_BT, axis, num_shards, tile, kernel):
+  out_BTHD, _ = _ring_fwd_pass(q_BTHD, k_BTKD, v_BTKD, index_BT, seg_BT, axis=axis,
+                               num_shards=num_shards, tile=tile, kernel=kernel)
+  return out_BTHD.astype(q_BTHD.dtype)
+
+
+def _ring_vjp_fwd(q_BTHD, k_BTKD, v_BTKD, index_BT, seg_BT, axis, num_shards, tile, kernel):
+  out_BTHD, lse_BTH = _ring_fwd_pass(q_BTHD, k_BTKD, v_BTKD, index_BT, seg_BT, axis=axis,
+                                     num_shards=num_shards, tile=tile, kernel=kernel)
+  # The output is saved in q's dtype (what the caller holds anyway); lse stays float32.
+  out_BTHD = out_BTHD.astype(q_BTHD.dtype)
+  return out_BTHD, (q_BTHD, k_BTKD, v_BTKD, index_BT, seg_BT, out_BTHD, lse_BTH)
+
+
+def _ring_vjp_bwd(axis, num_shards, tile, kernel, residuals, dout_BTHD):
+  q_BTHD, k_BTKD, v_BTKD, index_BT, seg_BT, out_BTHD, lse_BTH = residuals
+  dq, dk, dv = _ring_bwd_pass(q_BTHD, k_BTKD, v_BTKD, index_BT, seg_BT, out_BTHD, lse_BTH,
+                              dout_BTHD, axis=axis, num_shards=num_shards, tile=tile,
+                              kernel=kernel)
+  # Integer indices get no cotangent.
+  return dq.astype(q_BTHD.dtype), dk.astype(k_BTKD.dtype), dv.astype(v_BTKD.dtype), None, None
+
+
+_ring.defvjp(_ring_vjp_fwd, _ring_vjp_bwd)
+
+
+def _check_shapes(q_BSHD, k_BSKD, v_BSKD, token_index_BS, segment_ids_BS) -> None:
+  batch, seq_len, num_heads, head_dim = q_BSHD.shape
+  num_kv = k_BSKD.shape[2]
+  if (k_BSKD.shape != v_BSKD.shape or k_BSKD.shape[:2] != (batch, seq_len)
+      or k_BSKD.shape[3] != head_dim):
+    raise ValueError(f"k {k_BSKD.shape} and v {v_BSKD.shape} must be [B, S, Hkv, D] "
+                     f"matching q {q_BSHD.shape}")
+  for name, x in (("token_index", token_index_BS), ("segment_ids", segment_ids_BS)):
+    if x is not None and x.shape != (batch, seq_len):
+      raise ValueError(f"{name} {x.shape} must be [B, S] = {(batch, seq_len)}")
+  if num_heads % num_kv:
+    raise ValueError(f"query heads ({num_heads}) must be divisible by kv heads ({num_kv})")
+
+
+def _tile_for(seq_len: int, num_shards: int, tile_size: int, axis: str) -> int:
+  """The tile actually used: tile_size clipped to the block; S must divide into tiles."""
+  if seq_len % num_shards:
+    raise ValueError(f"sequence length {seq_len} must be divisible by the '{axis}' mesh "
+                     f"axis size {num_shards}")
+  tile = min(tile_size, seq_len // num_shards)
+  if seq_len % (num_shards * tile):
+    raise ValueError(f"sequence length {seq_len} must be divisible by {axis} shards x tile "
+                     f"= {num_shards} x {tile} = {num_shards * tile}")
+  return tile
+
+
+def _specs(mesh, shape_BSHD, num_kv: int, axis: str, batch_axes: Sequence[str],
+           head_axis: str | None) -> tuple[P, P]:
+  """PartitionSpecs of the [B,S,H,D] and [B,S] arguments; checks they divide evenly."""
+  batch, _, num_heads, _ = shape_BSHD
+  batch_names = tuple(name for name in batch_axes if name in mesh.axis_names)
+  batch_shards = math.prod(mesh.shape[name] for name in batch_names)
+  if batch % batch_shards:
+    raise ValueError(f"batch {batch} must be divisible by the batch mesh axes "
+                     f"{batch_names} (size {batch_shards})")
+  head_name = head_axis if head_axis and head_axis in mesh.axis_names else None
+  if head_name and (num_heads % mesh.shape[head_name] or num_kv % mesh.shape[head_name]):
+    raise ValueError(f"query heads ({num_heads}) and kv heads ({num_kv}) must be divisible "
+                     f"by the '{head_name}' mesh axis size {mesh.shape[head_name]}")
+  batch_spec = batch_names if batch_names else None
+  return P(batch_spec, axis, head_name, None), P(batch_spec, axis)
+
+
+def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, token_index: jax.Array,
+                   segment_ids: jax.Array | None = None, *, mesh=None, axis: str = "sequence",
+                   kernel: str = "xla", tile_size: int = 512,
+                   batch_axes: Sequence[str] = ("data", "fsdp"),
+                   head_axis: str | None = "tensor") -> jax.Array:
+  """Causal attention, exact, of q [B,S,Hq,D] on k/v [B,S,Hkv,D] sharded along S over `axis`.
+
+  Query i sees key j iff token_index[j] <= token_index[i] and segment ids match
+  (`segment_ids=None`: one segment). Works for any layout of S. `mesh=None` uses the mesh
+  set by `jax.set_mesh`, or, when none is set, computes locally as one block. Batch shards
+  over those of `batch_axes` in the mesh and heads over `head_axis` if present.
+  `tile_size` is clipped to the per-device block. Returns out [B,S,Hq,D] in q's dtype.
+  """
+  if kernel not in KERNELS:
+    raise ValueError(f"unknown attention kernel '{kernel}'; choose one of {KERNELS}")
+  if kernel not in _BLOCK_KERNELS:
+    raise NotImplementedError(f"kernel='{kernel}' is not implemented yet; use kernel='xla'")
+  context_mesh = mesh is None
+  mesh = jax.sharding.get_abstract_mesh() if context_mesh else mesh
+  if context_mesh and mesh.empty:
+    # No mesh anywhere (a single-device script, model.init outside a mesh): one block, local.
+    _check_shapes(q, k, v, token_index, segment_ids)
+    tile = _tile_for(q.shape[1], 1, tile_size, axis)
+    segment_ids = jnp.zeros(q.shape[:2], jnp.int32) if segment_ids is None else segment_ids
+    return _ring(q, k, v, token_index.astype(jnp.int32), segment_ids.astype(jnp.int32), axis, 1,
+                 tile, kernel)
+  if axis not in mesh.axis_names:
+    raise ValueError(f"mesh axes {tuple(mesh.axis_names)} have no sequence axis '{axis}' "
+                     "(pass mesh=..., or set one with jax.set_mesh)")
+  _check_shapes(q, k, v, token_index, segment_ids)
+  batch, seq_len = q.shape[:2]
+  num_shards = mesh.shape[axis]
+  tile = _tile_for(seq_len, num_shards, tile_size, axis)
+  heads_spec, index_spec = _specs(mesh, q.shape, k.shape[2], axis, batch_axes, head_axis)
+  if segment_ids is None:
+    segment_ids = jnp.zeros((batch, seq_len), jnp.int32)
+
+  # check_vma=False: the loop carries start as replicated zeros and turn device-varying after
+  # the first ppermute; every argument is sharded over `axis`, so the check adds nothing.
+  sharded = jax.shard_map(
+      lambda *args: _ring(*args, axis, num_shards, tile, kernel),
+      mesh=None if context_mesh else mesh, out_specs=heads_spec, check_vma=False,
+      in_specs=(heads_spec, heads_spec, heads_spec, index_spec, index_spec))
+  args = (q, k, v, token_index.astype(jnp.int32), segment_ids.astype(jnp.int32))
+  if not any(t == AxisType.Explicit for t in mesh.axis_types):
+    return sharded(*args)
+  # Explicit-sharding meshes make shard_map demand inputs already laid out as in_specs;
+  # the output goes back to q's sharding so the caller sees the type it passed in.
+  specs = (heads_spec, heads_spec, heads_spec, index_spec, index_spec)
+  q_spec = jax.typeof(q).sharding.spec
+  args = tuple(jax.reshard(x, _sharding(mesh, spec)) for x, spec in zip(args, specs))
+  return jax.reshard(sharded(*args), _sharding(mesh, q_spec))
+
+
+def _sharding(mesh, spec: P):
+  """A NamedSharding on a concrete mesh; a bare spec for the context's abstract mesh."""
+  return NamedSharding(mesh, spec) if isinstance(mesh, Mesh) else spec

@@ -1,0 +1,220 @@
+"""Checkpoints: exact continuation, signals, corruption, resharding, NaN, a full disk."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import data
+import parallelism
+from trainer import loop
+from trainer.checkpointing import CheckpointError, Checkpointer
+from trainer.loop import NonFiniteError, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _losses(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+
+
+def _config(tiny_config, **overrides):
+  # One 60-step schedule for every run here, so runs of different lengths stay comparable.
+  return tiny_config(**{"train.log_every": 1, "checkpoint.every_steps": 10,
+                        "train.schedule_steps": 60, **overrides})
+
+
+def test_resume_continues_exactly(tmp_path, tiny_config):
+  train(_config(tiny_config, **{"train.steps": 40}), str(tmp_path / "straight"))
+  train(_config(tiny_config, **{"train.steps": 20}), str(tmp_path / "resumed"))
+  assert sorted(os.listdir(tmp_path / "resumed" / "checkpoints")) == ["10", "20"]
+  train(_config(tiny_config, **{"train.steps": 40}), str(tmp_path / "resumed"))
+  straight, resumed = _losses(tmp_path / "straight"), _losses(tmp_path / "resumed")
+  assert sorted(resumed) == list(range(1, 41))  # One file, appended, no step twice.
+  assert resumed == straight  # Bitwise on CPU: same batches, same state.
+
+
+def test_incompatible_change_is_refused(tmp_path, tiny_config):
+  train(_config(tiny_config, **{"train.steps": 2}), str(tmp_path))
+  from trainer.config_check import ConfigError
+  with pytest.raises(ConfigError, match="model.d_ff"):
+    train(_config(tiny_config, **{"train.steps": 4, "model.d_ff": 128}), str(tmp_path))
+
+
+def _checkpoint_values(workdir, config, mesh_sizes, step=None):
+  """Restores the newest checkpoint onto a mesh of the given sizes; returns host arrays."""
+  config.mesh.data, config.mesh.fsdp, config.mesh.sequence, config.mesh.tensor = mesh_sizes
+  mesh = parallelism.make_mesh(config.mesh)
+  model_cfg = loop.model_config(config)
+  from flax import linen as nn
+  from model import Decoder
+  from trainer.optimizer import make_optimizer
+  from trainer.state import abstract_state, state_shardings
+  model, optimizer = Decoder(model_cfg), make_optimizer(config.train)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(config.mesh.rules):
+    shardings = state_shardings(model, optimizer, mesh, config.mesh.rules,
+                                parallelism.batch_shards(mesh), config.data.seq_len)
+    checkpointer = Checkpointer(workdir, 10, 3, False)
+    restored = checkpointer.restore(abstract_state(
+        model, optimizer, shardings, parallelism.batch_shards(mesh), config.data.seq_len))
+    checkpointer.close()
+  return restored[0], jax.device_get(restored[1]), restored[1]
+
+
+def test_restore_onto_other_meshes_is_exact(tmp_path, tiny_config):
+  config = _config(tiny_config, **{"train.steps": 3, "checkpoint.every_steps": 3})
+  config.mesh.data, config.mesh.fsdp, config.mesh.sequence, config.mesh.tensor = 1, 2, 4, 1
+  train(config, str(tmp_path))
+  step, saved, _ = _checkpoint_values(str(tmp_path), config, (1, 2, 4, 1))
+  for sizes in [(1, 1, 8, 1), (2, 2, 2, 1), (1, 2, 2, 2)]:
+    other_step, values, arrays = _checkpoint_values(str(tmp_path), config, sizes)
+    assert other_step == step == 3
+    jax.tree.map(np.testing.assert_array_equal, values, saved)
+    embedding = arrays.params["embedding"]
+    assert embedding.sharding.mesh.devices.shape == sizes  # Really on the new mesh.
+
+
+def _corrupt_newest(workdir, how):
+  newest = os.path.join(workdir, "checkpoints", "20")
+  files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(newest, "state")) for f in fs]
+  if how == "delete_metadata":
+    os.remove(os.path.join(newest, "state", "_METADATA"))
+  else:
+    target = max(files, key=os.path.getsize)  # The array data.
+    with open(target, "r+b") as f:
+      if how == "truncate":
+        f.truncate(os.path.getsize(target) // 2)
+      else:
+        f.seek(os.path.getsize(target) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+@pytest.mark.parametrize("how", ["delete_metadata", "truncate", "flip_bit"])
+def test_corrupt_newest_checkpoint_falls_back_to_previous(tmp_path, tiny_config, capsys, how):
+  config = _config(tiny_config, **{"train.steps": 20})
+  train(config, str(tmp_path))
+  _corrupt_newest(str(tmp_path), how)
+  summary = train(_config(tiny_config, **{"train.steps": 22}), str(tmp_path))
+  out = capsys.readouterr().out
+  assert "checkpoints/20 is unusable" in out and "resuming from step 10" in out
+  assert summary["steps"] == 22
+
+
+def test_checkpoints_that_all_fail_never_start_from_scratch(tmp_path, tiny_config):
+  train(_config(tiny_config, **{"train.steps": 10}), str(tmp_path))
+  os.remove(os.path.join(tmp_path, "checkpoints", "10", "state", "_METADATA"))
+  with pytest.raises(CheckpointError, match="refusing to start from scratch"):
+    train(_config(tiny_config, **{"train.steps": 12}), str(tmp_path))
+
+
+def test_a_flipped_bit_is_caught_by_the_fingerprint(tmp_path, tiny_config):
+  """Orbax itself would restore a flipped value silently; our fingerprints name it."""
+  config = _config(tiny_config, **{"train.steps": 2, "checkpoint.every_steps": 2})
+  train(config, str(tmp_path))
+  _, _, arrays = _checkpoint_values(str(tmp_path), config, (1, 2, 4, 1))
+  with open(tmp_path / "checkpoints" / "2" / "meta" / "metadata") as f:
+    meta = json.load(f)
+  tampered = jax.tree.map(lambda x: x, arrays)
+  bits = np.asarray(tampered.params["final_norm"]["scale"]).view(np.uint32).copy()
+  bits[5] ^= 1
+  tampered.params["final_norm"]["scale"] = jax.numpy.asarray(bits.view(np.float32))
+  with pytest.raises(CheckpointError, match="final_norm"):
+    Checkpointer._verify(2, tampered, meta)
+
+
+def _poison_step(monkeypatch, bad_step):
+  """Makes the loss of one step NaN by giving its batch a NaN loss mask."""
+  calls = {"n": 0}
+  real = data.to_global_batch
+
+  def poisoned(batch, sharding):
+    calls["n"] += 1
+    if calls["n"] == bad_step:
+      batch = {**batch, "loss_mask": np.full_like(batch["loss_mask"], np.nan)}
+    return real(batch, sharding)
+
+  monkeypatch.setattr(data, "to_global_batch", poisoned)
+
+
+def _all_finite(workdir, config):
+  checkpointer = Checkpointer(str(workdir), 10, 3, False)
+  steps = checkpointer._manager.all_steps()
+  checkpointer.close()
+  for step in steps:
+    restored = _checkpoint_values(str(workdir), config, (1, 2, 4, 1))[1]
+    assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(restored)
+               if np.issubdtype(np.asarray(x).dtype, np.floating)), step
+  return steps
+
+
+def test_nan_stops_the_run_naming_step_and_checkpoint(tmp_path, tiny_config, monkeypatch):
+  _poison_step(monkeypatch, 13)
+  config = _config(tiny_config, **{"train.steps": 20})
+  with pytest.raises(NonFiniteError, match=r"step 13;.*last good checkpoint is step 10"):
+    train(config, str(tmp_path))
+  assert _all_finite(tmp_path, config) == [10]
+
+
+def test_nan_skip_policy_skips_the_update(tmp_path, tiny_config, monkeypatch):
+  _poison_step(monkeypatch, 5)
+  config = _config(tiny_config, **{"train.steps": 10, "train.on_nonfinite": "skip"})
+  summary = train(config, str(tmp_path))
+  assert summary["skipped_steps"] == 1 and summary["steps"] == 10
+  assert _all_finite(tmp_path, config) == [10]
+
+
+def _cli(workdir, *overrides, **popen):
+  return subprocess.Popen(
+      [sys.executable, "-m", "trainer", "--config", "configs/tiny_cpu.py",
+       f"--workdir={workdir}", "--config.train.log_every=1", "--config.train.eval_every=0",
+       *overrides], cwd=ROOT, text=True, **popen)
+
+
+def test_sigterm_saves_at_the_signal_step_and_resumes_exactly(tmp_path, tiny_config,
+                                                              shared_data_dir):
+  common = (f"--config.data.data_dir={shared_data_dir}", "--config.checkpoint.every_steps=1000")
+  process = _cli(tmp_path / "stopped", "--config.train.steps=60", *common,
+                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  for line in process.stdout:
+    if line.startswith("step") and line.split()[1].startswith("8/"):
+      process.send_signal(signal.SIGTERM)
+      break
+  output = process.communicate(timeout=120)[0]
+  assert process.returncode == 0, output
+  stopped_at = int(output.split("stopping at step ")[1].split()[0])
+  assert os.listdir(tmp_path / "stopped" / "checkpoints") == [str(stopped_at)]
+  resumed = _cli(tmp_path / "stopped", "--config.train.steps=60", *common,
+                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  assert f"resuming from step {stopped_at}" in resumed.communicate(timeout=180)[0]
+  assert resumed.returncode == 0
+  config = tiny_config(**{"train.steps": 60, "train.log_every": 1, "train.schedule_steps": 60,
+                          "checkpoint.every_steps": 1000})
+  train(config, str(tmp_path / "straight"))
+  assert _losses(tmp_path / "stopped") == _losses(tmp_path / "straight")
+
+
+def test_full_disk_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path, tiny_config):
+  mount_point = tmp_path / "small_disk"
+  mount_point.mkdir()
+  # One checkpoint of the tiny model is ~6 MB; the second cannot fit.
+  if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=9M", "tmpfs", str(mount_point)],
+                    capture_output=True).returncode:
+    pytest.skip("cannot mount a small tmpfs here (needs root)")
+  try:
+    workdir = str(mount_point / "run")
+    with pytest.raises(CheckpointError, match="saving step 20 failed"):
+      train(_config(tiny_config, **{"train.steps": 30}), workdir)
+    checkpointer = Checkpointer(workdir, 10, 3, False)
+    assert checkpointer._manager.all_steps() == [10]
+    checkpointer.close()
+    assert _checkpoint_values(workdir, _config(tiny_config), (1, 2, 4, 1))[0] == 10
+  finally:
+    subprocess.run(["umount", str(mount_point)], check=False)

@@ -1,0 +1,89 @@
+"""Configs load and validate; bad values stop the run with one line naming the field."""
+
+import importlib
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from trainer.config_check import ConfigError, check_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = ["base", "tiny_cpu", "1b_32k_ring", "1b_32k_striped", "7b_256k_ring",
+           "7b_256k_striped"]
+
+
+def _load(name, arg=None):
+  return importlib.import_module(f"configs.{name}").get_config(arg)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_config_loads_and_validates_on_8_devices(name):
+  check_config(_load(name), num_devices=8)
+
+
+@pytest.mark.parametrize("attention", ["dense", "ring", "striped", "zigzag"])
+def test_tiny_config_variants_validate(attention):
+  config = _load("tiny_cpu", attention)
+  assert config.model.attention == attention
+  check_config(config, num_devices=jax.device_count())
+
+
+def test_paper_models_have_the_paper_shapes():
+  one_b, seven_b = _load("1b_32k_striped").model, _load("7b_256k_striped").model
+  assert (one_b.d_model, one_b.d_ff, one_b.num_layers, one_b.num_heads) == (2048, 5504, 22, 16)
+  assert (seven_b.d_model, seven_b.d_ff, seven_b.num_layers, seven_b.num_heads) == (
+      4096, 11008, 32, 32)
+  assert one_b.vocab_size == seven_b.vocab_size == 32000
+  assert _load("7b_256k_ring").model.attention == "ring"
+  assert _load("7b_256k_ring").data.seq_len == 262144
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"model.num_kv_heads": 3}, "model.num_kv_heads"),
+    ({"train.batch_size": 7}, "train.batch_size"),
+    ({"mesh.fsdp": 3}, "mesh"),
+    ({"mesh.sequence": -1, "mesh.fsdp": -1}, "mesh"),
+    ({"model.attention": "sparse"}, "model.attention"),
+    ({"model.dtype": "int8"}, "model.dtype"),
+    ({"data.seq_len": 250}, "data.seq_len"),
+    ({"model.attention": "zigzag", "data.seq_len": 260}, "data.seq_len"),
+    ({"model.num_heads": 6, "model.num_kv_heads": 6}, "model.d_model"),
+    ({"train.remat": "some"}, "train.remat"),
+    ({"train.warmup_steps": 1000}, "train.warmup_steps"),
+    ({"wandb.mode": "maybe"}, "wandb.mode"),
+])
+def test_impossible_values_name_the_field(overrides, field):
+  config = _load("tiny_cpu")
+  for path, value in overrides.items():
+    group, key = path.split(".")
+    config[group][key] = value
+  with pytest.raises(ConfigError) as error:
+    check_config(config, num_devices=8)
+  message = str(error.value)
+  assert field in message and "\n" not in message
+
+
+def _run_cli(tmp_path, *overrides):
+  workdir = tmp_path / "run"
+  result = subprocess.run(
+      [sys.executable, "-m", "trainer", "--config", "configs/tiny_cpu.py",
+       f"--workdir={workdir}", *overrides],
+      cwd=ROOT, capture_output=True, text=True, timeout=120)
+  return result, workdir
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("--config.train.stepz=3", "'stepz'"),
+    ("--config.train.steps=many", "config.train.steps"),
+    ("--config.model.num_kv_heads=3", "model.num_kv_heads"),
+])
+def test_cli_reports_bad_overrides_in_one_line(tmp_path, override, expected):
+  result, workdir = _run_cli(tmp_path, override)
+  assert result.returncode != 0
+  assert "Traceback" not in result.stderr
+  last_line = result.stderr.strip().splitlines()[-1]
+  assert last_line.startswith("error:") and expected in last_line
+  assert not workdir.exists()  # Stopped before any work: nothing written, nothing allocated.

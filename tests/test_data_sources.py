@@ -1,0 +1,148 @@
+"""text_files, registered TFDS names and the bad-input errors (each a one-line DataError)."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+from etils import epath
+
+import data
+from data import sources
+
+
+class LocalCorpus(tfds.core.GeneratorBasedBuilder):
+  """A stand-in for a registered TFDS dataset, prepared locally (no download)."""
+
+  VERSION = tfds.core.Version("1.0.0")
+
+  @tfds.core.utils.classproperty
+  @classmethod
+  def code_path(cls) -> epath.Path:
+    return epath.Path(__file__)  # See data/synthetic.py: TFDS 4.9.10 needs this on 3.11.
+
+  def _info(self):
+    return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict(
+        {"body": tfds.features.Text(), "label": np.int64}))
+
+  def _split_generators(self, dl_manager):
+    return {"train": self._generate_examples(40), "test": self._generate_examples(5)}
+
+  def _generate_examples(self, count):
+    for i in range(count):
+      yield i, {"body": f"record {i} is about the number {i * 7} and nothing else", "label": i}
+
+
+def _write_corpus(root, bad=True):
+  os.makedirs(root / "nested", exist_ok=True)
+  for i in range(25):
+    (root / f"doc{i:02d}.txt").write_text(f"plain text file {i} talks about rivers and hills.\n")
+  lines = [json.dumps({"text": f"json line {i} is a short story"}) for i in range(10)]
+  (root / "nested" / "lines.jsonl").write_text("\n".join(lines) + "\n")
+  if bad:
+    (root / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+    os.symlink(root / "does_not_exist", root / "dangling.txt")
+
+
+@pytest.fixture(scope="module")
+def text_cfg(tmp_path_factory):
+  root = tmp_path_factory.mktemp("docs")
+  _write_corpus(root)
+  cfg = data.DataConfig(dataset="text_files", path=str(root), seq_len=32,
+                        tokenizer_vocab_size=300, data_dir=str(tmp_path_factory.mktemp("tf")))
+  data.prepare(cfg)
+  return cfg
+
+
+def test_text_files_builds_skips_bad_files_and_yields_batches(text_cfg, capsys):
+  train = sources.split_source(text_cfg, "train")
+  validation = sources.split_source(text_cfg, "validation")
+  assert len(train) + len(validation) == 35 and len(validation) == 1
+  texts = {sources.text_of(text_cfg, train[i]) for i in range(len(train))}
+  assert "json line 3 is a short story" in texts
+  builder = sources.dataset_builder(text_cfg)
+  bad = json.loads((epath.Path(builder.data_dir) / "bad_files.json").read_text())
+  assert bad["count"] == 2  # The non-UTF-8 file and the dangling link.
+  batch = next(data.make_iterator(text_cfg, split="train", global_batch_size=2,
+                                  layout="zigzag", num_shards=2))
+  assert batch["tokens"].shape == (2, 32) and batch["loss_mask"].sum() > 0
+  assert not batch["answer_distance"].any()
+  data.prepare(text_cfg)  # Cached: no rebuild.
+  assert "preparing" not in capsys.readouterr().out
+
+
+def test_text_files_fail_policy_names_the_file(tmp_path):
+  _write_corpus(tmp_path / "docs")
+  cfg = data.DataConfig(dataset="text_files", path=str(tmp_path / "docs"), on_bad_file="fail",
+                        data_dir=str(tmp_path / "prepared"))
+  with pytest.raises(data.DataError, match=r"bad input .*(latin1|dangling)\.txt.*on_bad_file"):
+    data.prepare(cfg)
+
+
+@pytest.mark.parametrize("make_dir", [False, True])
+def test_text_files_missing_or_empty_path(tmp_path, make_dir):
+  path = tmp_path / "nothing"
+  if make_dir:
+    path.mkdir()
+    (path / "notes.md").write_text("not a .txt file")
+  cfg = data.DataConfig(dataset="text_files", path=str(path), data_dir=str(tmp_path / "d"))
+  with pytest.raises(data.DataError, match="data.path"):
+    data.prepare(cfg)
+
+
+def test_registered_name_reads_a_locally_prepared_builder(tmp_path):
+  LocalCorpus(data_dir=str(tmp_path), file_format="array_record").download_and_prepare()
+  cfg = data.DataConfig(dataset="local_corpus", data_dir=str(tmp_path), text_field="body",
+                        seq_len=32, tokenizer_vocab_size=300)
+  data.prepare(cfg)
+  assert data.load_tokenizer(cfg).vocab_size <= 300
+  batch = next(data.make_iterator(cfg, split="test", global_batch_size=2))
+  assert batch["tokens"].shape == (2, 32)
+  assert "record" in data.load_tokenizer(cfg).decode(batch["tokens"][0])
+
+
+def test_registered_name_wrong_field_or_split(tmp_path):
+  LocalCorpus(data_dir=str(tmp_path), file_format="array_record").download_and_prepare()
+  cfg = data.DataConfig(dataset="local_corpus", data_dir=str(tmp_path), text_field="missing")
+  with pytest.raises(data.DataError, match="data.text_field"):
+    sources.split_source(cfg, "train")
+  cfg = data.DataConfig(dataset="local_corpus", data_dir=str(tmp_path), text_field="body")
+  with pytest.raises(data.DataError, match="split 'validation'"):
+    sources.split_source(cfg, "validation")
+
+
+@pytest.mark.parametrize("make_dir", [False, True])
+def test_registered_name_missing_or_empty_data_dir(tmp_path, make_dir):
+  data_dir = tmp_path / "empty"
+  if make_dir:
+    data_dir.mkdir()
+  cfg = data.DataConfig(dataset="local_corpus", data_dir=str(data_dir))
+  with pytest.raises(data.DataError, match="data.data_dir=.* is missing or empty"):
+    data.prepare(cfg)
+
+
+def test_unknown_name(tmp_path):
+  (tmp_path / "something").mkdir()
+  cfg = data.DataConfig(dataset="no_such_dataset_anywhere", data_dir=str(tmp_path))
+  with pytest.raises(data.DataError, match="no_such_dataset_anywhere"):
+    data.prepare(cfg)
+
+
+def test_named_tokenizer_and_its_vocab_check(tmp_path, text_cfg):
+  trained = data.tokenizer_path(text_cfg)
+  cfg = data.DataConfig(**{**text_cfg.__dict__, "tokenizer": trained})
+  data.prepare(cfg)
+  assert data.load_tokenizer(cfg).vocab_size <= 300
+  with pytest.raises(data.DataError, match="raise model.vocab_size"):
+    data.check_vocab(cfg, 256)
+  missing = data.DataConfig(**{**text_cfg.__dict__, "tokenizer": str(tmp_path / "no.model")})
+  with pytest.raises(data.DataError, match="data.tokenizer"):
+    data.prepare(missing)
+
+
+def test_errors_are_value_errors_with_one_line_messages(tmp_path):
+  assert issubclass(data.DataError, ValueError)
+  with pytest.raises(data.DataError) as error:
+    data.DataConfig(on_bad_file="ignore")
+  assert "\n" not in str(error.value) and "data.on_bad_file" in str(error.value)

@@ -1,0 +1,240 @@
+"""Ring attention against a dense causal reference, forward and gradients, in every layout.
+
+Inputs are made in the original order, permuted into a layout, run through
+`ring_attention` on a mesh of N fake CPU devices, and unpermuted back for comparison.
+
+Tolerance: values, outputs and gradients here are O(1) (unit normal inputs, D <= 32), and
+both sides compute in float32 with a different summation order (tiled online softmax vs
+one dense softmax), so they agree to float32 rounding: a few ulps times O(sqrt(S))
+accumulation, observed ~3e-6. `_F32_TOL` (1e-5) allows that and nothing coarser.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+
+from parallelism import kernel_xla, tiles
+from parallelism.layouts import LAYOUTS, permute, unpermute
+from parallelism.ring_attention import _merge, ring_attention
+
+_F32_TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def dense_attention(q_BSHD, k_BSKD, v_BSKD, token_index_BS, segment_ids_BS,
+                    k_index_BS=None, k_segment_BS=None):
+  """Plain causal attention in float32; rows that see no key give 0.
+
+  Keys have their own indices only in the block-kernel test; else they are the queries'.
+  """
+  k_index_BS = token_index_BS if k_index_BS is None else k_index_BS
+  k_segment_BS = segment_ids_BS if k_segment_BS is None else k_segment_BS
+  group = q_BSHD.shape[2] // k_BSKD.shape[2]
+  k_BSHD = jnp.repeat(k_BSKD.astype(jnp.float32), group, axis=2)
+  v_BSHD = jnp.repeat(v_BSKD.astype(jnp.float32), group, axis=2)
+  s_BHQK = jnp.einsum("bqhd,bkhd->bhqk", q_BSHD.astype(jnp.float32), k_BSHD,
+                      precision="highest") * q_BSHD.shape[-1] ** -0.5
+  visible_BQK = ((k_index_BS[:, None, :] <= token_index_BS[:, :, None])
+                 & (k_segment_BS[:, None, :] == segment_ids_BS[:, :, None]))
+  s_BHQK = jnp.where(visible_BQK[:, None], s_BHQK, -jnp.inf)
+  p_BHQK = jnp.where(visible_BQK[:, None], jax.nn.softmax(s_BHQK, axis=-1), 0.0)
+  return jnp.einsum("bhqk,bkhd->bqhd", p_BHQK, v_BSHD, precision="highest")
+
+
+def make_inputs(batch=1, seq_len=128, num_heads=4, num_kv=2, head_dim=16, segments=None,
+                seed=0):
+  rng = np.random.default_rng(seed)
+  q = rng.standard_normal((batch, seq_len, num_heads, head_dim), np.float32)
+  k = rng.standard_normal((batch, seq_len, num_kv, head_dim), np.float32)
+  v = rng.standard_normal((batch, seq_len, num_kv, head_dim), np.float32)
+  dout = rng.standard_normal(q.shape, np.float32)
+  index = np.tile(np.arange(seq_len, dtype=np.int32), (batch, 1))
+  seg = np.zeros((batch, seq_len), np.int32) if segments is None else segments
+  return q, k, v, dout, index, seg
+
+
+def reference(q, k, v, dout, index, seg):
+  out, vjp = jax.vjp(lambda q, k, v: dense_attention(q, k, v, index, seg), q, k, v)
+  return (out, *vjp(dout))
+
+
+def ring_in_layout(layout, mesh, q, k, v, dout, index, seg, **kwargs):
+  """Runs ring_attention (jitted) on permuted inputs; returns out, dq, dk, dv unpermuted."""
+  n = mesh.shape["sequence"]
+  perm = functools.partial(permute, layout=layout, num_shards=n)
+  index_p, seg_p = perm(index), perm(seg)
+
+  @jax.jit
+  def run(q, k, v, dout):
+    out, vjp = jax.vjp(lambda q, k, v: ring_attention(q, k, v, index_p, seg_p, mesh=mesh,
+                                                      **kwargs), q, k, v)
+    return (out, *vjp(dout))
+
+  results = run(perm(q), perm(k), perm(v), perm(dout))
+  return [unpermute(np.asarray(x, np.float32), layout, n) for x in results]
+
+
+def assert_close(got, want, **tol):
+  for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+    np.testing.assert_allclose(g, np.asarray(w, np.float32), err_msg=name, **tol)
+
+
+def seq_mesh(n, *extra):
+  """A mesh of n devices on 'sequence', plus size-1 axes `extra`."""
+  return jax.make_mesh((*[1] * len(extra), n), (*extra, "sequence"),
+                       devices=jax.devices()[:n])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_matches_dense(layout, n):
+  inputs = make_inputs(seq_len=128)
+  got = ring_in_layout(layout, seq_mesh(n, "data"), *inputs, tile_size=8)
+  assert_close(got, reference(*inputs), **_F32_TOL)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_gqa_ratios(group):
+  inputs = make_inputs(num_heads=4, num_kv=4 // group, seq_len=64, head_dim=32)
+  got = ring_in_layout("striped", seq_mesh(4), *inputs, tile_size=8)
+  assert_close(got, reference(*inputs), **_F32_TOL)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_packed_rows(layout):
+  # Row 0: three documents with boundaries not aligned to tiles; row 1: one document.
+  seg = np.zeros((2, 128), np.int32)
+  seg[0, 37:90] = 1
+  seg[0, 90:] = 2
+  inputs = make_inputs(batch=2, segments=seg, seed=1)
+  got = ring_in_layout(layout, seq_mesh(4), *inputs, tile_size=8)
+  assert_close(got, reference(*inputs), **_F32_TOL)
+
+
+@pytest.mark.parametrize("tile_size", [4, 16, 512])  # 512 > block: clipped to the block
+def test_tile_sizes(tile_size):
+  inputs = make_inputs(seq_len=128, seed=2)
+  got = ring_in_layout("zigzag", seq_mesh(4), *inputs, tile_size=tile_size)
+  assert_close(got, reference(*inputs), **_F32_TOL)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_data_and_sequence_mesh(axis_type):
+  mesh = jax.make_mesh((2, 4), ("data", "sequence"), axis_types=(axis_type,) * 2)
+  inputs = make_inputs(batch=2, seq_len=64, seed=3)
+  got = ring_in_layout("striped", mesh, *inputs, tile_size=8)
+  assert_close(got, reference(*inputs), **_F32_TOL)
+
+
+def test_heads_sharded_over_tensor():
+  mesh = jax.make_mesh((2, 2, 2), ("data", "sequence", "tensor"))
+  inputs = make_inputs(batch=2, seq_len=64, num_heads=4, num_kv=2, seed=4)
+  got = ring_in_layout("zigzag", mesh, *inputs, tile_size=8)
+  assert_close(got, reference(*inputs), **_F32_TOL)
+
+
+def test_bf16_under_context_mesh():
+  """As the model calls it: mesh from jax.set_mesh, bf16 inputs, inside jit."""
+  q, k, v, dout, index, seg = make_inputs(seq_len=128, seed=5)
+  n, layout = 4, "striped"
+  perm = functools.partial(permute, layout=layout, num_shards=n)
+  bf16 = lambda x: jnp.asarray(perm(x), jnp.bfloat16)
+
+  @jax.jit
+  def run(q, k, v, dout):
+    out, vjp = jax.vjp(lambda q, k, v: ring_attention(q, k, v, perm(index), tile_size=16),
+                       q, k, v)
+    return (out, *vjp(dout))
+
+  mesh = jax.make_mesh((1, 1, n, 2), ("data", "fsdp", "sequence", "tensor"))  # trainer's axes
+  with jax.set_mesh(mesh):
+    got = run(bf16(q), bf16(k), bf16(v), bf16(dout))
+  assert all(x.dtype == jnp.bfloat16 for x in got)
+  got = [unpermute(np.asarray(x, np.float32), layout, n) for x in got]
+  # bf16 has an 8-bit mantissa (relative step 2^-8 ~ 4e-3); inputs are also rounded.
+  assert_close(got, reference(q, k, v, dout, index, seg), atol=6e-2, rtol=6e-2)
+
+
+def test_block_kernel_rows_that_see_nothing():
+  """Keys partly and wholly in the future: zeros and lse -inf, never NaN, also merged."""
+  rng = np.random.default_rng(6)
+  q = rng.standard_normal((1, 16, 2, 8), np.float32)
+  k = rng.standard_normal((1, 16, 2, 8), np.float32)
+  v = rng.standard_normal((1, 16, 2, 8), np.float32)
+  q_index = np.arange(16, dtype=np.int32)[None]
+  seg = np.zeros((1, 16), np.int32)
+  # Keys 8..23: queries 0..7 see nothing, queries 8..15 see keys 8..q.
+  k_index = q_index + 8
+  out, lse = kernel_xla.block_fwd(q, k, v, q_index, seg, k_index, seg, tile=4)
+  assert np.isfinite(np.asarray(out)).all()
+  np.testing.assert_array_equal(np.asarray(out)[:, :8], 0.0)
+  assert np.all(np.asarray(lse)[:, :8] == -np.inf)
+  assert np.isfinite(np.asarray(lse)[:, 8:]).all()
+  ref = dense_attention(q, k, v, q_index, seg, k_index, seg)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **_F32_TOL)
+
+  # A key block wholly in the future: every tile skipped, nothing visible.
+  out_f, lse_f = kernel_xla.block_fwd(q, k, v, q_index, seg, q_index + 100, seg, tile=4)
+  np.testing.assert_array_equal(np.asarray(out_f), 0.0)
+  assert np.all(np.asarray(lse_f) == -np.inf)
+  merged, merged_lse = _merge(out_f, lse_f, out_f, lse_f)
+  np.testing.assert_array_equal(np.asarray(merged), 0.0)
+  assert np.all(np.asarray(merged_lse) == -np.inf)
+  merged, _ = _merge(out_f, lse_f, out, lse)
+  np.testing.assert_allclose(np.asarray(merged), np.asarray(out), **_F32_TOL)
+
+  # With one block its lse is the global one, so block_bwd is the whole gradient.
+  dout = rng.standard_normal(q.shape, np.float32)
+  grads = kernel_xla.block_bwd(q, k, v, dout, lse, jnp.sum(out * dout, axis=-1), q_index, seg,
+                               k_index, seg, tile=4)
+  _, vjp = jax.vjp(lambda q, k, v: dense_attention(q, k, v, q_index, seg, k_index, seg), q, k, v)
+  for got, want in zip(grads, vjp(dout)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), **_F32_TOL)
+  np.testing.assert_array_equal(np.asarray(grads[0])[:, :8], 0.0)
+
+
+def test_tile_rule_skips_striped_upper_triangle():
+  """Striped keeps the block's diagonal tiles masked and skips the upper triangle."""
+  n, seq_len, tile = 4, 256, 8
+  index = permute(np.arange(seq_len)[None], "striped", n).reshape(n, 1, -1)
+  seg = np.zeros((1, seq_len // n), np.int32)
+  q_sum = tiles.summarize_tiles(index[0], seg, tile)
+  k_sum = tiles.summarize_tiles(index[1], seg, tile)  # a later device's keys
+  classes = tiles.classify_all(q_sum, k_sum)
+  num_tiles = seq_len // n // tile
+  np.testing.assert_array_equal(classes[np.triu_indices(num_tiles, 1)], tiles.SKIP)
+  np.testing.assert_array_equal(np.diag(classes), tiles.MASKED)
+  np.testing.assert_array_equal(classes[np.tril_indices(num_tiles, -1)], tiles.UNMASKED)
+  # The traced path agrees with the NumPy path.
+  traced = tiles.classify_all(*(tiles.TileSummary(*map(jnp.asarray, s)) for s in (q_sum, k_sum)))
+  np.testing.assert_array_equal(np.asarray(traced), classes)
+
+
+def test_no_mesh_computes_locally():
+  """Without any mesh (e.g. model.init outside one) the whole sequence is one local block."""
+  inputs = make_inputs(seq_len=64, seed=7)
+  q, k, v, dout, index, seg = inputs
+  out, vjp = jax.vjp(lambda q, k, v: ring_attention(q, k, v, index, seg, tile_size=16), q, k, v)
+  assert_close([out, *vjp(dout)], reference(*inputs), **_F32_TOL)
+
+
+def test_errors_are_clear():
+  q, k, v, _, index, _ = make_inputs(seq_len=96)
+  with pytest.raises(ValueError, match=r"96 must be divisible by sequence shards x tile"):
+    ring_attention(q, k, v, index, mesh=seq_mesh(4), tile_size=16)  # block 24, tile 16
+  with pytest.raises(ValueError, match=r"query heads \(4\) must be divisible by kv heads \(3\)"):
+    ring_attention(q, k[:, :, :1].repeat(3, 2), v[:, :, :1].repeat(3, 2), index,
+                   mesh=seq_mesh(4))
+  data_only = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+  with pytest.raises(ValueError, match="no sequence axis 'sequence'"):
+    ring_attention(q, k, v, index, mesh=data_only)
+  with jax.set_mesh(data_only), pytest.raises(ValueError, match="no sequence axis"):
+    ring_attention(q, k, v, index)
+  with pytest.raises(ValueError, match="must be divisible by the 'tensor' mesh axis"):
+    ring_attention(q, k[:, :, :1], v[:, :, :1], index,
+                   mesh=jax.make_mesh((2, 2), ("sequence", "tensor"), devices=jax.devices()[:4]))
+  with pytest.raises(NotImplementedError, match="pallas"):
+    ring_attention(q, k, v, index, mesh=seq_mesh(4), kernel="pallas")
