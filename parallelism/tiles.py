@@ -69,7 +69,10 @@ def classify_tile(q_index_min: ArrayLike, q_index_max: ArrayLike, k_index_min: A
   """SKIP, UNMASKED or MASKED (int32) for tile pairs; broadcasts like NumPy."""
   xp = _xp(q_index_min, q_index_max, k_index_min, k_index_max, single_segment)
   unmasked = (q_index_min >= k_index_max) & single_segment
-  tile_class = xp.where(q_index_max < k_index_min, SKIP, xp.where(unmasked, UNMASKED, MASKED))
+  # Typed constants: Pallas' Triton lowering gives a weak-typed Python int the predicate's
+  # type (i1) in a select, which then fails to build.
+  tile_class = xp.where(q_index_max < k_index_min, np.int32(SKIP),
+                        xp.where(unmasked, np.int32(UNMASKED), np.int32(MASKED)))
   return tile_class.astype(xp.int32)
 
 

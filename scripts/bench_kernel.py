@@ -1,0 +1,391 @@
+"""The Pallas block kernel on one GPU: vs cuDNN, and the ring / striped / zigzag schedule.
+
+  PYTHONPATH=. python3 scripts/bench_kernel.py                    # check, sweep, cudnn, ring
+  PYTHONPATH=. python3 scripts/bench_kernel.py --parts e2e        # 1B model tokens/s and MFU
+
+Parts (each appends JSON lines to results/bench_kernel.jsonl):
+- check: the Pallas kernel (Triton, float32 inputs) against the `xla` kernel on ring,
+  striped and zigzag block pairs with GQA and packed segments: max relative errors.
+- sweep: a few tile / warp / stage settings on one causal block (S=--sweep_seq_len); the
+  fastest forward and backward settings are used below.
+- cudnn: one causal block (token_index = arange, one segment), bf16, B=1, 32 heads,
+  head_dim 128: ours vs `jax.nn.dot_product_attention(implementation='cudnn',
+  is_causal=True)`, TFLOP/s forward and forward+backward and the ratio, plus the relative
+  error of our output and gradients against cuDNN's on the same inputs. FLOPs: forward
+  4*B*H*S^2*D/2 (causal half), forward+backward 3.5x that (FlashAttention's count: the
+  backward's five matmuls, QK^T recomputed), the same for both sides.
+- ring: the N-device ring emulated on one GPU. For each layout, ring step s and device d,
+  the query block of d and the key block that started on d - s (indices from
+  `parallelism.layouts.permutation`) go through our block kernel. The kernel's work is
+  fixed by the class matrix of its tile pairs (`tiles.classify_all` at the kernel's tile
+  sizes), so each distinct (forward, dK/dV, dQ) class triple is timed once and reused for
+  every pair with the same triple. A step costs max(busiest device, link time), because
+  `ring_attention` issues the transfer before computing: forward sends K/V (bf16), the
+  backward sends K/V and the float32 dK/dV accumulators, over one link of `--bandwidth`
+  bytes/s per direction. Critical path = sum over steps. Reported as ideal / critical path
+  with ideal = N x t(causal block); ring should be near N/(2N-1). The log-sum-exp merges
+  and delta are left out (elementwise, the same for every layout).
+- e2e: the 1B model (configs/1b_32k_striped.py shapes) on one GPU, attention 'ring' on one
+  local block (no sequence mesh), kernel 'pallas' with its DEFAULT_CONFIG (the model does
+  not take a KernelConfig), AdamW step: tokens/s and MFU = (6 x matmul params + 6 x layers
+  x q heads x head_dim x S) x tokens/s / 989e12. remat 'none' at 8k, 'full' above (by
+  estimate no-remat activations at 32k exceed 80 GB); recompute is not counted as FLOPs.
+Timing: warm-up calls, then the median of repeats, each call synchronised with
+block_until_ready (perf_counter around it); every input random normal, never zeros.
+"""
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from parallelism import kernel_pallas, kernel_xla, tiles  # noqa: E402
+from parallelism.layouts import LAYOUTS, permutation  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                       "results", "bench_kernel.jsonl")
+TILE = 512  # ring_attention's default tile_size; the kernel clips its own tiles to it
+F32, BF16 = jnp.float32, jnp.bfloat16
+_STAMP = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def record(**row) -> None:
+  """Appends one JSON line at once, so a later part that fails loses nothing before it."""
+  line = json.dumps(dict(time=_STAMP, device=jax.devices()[0].device_kind, **row),
+                    default=float)
+  paths = [RESULTS]
+  if os.environ.get("OUT"):  # the device machine hands back only what is under $OUT
+    paths.append(os.path.join(os.environ["OUT"], "bench_kernel.jsonl"))
+  for path in paths:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "a") as f:
+      f.write(line + "\n")
+
+
+def median_time(fn, *args, warmup: int = 2, repeats: int = 7) -> float:
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def rel_err(a, b) -> float:
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  assert np.isfinite(a).all(), "NaN/inf in the kernel's output"
+  norm = np.linalg.norm(b)
+  return float(np.linalg.norm(a - b) / norm) if norm else float(np.linalg.norm(a))
+
+
+def normals(key, shapes, dtype):
+  keys = jax.random.split(key, len(shapes))
+  return [jax.random.normal(k, s, F32).astype(dtype) for k, s in zip(keys, shapes)]
+
+
+def fwd_bwd(block_fwd, block_bwd):
+  """Forward then backward of one block, as ring_attention's custom_vjp runs them."""
+  def run(q, k, v, dout, qi, qs, ki, ks):
+    out, lse = block_fwd(q, k, v, qi, qs, ki, ks, tile=TILE)
+    delta = jnp.sum(out * dout.astype(F32), axis=-1)
+    return block_bwd(q, k, v, dout, lse, delta, qi, qs, ki, ks, tile=TILE), out, lse
+  return run
+
+
+def part_check() -> None:
+  """Triton kernel vs the xla reference (float32, highest matmul precision)."""
+  n, c, heads, kv, d = 4, 1024, 8, 2, 128
+  q, k, v, dout = normals(jax.random.key(1), [(2, c, heads, d), (2, c, kv, d), (2, c, kv, d),
+                                              (2, c, heads, d)], F32)
+  seg = np.zeros((2, n * c), np.int32)
+  seg[1, 1500:] = 1
+  seg[1, 3000:] = 2  # packed row: three documents
+  ours = jax.jit(fwd_bwd(kernel_pallas.block_fwd, kernel_pallas.block_bwd))
+  ref = jax.jit(fwd_bwd(kernel_xla.block_fwd, kernel_xla.block_bwd))
+  print("\ncheck: pallas (Triton, f32) vs xla kernel, max rel error over pairs")
+  for layout in LAYOUTS:
+    perm = permutation(layout, n * c, n)
+    worst = {}
+    for dq_dev, dk_dev in ((2, 1), (1, 2), (2, 2), (3, 0)):
+      qi, ki = (np.stack([perm[x * c:(x + 1) * c]] * 2) for x in (dq_dev, dk_dev))
+      qs, ks = (np.take_along_axis(seg, i, axis=1) for i in (qi, ki))
+      with jax.default_matmul_precision("highest"):
+        (g_ref, o_ref, l_ref) = ref(q, k, v, dout, qi, qs, ki, ks)
+      (g, o, lse) = ours(q, k, v, dout, qi, qs, ki, ks)
+      seen = np.isfinite(np.asarray(l_ref))
+      assert (np.isfinite(np.asarray(lse)) == seen).all(), "lse -inf pattern differs"
+      errs = dict(out=rel_err(o, o_ref),
+                  lse=rel_err(np.where(seen, lse, 0), np.where(seen, l_ref, 0)),
+                  **{name: rel_err(g[i], g_ref[i]) for i, name in enumerate(("dq", "dk", "dv"))})
+      worst = {key: max(worst.get(key, 0.0), e) for key, e in errs.items()}
+    print(f"  {layout:>8}: " + " ".join(f"{key} {e:.1e}" for key, e in worst.items()))
+    record(part="check", layout=layout, block=c, heads=heads, kv_heads=kv, **worst)
+
+
+def _causal_inputs(seq_len: int, heads: int = 32, d: int = 128, seed: int = 0):
+  q, k, v, dout = normals(jax.random.key(seed), [(1, seq_len, heads, d)] * 4, BF16)
+  index = jnp.arange(seq_len, dtype=jnp.int32)[None]
+  return q, k, v, dout, index, jnp.zeros_like(index)
+
+
+def _ours(config):
+  fwd = functools.partial(kernel_pallas.block_fwd, config=config)
+  bwd = functools.partial(kernel_pallas.block_bwd, config=config)
+  return fwd, bwd
+
+
+def part_sweep(seq_len: int) -> kernel_pallas.KernelConfig:
+  """Times a few settings on one causal block; returns the fastest forward + backward."""
+  fwd_opts = [dict(fwd_q=64, fwd_k=64, fwd_warps=4, fwd_stages=3),
+              dict(fwd_q=64, fwd_k=64, fwd_warps=4, fwd_stages=2),
+              dict(fwd_q=128, fwd_k=64, fwd_warps=4, fwd_stages=3),
+              dict(fwd_q=128, fwd_k=64, fwd_warps=8, fwd_stages=2),
+              dict(fwd_q=128, fwd_k=128, fwd_warps=8, fwd_stages=3),
+              dict(fwd_q=128, fwd_k=128, fwd_warps=8, fwd_stages=2)]
+  bwd_opts = [dict(dkv_k=64, dkv_q=64, dq_q=64, dq_k=64, bwd_warps=4, bwd_stages=2),
+              dict(dkv_k=64, dkv_q=64, dq_q=64, dq_k=64, bwd_warps=4, bwd_stages=3),
+              dict(dkv_k=64, dkv_q=64, dq_q=128, dq_k=64, bwd_warps=4, bwd_stages=2),
+              dict(dkv_k=64, dkv_q=128, dq_q=128, dq_k=64, bwd_warps=4, bwd_stages=2),
+              dict(dkv_k=64, dkv_q=128, dq_q=128, dq_k=64, bwd_warps=8, bwd_stages=2),
+              dict(dkv_k=64, dkv_q=32, dq_q=64, dq_k=32, bwd_warps=4, bwd_stages=2),
+              dict(dkv_k=128, dkv_q=64, dq_q=128, dq_k=64, bwd_warps=8, bwd_stages=2)]
+  q, k, v, dout, index, seg = _causal_inputs(seq_len)
+  fwd_flops = 4 * 32 * seq_len ** 2 * 128 / 2
+  best = {"fwd": (None, np.inf), "bwd": (None, np.inf)}
+  out, lse = jax.jit(functools.partial(kernel_pallas.block_fwd, tile=TILE))(
+      q, k, v, index, seg, index, seg)
+  delta = jnp.sum(out * dout.astype(F32), axis=-1)
+  print(f"\nsweep at S={seq_len}, 32 heads: TFLOP/s (bwd counted as 2.5x fwd FLOPs)")
+  for what, options, flops in (("fwd", fwd_opts, fwd_flops), ("bwd", bwd_opts, 2.5 * fwd_flops)):
+    for opts in options:
+      cfg = dataclasses.replace(kernel_pallas.DEFAULT_CONFIG, **opts)
+      if what == "fwd":
+        fn = jax.jit(functools.partial(kernel_pallas.block_fwd, tile=TILE, config=cfg))
+        args = (q, k, v, index, seg, index, seg)
+      else:
+        fn = jax.jit(functools.partial(kernel_pallas.block_bwd, tile=TILE, config=cfg))
+        args = (q, k, v, dout, lse, delta, index, seg, index, seg)
+      try:
+        t = median_time(fn, *args, repeats=5)
+      except Exception as e:  # a setting Triton cannot compile (shared memory, registers)
+        print(f"  {what} {opts}: failed {type(e).__name__}: {str(e)[:120]}")
+        continue
+      print(f"  {what} {opts}: {flops / t / 1e12:6.1f}")
+      record(part="sweep", what=what, seq_len=seq_len, **opts, tflops=flops / t / 1e12)
+      best[what] = min(best[what], (opts, t), key=lambda x: x[1])
+  print(f"  best fwd {best['fwd'][0]}\n  best bwd {best['bwd'][0]}")
+  return dataclasses.replace(kernel_pallas.DEFAULT_CONFIG, **best["fwd"][0], **best["bwd"][0])
+
+
+def part_cudnn(config, seq_lens) -> None:
+  fwd, bwd = _ours(config)
+  ours_f = jax.jit(lambda q, k, v, i, s: fwd(q, k, v, i, s, i, s, tile=TILE))
+  ours_fb = jax.jit(fwd_bwd(fwd, bwd))
+  attend = functools.partial(jax.nn.dot_product_attention, is_causal=True,
+                             implementation="cudnn")
+  cudnn_f = jax.jit(attend)
+  cudnn_fb = jax.jit(lambda q, k, v, dout: jax.vjp(attend, q, k, v)[1](dout))
+  print(f"\ncudnn: B=1, 32 heads, head_dim 128, bf16, causal; config {config}")
+  print(f"{'S':>6} {'ours fwd':>9} {'cudnn fwd':>9} {'ratio':>6} {'ours f+b':>9} {'cudnn f+b':>9}"
+        f" {'ratio':>6}  rel err vs cudnn (out, dq, dk, dv)")
+  for seq_len in seq_lens:
+    q, k, v, dout, index, seg = _causal_inputs(seq_len, seed=seq_len)
+    flops = 4 * 32 * seq_len ** 2 * 128 / 2
+    (dq, dk, dv), out, _ = ours_fb(q, k, v, dout, index, seg, index, seg)
+    ref_out = cudnn_f(q, k, v)
+    ref_dq, ref_dk, ref_dv = cudnn_fb(q, k, v, dout)
+    errs = [rel_err(out, ref_out), rel_err(dq, ref_dq), rel_err(dk, ref_dk), rel_err(dv, ref_dv)]
+    times = [median_time(ours_f, q, k, v, index, seg), median_time(cudnn_f, q, k, v),
+             median_time(ours_fb, q, k, v, dout, index, seg, index, seg),
+             median_time(cudnn_fb, q, k, v, dout)]
+    tf = [flops / times[0], flops / times[1], 3.5 * flops / times[2], 3.5 * flops / times[3]]
+    tf = [x / 1e12 for x in tf]
+    ref_tf = _jax_pallas_reference(q, k, v, dout, flops)
+    print(f"{seq_len:>6} {tf[0]:>9.1f} {tf[1]:>9.1f} {tf[0] / tf[1]:>6.2f} {tf[2]:>9.1f} "
+          f"{tf[3]:>9.1f} {tf[2] / tf[3]:>6.2f}  " + " ".join(f"{e:.1e}" for e in errs))
+    record(part="cudnn", seq_len=seq_len, ours_fwd_tflops=tf[0], cudnn_fwd_tflops=tf[1],
+           ratio_fwd=tf[0] / tf[1], ours_fwd_bwd_tflops=tf[2], cudnn_fwd_bwd_tflops=tf[3],
+           ratio_fwd_bwd=tf[2] / tf[3], rel_err_out=errs[0], rel_err_dq=errs[1],
+           rel_err_dk=errs[2], rel_err_dv=errs[3], seconds=times, config=dataclasses.asdict(config),
+           jax_pallas_mha_tflops=ref_tf)
+
+
+def _jax_pallas_reference(q, k, v, dout, flops):
+  """JAX's own Pallas-Triton flash attention (no index rule): the backend's ceiling here."""
+  try:
+    from jax.experimental.pallas.ops.gpu import attention
+    mha = functools.partial(attention.mha, segment_ids=None, causal=True,
+                            sm_scale=q.shape[-1] ** -0.5)
+    f = jax.jit(mha)
+    fb = jax.jit(lambda q, k, v, dout: jax.vjp(mha, q, k, v)[1](dout))
+    tf = (flops / median_time(f, q, k, v) / 1e12,
+          3.5 * flops / median_time(fb, q, k, v, dout) / 1e12)
+    print(f"        jax.experimental.pallas.ops.gpu.attention.mha: fwd {tf[0]:.1f}, "
+          f"f+b {tf[1]:.1f} TFLOP/s")
+    return tf
+  except Exception as e:  # reference only; its API moves between JAX versions
+    print(f"        jax pallas mha reference failed: {type(e).__name__}: {str(e)[:200]}")
+    return None
+
+
+def _class_key(qi, ki, config) -> bytes:
+  """The kernel's work on a block pair: its class matrices at the three calls' tile sizes."""
+  seg = np.zeros_like(qi)
+  key = []
+  for bq, bk in ((config.fwd_q, config.fwd_k), (config.dkv_q, config.dkv_k),
+                 (config.dq_q, config.dq_k)):
+    key.append(tiles.classify_all(tiles.summarize_tiles(qi, seg, min(bq, TILE)),
+                                  tiles.summarize_tiles(ki, seg, min(bk, TILE))).tobytes())
+  return b"|".join(key)
+
+
+def part_ring(config, blocks, num_shards: int, heads: int, bandwidth: float) -> None:
+  fwd, bwd = _ours(config)
+  run_f = jax.jit(lambda q, k, v, qi, qs, ki, ks: fwd(q, k, v, qi, qs, ki, ks, tile=TILE))
+  run_b = jax.jit(lambda *a: bwd(*a, tile=TILE))
+  print(f"\nring emulation: N={num_shards}, {heads} heads (= kv heads), head_dim 128, bf16, "
+        f"link {bandwidth / 1e9:.0f} GB/s per direction; fraction = N x t(causal) / critical")
+  print(f"{'block':>6} {'layout':>8} {'classes':>7} {'fwd':>6} {'f+b':>6} {'fwd nocomm':>10} "
+        f"{'f+b nocomm':>10} {'ring/this f+b':>13}")
+  for c in blocks:
+    q, k, v, dout = normals(jax.random.key(c), [(1, c, heads, 128)] * 4, BF16)
+    seg = jnp.zeros((1, c), jnp.int32)
+    causal = jnp.arange(c, dtype=jnp.int32)[None]
+    _, lse = run_f(q, k, v, causal, seg, causal, seg)  # finite lse for every query
+    delta = jax.random.normal(jax.random.key(7), lse.shape, F32)
+    cache: dict[bytes, tuple[float, float]] = {}
+
+    def pair_time(qi, ki):
+      key = _class_key(qi, ki, config)
+      if key not in cache:
+        qi_j, ki_j = jnp.asarray(qi), jnp.asarray(ki)
+        cache[key] = (median_time(run_f, q, k, v, qi_j, seg, ki_j, seg, repeats=5),
+                      median_time(run_b, q, k, v, dout, lse, delta, qi_j, seg, ki_j, seg,
+                                  repeats=5))
+      return cache[key]
+
+    t_causal = pair_time(np.asarray(causal), np.asarray(causal))
+    kv_s = 2 * c * heads * 128 * 2 / bandwidth
+    dkv_s = 2 * c * heads * 128 * 4 / bandwidth
+    paths = {}
+    for layout in LAYOUTS:
+      perm = permutation(layout, num_shards * c, num_shards).reshape(num_shards, 1, c)
+      t_SD = np.array([[pair_time(perm[d], perm[(d - s) % num_shards]) for d in range(num_shards)]
+                       for s in range(num_shards)])  # [step, device, (fwd, bwd)]
+      busiest_S2 = t_SD.max(axis=1)
+      last = np.arange(num_shards) == num_shards - 1
+      comm_f = np.where(last, 0.0, kv_s)
+      comm_b = np.where(last, 0.0, kv_s) + dkv_s
+      crit_f = np.maximum(busiest_S2[:, 0], comm_f).sum()
+      crit_fb = crit_f + np.maximum(busiest_S2[:, 1], comm_b).sum()
+      ideal_f = num_shards * t_causal[0]
+      ideal_fb = num_shards * sum(t_causal)
+      paths[layout] = dict(fraction_fwd=ideal_f / crit_f, fraction_fwd_bwd=ideal_fb / crit_fb,
+                           fraction_fwd_nocomm=ideal_f / busiest_S2[:, 0].sum(),
+                           fraction_fwd_bwd_nocomm=ideal_fb / busiest_S2.sum(),
+                           critical_fwd_s=crit_f, critical_fwd_bwd_s=crit_fb)
+    for layout in LAYOUTS:
+      p = paths[layout]
+      speedup = paths["ring"]["critical_fwd_bwd_s"] / p["critical_fwd_bwd_s"]
+      print(f"{c:>6} {layout:>8} {len(cache):>7} {p['fraction_fwd']:>6.3f} "
+            f"{p['fraction_fwd_bwd']:>6.3f} {p['fraction_fwd_nocomm']:>10.3f} "
+            f"{p['fraction_fwd_bwd_nocomm']:>10.3f} {speedup:>13.3f}")
+      record(part="ring", block=c, num_shards=num_shards, heads=heads, bandwidth=bandwidth,
+             layout=layout, distinct_classes_timed=len(cache), t_causal_fwd_s=t_causal[0],
+             t_causal_bwd_s=t_causal[1], ring_over_this_fwd_bwd=speedup,
+             ring_over_this_fwd=paths["ring"]["critical_fwd_s"] / p["critical_fwd_s"],
+             theory_ring=num_shards / (2 * num_shards - 1), config=dataclasses.asdict(config), **p)
+    del q, k, v, dout
+
+
+def part_e2e(seq_lens) -> None:
+  import flax.linen as nn
+  import optax
+
+  from model import Decoder, ModelConfig
+  print("\ne2e: 1B model (d 2048, ff 5504, 22 layers, 16 heads, vocab 32000), kernel pallas")
+  for seq_len in seq_lens:
+    remat = "none" if seq_len <= 8192 else "full"
+    cfg = ModelConfig(num_layers=22, d_model=2048, num_heads=16, num_kv_heads=16, d_ff=5504,
+                      vocab_size=32000, rope_theta=500000.0, attention="ring", kernel="pallas",
+                      attention_tile=TILE, remat=remat)
+    model = Decoder(cfg)
+    tokens = jax.random.randint(jax.random.key(0), (1, seq_len), 0, cfg.vocab_size)
+    index = jnp.arange(seq_len, dtype=jnp.int32)[None]
+    seg = jnp.zeros_like(index)
+    params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(1), tokens, index, index, seg))
+    opt = optax.adamw(3e-4)
+    opt_state = jax.jit(opt.init)(params)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, opt_state, tokens):
+      def loss_fn(p):
+        logits = model.apply(p, tokens, index, index, seg)
+        targets = jnp.roll(tokens, -1, axis=1)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+      loss, grads = jax.value_and_grad(loss_fn)(params)
+      updates, opt_state = opt.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, loss
+
+    times = []
+    for i in range(7):
+      start = time.perf_counter()
+      params, opt_state, loss = step(params, opt_state, tokens)
+      jax.block_until_ready(loss)
+      times.append(time.perf_counter() - start)
+    t = statistics.median(times[2:])
+    attention = 6 * cfg.num_layers * cfg.num_heads * cfg.head_size * seq_len  # causal half
+    flops_token = 6 * cfg.matmul_params() + attention
+    tps = seq_len / t
+    mfu = flops_token * tps / 989e12
+    print(f"  S={seq_len} remat={remat}: step {t * 1e3:.1f} ms, {tps:,.0f} tokens/s, "
+          f"MFU {mfu:.3f} (peak 989e12), loss {float(loss):.3f}")
+    record(part="e2e", seq_len=seq_len, remat=remat, step_s=t, tokens_per_sec=tps, mfu=mfu,
+           loss=float(loss), config=dataclasses.asdict(kernel_pallas.DEFAULT_CONFIG))
+    del params, opt_state
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--parts", default="check,sweep,cudnn,ring")
+  parser.add_argument("--seq_lens", default="8192,16384,32768")
+  parser.add_argument("--sweep_seq_len", type=int, default=16384)
+  parser.add_argument("--e2e_seq_lens", default="8192,32768")
+  parser.add_argument("--blocks", default="8192,16384,32768", help="ring: per-device block")
+  parser.add_argument("--num_shards", type=int, default=8)
+  parser.add_argument("--ring_heads", type=int, default=32)
+  parser.add_argument("--bandwidth", type=float, default=50e9, help="bytes/s per direction")
+  parser.add_argument("--config", default="{}", help="KernelConfig fields as JSON (no sweep)")
+  args = parser.parse_args()
+  parts = args.parts.split(",")
+  ints = lambda s: [int(x) for x in s.split(",")]
+  print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
+  config = dataclasses.replace(kernel_pallas.DEFAULT_CONFIG, **json.loads(args.config))
+  if "check" in parts:
+    part_check()
+  if "sweep" in parts:
+    config = part_sweep(args.sweep_seq_len)
+  if "cudnn" in parts:
+    part_cudnn(config, ints(args.seq_lens))
+  if "ring" in parts:
+    part_ring(config, ints(args.blocks), args.num_shards, args.ring_heads, args.bandwidth)
+  if "e2e" in parts:
+    part_e2e(ints(args.e2e_seq_lens))
+  print(f"\nappended to {RESULTS}")
+
+
+if __name__ == "__main__":
+  main()
