@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from parallelism import kernel_pallas, kernel_xla
 
 KERNELS = ("xla", "pallas")
-# name -> (block forward, block backward); the Pallas kernel registers here when it lands.
+# name -> (block forward, block backward); both share the signatures of kernel_xla.
 _BLOCK_KERNELS = {"xla": (kernel_xla.block_fwd, kernel_xla.block_bwd),
                   "pallas": (kernel_pallas.block_fwd, kernel_pallas.block_bwd)}
 
@@ -183,8 +183,6 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, token_index: jax.Ar
   """
   if kernel not in KERNELS:
     raise ValueError(f"unknown attention kernel '{kernel}'; choose one of {KERNELS}")
-  if kernel not in _BLOCK_KERNELS:
-    raise NotImplementedError(f"kernel='{kernel}' is not implemented yet; use kernel='xla'")
   context_mesh = mesh is None
   mesh = jax.sharding.get_abstract_mesh() if context_mesh else mesh
   if context_mesh and mesh.empty:
@@ -192,8 +190,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, token_index: jax.Ar
     _check_shapes(q, k, v, token_index, segment_ids)
     tile = _tile_for(q.shape[1], 1, tile_size, axis)
     segment_ids = jnp.zeros(q.shape[:2], jnp.int32) if segment_ids is None else segment_ids
-    return _ring(q, k, v, token_index.astype(jnp.int32), segment_ids.astype(jnp.int32), axis, 1,
-                 tile, kernel)
+    q, token_index, segment_ids = _tie_to_queries(q, token_index, segment_ids)
+    return _ring(q, k, v, token_index, segment_ids, axis, 1, tile, kernel)
   if axis not in mesh.axis_names:
     raise ValueError(f"mesh axes {tuple(mesh.axis_names)} have no sequence axis '{axis}' "
                      "(pass mesh=..., or set one with jax.set_mesh)")
@@ -211,7 +209,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, token_index: jax.Ar
       lambda *args: _ring(*args, axis, num_shards, tile, kernel),
       mesh=None if context_mesh else mesh, out_specs=heads_spec, check_vma=False,
       in_specs=(heads_spec, heads_spec, heads_spec, index_spec, index_spec))
-  args = (q, k, v, token_index.astype(jnp.int32), segment_ids.astype(jnp.int32))
+  q, token_index, segment_ids = _tie_to_queries(q, token_index, segment_ids)
+  args = (q, k, v, token_index, segment_ids)
   if not any(t == AxisType.Explicit for t in mesh.axis_types):
     return sharded(*args)
   # Explicit-sharding meshes make shard_map demand inputs already laid out as in_specs;
@@ -220,6 +219,19 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, token_index: jax.Ar
   q_spec = jax.typeof(q).sharding.spec
   args = tuple(jax.reshard(x, _sharding(mesh, spec)) for x, spec in zip(args, specs))
   return jax.reshard(sharded(*args), _sharding(mesh, q_spec))
+
+
+def _tie_to_queries(q, token_index, segment_ids):
+  """Makes the indices depend on q, as int32.
+
+  In a model the indices are the same for every layer, so inside the (differentiated) layer
+  scan JAX sees them as loop-invariant and hoists everything computed from them alone -- the
+  masks and tile classes of every ring step and tile pair -- out of the loops, stacked: an
+  (N - 1) * B * H * T^2 buffer per device, quadratic in the sequence. The barrier ties them
+  to q, which changes every layer, so they are recomputed per tile as the kernels intend.
+  """
+  return lax.optimization_barrier(
+      (q, token_index.astype(jnp.int32), segment_ids.astype(jnp.int32)))
 
 
 def _sharding(mesh, spec: P):

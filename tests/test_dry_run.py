@@ -1,0 +1,86 @@
+"""`--dry_run`: the plan's memory matches a real compiled step, and it allocates no parameter."""
+
+import os
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import data
+import parallelism
+from model import Decoder
+from trainer import dry_run
+from trainer.config_check import ConfigError
+from trainer.loop import model_config
+from trainer.optimizer import make_optimizer, make_schedule
+from trainer.state import init_state, state_shardings
+from trainer.step import jit_train_step
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _real_step_peak(config) -> tuple[int, list[tuple[int, ...]]]:
+  """Peak bytes per device of the step compiled as the trainer does, on allocated state."""
+  mesh = parallelism.make_mesh(config.mesh)
+  model, optimizer = Decoder(model_config(config)), make_optimizer(config.train)
+  seq_len, rows = config.data.seq_len, parallelism.batch_shards(mesh)
+  batch_sharding = parallelism.batch_sharding(mesh)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(config.mesh.rules):
+    shardings = state_shardings(model, optimizer, mesh, config.mesh.rules, rows, seq_len)
+    state = init_state(model, optimizer, shardings, config.seed, rows, seq_len)
+    batch = {name: jax.device_put(np.zeros((config.train.batch_size, seq_len), dtype),
+                                  batch_sharding)
+             for name, dtype in dry_run.BATCH_DTYPES.items()}
+    step_fn = jit_train_step(model, optimizer, make_schedule(config.train),
+                             config.train.micro_batches, shardings, batch_sharding)
+    memory = step_fn.lower(state, batch).compile().memory_analysis()
+  peak = (memory.argument_size_in_bytes + memory.temp_size_in_bytes
+          + memory.output_size_in_bytes - memory.alias_size_in_bytes)
+  return peak, [tuple(x.shape) for x in jax.tree.leaves(state.params)]
+
+
+def test_plan_matches_real_step_and_allocates_nothing(tiny_config, capsys):
+  config = tiny_config("striped")
+  assert jax.device_count() == 8  # the backend is up with the 8 test devices: plan reuses them
+  before = {id(x) for x in jax.live_arrays()}
+  plan = dry_run.plan(config, device_memory_gib=80.0, mfu=0.4, accelerator="h100")
+  new = [x for x in jax.live_arrays() if id(x) not in before]
+  assert "fits in 80 GiB per device" in capsys.readouterr().out
+
+  real_peak, param_shapes = _real_step_peak(config)
+  assert real_peak / 2 <= plan["peak_bytes"] <= real_peak * 2, (plan["peak_bytes"], real_peak)
+  # Nothing parameter-like was left allocated by the plan (a stray RNG key at most).
+  assert not [x.shape for x in new if tuple(x.shape) in param_shapes]
+  assert sum(x.nbytes for x in new) < 1024, [(x.shape, x.dtype) for x in new]
+  # The state's per-device bytes: the tiny model's float32 parameters over fsdp x sequence.
+  params = sum(int(np.prod(s)) for s in param_shapes)
+  assert plan["params"] == params
+  assert params * 4 / 8 <= plan["param_bytes"] < params * 4 / 4
+  assert plan["opt_state_bytes"] >= 2 * plan["param_bytes"]  # Adam's two moments
+  assert plan["analytic_flops"] > 0 and plan["step_time_s"] > 0
+
+
+def test_cli_dry_run_prints_verdict():
+  # A fresh process: the planner itself must set up the config's 8 CPU devices.
+  env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+  result = subprocess.run(
+      [sys.executable, "-m", "trainer", "--config", "configs/tiny_cpu.py", "--dry_run"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert "mesh: data=1 x fsdp=2 x sequence=4 x tensor=1 = 8 devices" in result.stdout
+  assert "fits in 80 GiB per device (" in result.stdout, result.stdout
+
+
+def test_abstract_batch_has_every_field():
+  assert set(dry_run.BATCH_DTYPES) == set(data.FIELDS)
+
+
+def test_plan_names_a_device_count_it_cannot_have(tiny_config):
+  config = tiny_config("striped", **{"mesh.data": 2})  # 16 devices; the test process has 8
+  assert jax.device_count() == 8
+  with pytest.raises(ConfigError, match="needs 16 CPU devices .* already started with 8"):
+    dry_run.plan(config)
