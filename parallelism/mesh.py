@@ -28,8 +28,15 @@ def resolve_mesh_shape(sizes: Mapping[str, int], num_devices: int) -> tuple[int,
                        f"divisible by the other axes' product {known}")
     shape[MESH_AXES.index(unknown[0])] = num_devices // known
   if math.prod(shape) != num_devices:
+    # Name the single-axis changes that would fit, so the fix is one override away.
+    fixes = []
+    for i, name in enumerate(MESH_AXES):
+      others = math.prod(shape) // shape[i]
+      if num_devices % others == 0:
+        fixes.append(f"mesh.{name}={num_devices // others}")
+    hint = f"{' or '.join(fixes)} would fit" if fixes else "set one axis to -1 to fill the rest"
     raise ValueError(f"mesh sizes {dict(zip(MESH_AXES, shape))} multiply to {math.prod(shape)}, "
-                     f"but there are {num_devices} devices; set one axis to -1 to fill the rest")
+                     f"but there are {num_devices} devices; {hint}")
   return tuple(shape)
 
 

@@ -1,11 +1,21 @@
 """Gives JAX 8 simulated CPU devices before it starts, for every test."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("WANDB_MODE", "disabled")
+# One persistent compilation cache for the session, shared with the trainer subprocesses that
+# tests start (they inherit the environment): the many tiny runs compile the same programs,
+# and a cache hit returns the very executable a fresh compile would build.
+_CACHE_DIR = tempfile.mkdtemp(prefix="jax-cache-")
+atexit.register(shutil.rmtree, _CACHE_DIR, True)
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE_DIR)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402  (must come after the flags above)
 
