@@ -311,14 +311,14 @@ def part_ring(config, blocks, num_shards: int, heads: int, bandwidth: float) -> 
     del q, k, v, dout
 
 
-def part_e2e(seq_lens) -> None:
+def part_e2e(seq_lens, remat_policy: str = "auto") -> None:
   import flax.linen as nn
   import optax
 
   from model import Decoder, ModelConfig
   print("\ne2e: 1B model (d 2048, ff 5504, 22 layers, 16 heads, vocab 32000), kernel pallas")
   for seq_len in seq_lens:
-    remat = "none" if seq_len <= 8192 else "full"
+    remat = remat_policy if remat_policy != "auto" else "none" if seq_len <= 8192 else "full"
     cfg = ModelConfig(num_layers=22, d_model=2048, num_heads=16, num_kv_heads=16, d_ff=5504,
                       vocab_size=32000, rope_theta=500000.0, attention="ring", kernel="pallas",
                       attention_tile=TILE, remat=remat)
@@ -364,6 +364,8 @@ def main() -> None:
   parser.add_argument("--seq_lens", default="8192,16384,32768")
   parser.add_argument("--sweep_seq_len", type=int, default=16384)
   parser.add_argument("--e2e_seq_lens", default="8192,32768")
+  parser.add_argument("--e2e_remat", default="auto",
+                      help="remat policy of the e2e part; auto: none at 8k, full above")
   parser.add_argument("--blocks", default="8192,16384,32768", help="ring: per-device block")
   parser.add_argument("--num_shards", type=int, default=8)
   parser.add_argument("--ring_heads", type=int, default=32)
@@ -383,7 +385,7 @@ def main() -> None:
   if "ring" in parts:
     part_ring(config, ints(args.blocks), args.num_shards, args.ring_heads, args.bandwidth)
   if "e2e" in parts:
-    part_e2e(ints(args.e2e_seq_lens))
+    part_e2e(ints(args.e2e_seq_lens), args.e2e_remat)
   print(f"\nappended to {RESULTS}")
 
 

@@ -135,11 +135,11 @@ def _poison_step(monkeypatch, bad_step):
   calls = {"n": 0}
   real = data.to_global_batch
 
-  def poisoned(batch, sharding):
+  def poisoned(batch, *args):
     calls["n"] += 1
     if calls["n"] == bad_step:
       batch = {**batch, "loss_mask": np.full_like(batch["loss_mask"], np.nan)}
-    return real(batch, sharding)
+    return real(batch, *args)
 
   monkeypatch.setattr(data, "to_global_batch", poisoned)
 

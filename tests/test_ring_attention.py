@@ -236,5 +236,5 @@ def test_errors_are_clear():
   with pytest.raises(ValueError, match="must be divisible by the 'tensor' mesh axis"):
     ring_attention(q, k[:, :, :1], v[:, :, :1], index,
                    mesh=jax.make_mesh((2, 2), ("sequence", "tensor"), devices=jax.devices()[:4]))
-  with pytest.raises(NotImplementedError, match="pallas"):
-    ring_attention(q, k, v, index, mesh=seq_mesh(4), kernel="pallas")
+  with pytest.raises(ValueError, match="unknown attention kernel 'cuda'"):
+    ring_attention(q, k, v, index, mesh=seq_mesh(4), kernel="cuda")
