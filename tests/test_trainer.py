@@ -37,4 +37,8 @@ def test_run_writes_config_and_metrics_lines(tmp_path, tiny_config):
   assert steps[0]["warmup"] and not steps[1]["warmup"]
   evals = [r for r in records if "eval_loss" in r]
   assert [r["step"] for r in evals] == [4] and np.isfinite(evals[0]["eval_loss"])
+  # Retrieval accuracy overall and by distance to the fact (the synthetic corpus's answers).
+  buckets = [key for key in evals[0] if key.startswith("eval_retrieval_accuracy_")]
+  assert 0 <= evals[0]["eval_retrieval_accuracy"] <= 1 and len(buckets) >= 2, evals[0]
+  assert all(0 <= evals[0][key] <= 1 for key in buckets)
   assert summary["steps"] == 4

@@ -26,7 +26,7 @@ from trainer.checkpointing import CheckpointError, Checkpointer
 from trainer.optimizer import make_optimizer, make_schedule
 from trainer.resume import compare_configs, config_path, load_stored_config
 from trainer.state import abstract_state, init_state, state_shardings
-from trainer.step import eval_step, jit_train_step
+from trainer.step import distance_buckets, eval_step, jit_train_step
 from trainer.tracking import device_memory_bytes, make_trackers
 
 
@@ -246,6 +246,10 @@ class _Run:
     record = {"step": step, "eval_loss": totals["loss_sum"] / max(totals["tokens"], 1.0)}
     if totals.get("answers"):
       record["eval_retrieval_accuracy"] = totals["answers_correct"] / totals["answers"]
+      for low, high in distance_buckets():
+        if totals[f"answers_{low}"]:
+          record[f"eval_retrieval_accuracy_{low}_{high}"] = (
+              totals[f"answers_correct_{low}"] / totals[f"answers_{low}"])
     for tracker in self.trackers:
       tracker.log(record)
 

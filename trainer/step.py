@@ -95,8 +95,20 @@ def eval_step(params, batch: dict[str, jax.Array], *, model: Decoder) -> dict[st
   sums = {"loss_sum": jnp.sum(token_losses(logits_BSV, batch["targets"]) * mask_BS),
           "tokens": jnp.sum(mask_BS)}
   if "answer_distance" in batch:
-    # Retrieval: an answer token counts when the model's top guess is the right token.
-    answer_BS = (batch["answer_distance"] > 0).astype(jnp.float32) * mask_BS
+    # Retrieval: an answer token counts when the model's top guess is the right token; the
+    # distance back to its fact says how far attention had to reach.
+    distance_BS = batch["answer_distance"]
+    answer_BS = (distance_BS > 0).astype(jnp.float32) * mask_BS
     correct_BS = (jnp.argmax(logits_BSV, -1) == batch["targets"]).astype(jnp.float32)
     sums.update(answers=jnp.sum(answer_BS), answers_correct=jnp.sum(answer_BS * correct_BS))
+    for low, high in distance_buckets():
+      in_bucket_BS = answer_BS * ((distance_BS >= low) & (distance_BS < high))
+      sums[f"answers_{low}"] = jnp.sum(in_bucket_BS)
+      sums[f"answers_correct_{low}"] = jnp.sum(in_bucket_BS * correct_BS)
   return sums
+
+
+def distance_buckets() -> list[tuple[int, int]]:
+  """[low, high) token distances of the retrieval-accuracy buckets: 1-15, 16-63, ... 1M."""
+  edges = [1] + [4 ** k for k in range(2, 11)]
+  return list(zip(edges[:-1], edges[1:]))
