@@ -311,12 +311,19 @@ def part_ring(config, blocks, num_shards: int, heads: int, bandwidth: float) -> 
     del q, k, v, dout
 
 
-def part_e2e(seq_lens, remat_policy: str = "auto") -> None:
+def part_e2e(seq_lens, remat_policy: str = "auto", attention: str = "pallas") -> None:
+  """`attention='cudnn'` swaps the model's attention for cuDNN's causal kernel (one device,
+  one segment, so the same function): the MFU the rest of the step allows, for comparison."""
   import flax.linen as nn
   import optax
 
+  import parallelism
   from model import Decoder, ModelConfig
-  print("\ne2e: 1B model (d 2048, ff 5504, 22 layers, 16 heads, vocab 32000), kernel pallas")
+  if attention == "cudnn":
+    parallelism.ring_attention = lambda q, k, v, *_, **__: jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, implementation="cudnn")
+  print(f"\ne2e: 1B model (d 2048, ff 5504, 22 layers, 16 heads, vocab 32000), "
+        f"attention {attention}")
   for seq_len in seq_lens:
     remat = remat_policy if remat_policy != "auto" else "none" if seq_len <= 8192 else "full"
     cfg = ModelConfig(num_layers=22, d_model=2048, num_heads=16, num_kv_heads=16, d_ff=5504,
@@ -353,7 +360,8 @@ def part_e2e(seq_lens, remat_policy: str = "auto") -> None:
     mfu = flops_token * tps / 989e12
     print(f"  S={seq_len} remat={remat}: step {t * 1e3:.1f} ms, {tps:,.0f} tokens/s, "
           f"MFU {mfu:.3f} (peak 989e12), loss {float(loss):.3f}")
-    record(part="e2e", seq_len=seq_len, remat=remat, step_s=t, tokens_per_sec=tps, mfu=mfu,
+    record(part="e2e", attention=attention, seq_len=seq_len, remat=remat, step_s=t,
+           tokens_per_sec=tps, mfu=mfu,
            loss=float(loss), config=dataclasses.asdict(kernel_pallas.DEFAULT_CONFIG))
     del params, opt_state
 
@@ -364,6 +372,7 @@ def main() -> None:
   parser.add_argument("--seq_lens", default="8192,16384,32768")
   parser.add_argument("--sweep_seq_len", type=int, default=16384)
   parser.add_argument("--e2e_seq_lens", default="8192,32768")
+  parser.add_argument("--e2e_attention", default="pallas", choices=("pallas", "cudnn"))
   parser.add_argument("--e2e_remat", default="auto",
                       help="remat policy of the e2e part; auto: none at 8k, full above")
   parser.add_argument("--blocks", default="8192,16384,32768", help="ring: per-device block")
@@ -385,7 +394,7 @@ def main() -> None:
   if "ring" in parts:
     part_ring(config, ints(args.blocks), args.num_shards, args.ring_heads, args.bandwidth)
   if "e2e" in parts:
-    part_e2e(ints(args.e2e_seq_lens), args.e2e_remat)
+    part_e2e(ints(args.e2e_seq_lens), args.e2e_remat, args.e2e_attention)
   print(f"\nappended to {RESULTS}")
 
 
