@@ -19,8 +19,9 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-from etils import epath
 import tensorflow_datasets as tfds
+
+from data.local_builder import LocalBuilder
 
 # Keys and values of facts: disjoint from the filler words, so an answer is never guessable
 # from the grammar alone.
@@ -132,19 +133,13 @@ class SyntheticLongrangeConfig(tfds.core.BuilderConfig):
     self.seed = seed
 
 
-class SyntheticLongrange(tfds.core.GeneratorBasedBuilder):
+class SyntheticLongrange(LocalBuilder):
   """The embedded default dataset; generated from a seed, nothing downloaded."""
 
   VERSION = tfds.core.Version("1.0.0")
   BUILDER_CONFIGS = [SyntheticLongrangeConfig(num_documents=2000, num_eval_documents=200,
                                               max_document_tokens=1024, seed=0)]
   SPLIT_IDS = {"train": 0, "validation": 1}
-
-  @tfds.core.utils.classproperty
-  @classmethod
-  def code_path(cls) -> epath.Path:
-    # TFDS 4.9.10 otherwise imports `importlib_resources` (a Python < 3.9 backport) here.
-    return epath.Path(__file__)
 
   def _info(self) -> tfds.core.DatasetInfo:
     return tfds.core.DatasetInfo(

@@ -16,10 +16,10 @@ import hashlib
 import json
 import os
 
-from etils import epath
 import tensorflow_datasets as tfds
 
 from data.config import DataError
+from data.local_builder import LocalBuilder
 
 EXTENSIONS = (".txt", ".jsonl")
 VALIDATION_EVERY = 20
@@ -65,17 +65,11 @@ class TextFilesConfig(tfds.core.BuilderConfig):
     self.on_bad_file = on_bad_file
 
 
-class TextFiles(tfds.core.GeneratorBasedBuilder):
+class TextFiles(LocalBuilder):
   """Documents from a user's directory; build with `TextFiles(config=TextFilesConfig(...))`."""
 
   VERSION = tfds.core.Version("1.0.0")
   BUILDER_CONFIGS = []  # A config is always given: it names the directory.
-
-  @tfds.core.utils.classproperty
-  @classmethod
-  def code_path(cls) -> epath.Path:
-    # TFDS 4.9.10 otherwise imports `importlib_resources` (a Python < 3.9 backport) here.
-    return epath.Path(__file__)
 
   def _info(self) -> tfds.core.DatasetInfo:
     return tfds.core.DatasetInfo(

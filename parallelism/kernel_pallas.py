@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -294,27 +295,50 @@ def _q_grid_specs(num_q: int, block_q: int, head_dim: int):
           pl.BlockSpec((None, block_q), lambda i, b, h: (b, tile(i))))
 
 
-def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_index_BT, q_seg_BT, k_index_BT, k_seg_BT, *, tile: int,
-              config: KernelConfig = DEFAULT_CONFIG) -> tuple[jax.Array, jax.Array]:
-  """Attention of a query block on a key block: (out [B,Tq,Hq,D] f32, lse [B,Tq,Hq] f32)."""
-  batch, len_q, num_heads, head_dim = q_BTHD.shape
-  len_k, num_kv = k_BTKD.shape[1], k_BTKD.shape[2]
-  group = num_heads // num_kv
-  block_q = _size(config.fwd_q, tile, len_q, "query")
-  block_k = _size(config.fwd_k, tile, len_k, "key")
+class _QueryTileGrid(NamedTuple):
+  """Grid (query tile, b, q head) of the forward and dQ calls, each program looping over
+  key tiles: tile counts, the tile summaries and the BlockSpecs of every operand kind."""
+  num_q: int
+  block_k: int
+  sums: tuple  # q then k summaries, as _summaries gives them
+  q_spec: pl.BlockSpec  # [B,T,H,D] query tile
+  stat_spec: pl.BlockSpec  # [B,T,H] query tile (lse, delta)
+  index_spec: pl.BlockSpec  # [B,T] query tile (index, segment)
+  kv_spec: pl.BlockSpec  # the whole K/V block of the program's kv head
+  k_row_spec: pl.BlockSpec  # the whole [B,Tk] key index / segment row
+  sum_specs: list  # the summaries' specs
+
+
+def _query_tile_grid(q_index_BT, q_seg_BT, k_index_BT, k_seg_BT, block_q: int, block_k: int,
+                     head_dim: int, group: int) -> _QueryTileGrid:
+  len_q, len_k = q_index_BT.shape[1], k_index_BT.shape[1]
   num_q, num_k = len_q // block_q, len_k // block_k
   sums = (*_summaries(q_index_BT, q_seg_BT, block_q, num_q),
           *_summaries(k_index_BT, k_seg_BT, block_k, _pow2(num_k)))
   q_spec, stat_spec, index_spec = _q_grid_specs(num_q, block_q, head_dim)
   kv_spec = pl.BlockSpec((None, len_k, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
-  in_specs = [q_spec, kv_spec, kv_spec, index_spec, index_spec, _whole_row(len_k),
-              _whole_row(len_k), *[_whole_row(num_q)] * 4, *[_whole_row(_pow2(num_k))] * 4]
+  sum_specs = [*[_whole_row(num_q)] * 4, *[_whole_row(_pow2(num_k))] * 4]
+  return _QueryTileGrid(num_q, block_k, sums, q_spec, stat_spec, index_spec, kv_spec,
+                        _whole_row(len_k), sum_specs)
+
+
+def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_index_BT, q_seg_BT, k_index_BT, k_seg_BT, *, tile: int,
+              config: KernelConfig = DEFAULT_CONFIG) -> tuple[jax.Array, jax.Array]:
+  """Attention of a query block on a key block: (out [B,Tq,Hq,D] f32, lse [B,Tq,Hq] f32)."""
+  batch, len_q, num_heads, head_dim = q_BTHD.shape
+  len_k, num_kv = k_BTKD.shape[1], k_BTKD.shape[2]
+  g = _query_tile_grid(q_index_BT, q_seg_BT, k_index_BT, k_seg_BT,
+                       _size(config.fwd_q, tile, len_q, "query"),
+                       _size(config.fwd_k, tile, len_k, "key"), head_dim, num_heads // num_kv)
+  in_specs = [g.q_spec, g.kv_spec, g.kv_spec, g.index_spec, g.index_spec, g.k_row_spec,
+              g.k_row_spec, *g.sum_specs]
   out_shape = [jax.ShapeDtypeStruct(q_BTHD.shape, _F32),
                jax.ShapeDtypeStruct((batch, len_q, num_heads), _F32)]
-  kernel = functools.partial(_fwd_kernel, scale=head_dim ** -0.5, block_k=block_k)
-  out_BTHD, lse_BTH = _call(kernel, (num_q, batch, num_heads), in_specs, [q_spec, stat_spec],
-                            out_shape, config.fwd_warps, config.fwd_stages, "block_fwd")(
-      q_BTHD, k_BTKD, v_BTKD, q_index_BT, q_seg_BT, k_index_BT, k_seg_BT, *sums)
+  kernel = functools.partial(_fwd_kernel, scale=head_dim ** -0.5, block_k=g.block_k)
+  out_BTHD, lse_BTH = _call(kernel, (g.num_q, batch, num_heads), in_specs,
+                            [g.q_spec, g.stat_spec], out_shape, config.fwd_warps,
+                            config.fwd_stages, "block_fwd")(
+      q_BTHD, k_BTKD, v_BTKD, q_index_BT, q_seg_BT, k_index_BT, k_seg_BT, *g.sums)
   return out_BTHD, lse_BTH
 
 
@@ -353,18 +377,13 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_index_BT,
       *args, *sums)
 
   # dQ: one program per (query tile, row, q head), looping over key tiles.
-  block_q = _size(config.dq_q, tile, len_q, "query")
-  block_k = _size(config.dq_k, tile, len_k, "key")
-  num_q, num_k = len_q // block_q, len_k // block_k
-  sums = (*_summaries(q_index_BT, q_seg_BT, block_q, num_q),
-          *_summaries(k_index_BT, k_seg_BT, block_k, _pow2(num_k)))
-  q_spec, stat_spec, index_spec = _q_grid_specs(num_q, block_q, head_dim)
-  kv_spec = pl.BlockSpec((None, len_k, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
-  in_specs = [q_spec, kv_spec, kv_spec, q_spec, stat_spec, stat_spec, index_spec, index_spec,
-              _whole_row(len_k), _whole_row(len_k), *[_whole_row(num_q)] * 4,
-              *[_whole_row(_pow2(num_k))] * 4]
-  kernel = functools.partial(_dq_kernel, scale=scale, block_k=block_k)
-  dq_BTHD = _call(kernel, (num_q, batch, num_heads), in_specs, q_spec,
+  g = _query_tile_grid(q_index_BT, q_seg_BT, k_index_BT, k_seg_BT,
+                       _size(config.dq_q, tile, len_q, "query"),
+                       _size(config.dq_k, tile, len_k, "key"), head_dim, group)
+  in_specs = [g.q_spec, g.kv_spec, g.kv_spec, g.q_spec, g.stat_spec, g.stat_spec, g.index_spec,
+              g.index_spec, g.k_row_spec, g.k_row_spec, *g.sum_specs]
+  kernel = functools.partial(_dq_kernel, scale=scale, block_k=g.block_k)
+  dq_BTHD = _call(kernel, (g.num_q, batch, num_heads), in_specs, g.q_spec,
                   jax.ShapeDtypeStruct(q_BTHD.shape, _F32), config.bwd_warps,
-                  config.bwd_stages, "block_bwd_dq")(*args, *sums)
+                  config.bwd_stages, "block_bwd_dq")(*args, *g.sums)
   return dq_BTHD, dk_BTKD, dv_BTKD

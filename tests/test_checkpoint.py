@@ -51,18 +51,10 @@ def _checkpoint_values(workdir, config, mesh_sizes, step=None):
   """Restores the newest checkpoint onto a mesh of the given sizes; returns host arrays."""
   config.mesh.data, config.mesh.fsdp, config.mesh.sequence, config.mesh.tensor = mesh_sizes
   mesh = parallelism.make_mesh(config.mesh)
-  model_cfg = loop.model_config(config)
   from flax import linen as nn
-  from model import Decoder
-  from trainer.optimizer import make_optimizer
-  from trainer.state import abstract_state, state_shardings
-  model, optimizer = Decoder(model_cfg), make_optimizer(config.train)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.mesh.rules):
-    shardings = state_shardings(model, optimizer, mesh, config.mesh.rules,
-                                parallelism.batch_shards(mesh), config.data.seq_len)
     checkpointer = Checkpointer(workdir, 10, 3, False)
-    restored = checkpointer.restore(abstract_state(
-        model, optimizer, shardings, parallelism.batch_shards(mesh), config.data.seq_len))
+    restored = checkpointer.restore(loop.build_training(config, mesh).abstract_state)
     checkpointer.close()
   return restored[0], jax.device_get(restored[1]), restored[1]
 

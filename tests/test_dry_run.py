@@ -6,19 +6,15 @@ import sys
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import data
 import parallelism
-from model import Decoder
 from trainer import dry_run
 from trainer.config_check import ConfigError
-from trainer.loop import model_config
-from trainer.optimizer import make_optimizer, make_schedule
-from trainer.state import init_state, state_shardings
-from trainer.step import jit_train_step
+from trainer.loop import build_training
+from trainer.state import init_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,18 +22,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _real_step_peak(config) -> tuple[int, list[tuple[int, ...]]]:
   """Peak bytes per device of the step compiled as the trainer does, on allocated state."""
   mesh = parallelism.make_mesh(config.mesh)
-  model, optimizer = Decoder(model_config(config)), make_optimizer(config.train)
-  seq_len, rows = config.data.seq_len, parallelism.batch_shards(mesh)
-  batch_sharding = parallelism.batch_sharding(mesh)
+  seq_len = config.data.seq_len
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.mesh.rules):
-    shardings = state_shardings(model, optimizer, mesh, config.mesh.rules, rows, seq_len)
-    state = init_state(model, optimizer, shardings, config.seed, rows, seq_len)
+    parts = build_training(config, mesh)
+    state = init_state(parts.model, parts.optimizer, parts.shardings, config.seed,
+                       parts.init_rows, seq_len)
     batch = {name: jax.device_put(np.zeros((config.train.batch_size, seq_len), dtype),
-                                  batch_sharding)
+                                  parts.batch_sharding)
              for name, dtype in dry_run.BATCH_DTYPES.items()}
-    step_fn = jit_train_step(model, optimizer, make_schedule(config.train),
-                             config.train.micro_batches, shardings, batch_sharding)
-    memory = step_fn.lower(state, batch).compile().memory_analysis()
+    memory = parts.step_fn.lower(state, batch).compile().memory_analysis()
   peak = (memory.argument_size_in_bytes + memory.temp_size_in_bytes
           + memory.output_size_in_bytes - memory.alias_size_in_bytes)
   return peak, [tuple(x.shape) for x in jax.tree.leaves(state.params)]

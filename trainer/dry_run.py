@@ -33,24 +33,18 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import ml_collections
 
 import parallelism
-from model import Decoder
+from data import packing
 from trainer import flops
 from trainer.config_check import ConfigError, check_config
-from trainer.loop import model_config
-from trainer.optimizer import make_optimizer, make_schedule
-from trainer.state import abstract_state, state_shardings
-from trainer.step import jit_train_step
+from trainer.loop import build_training, model_config
 
 GIB = 2.0 ** 30
-# The per-token arrays of a batch (data.FIELDS) and their dtypes as data/packing.py makes them
-# (`loss_mask` is float32); the batch is a ShapeDtypeStruct, so no data is read or prepared.
-BATCH_DTYPES = {"tokens": jnp.int32, "targets": jnp.int32, "loss_mask": jnp.float32,
-                "positions": jnp.int32, "segment_ids": jnp.int32, "token_index": jnp.int32,
-                "answer_distance": jnp.int32}
+# The per-token arrays of a batch and their dtypes, as the packer makes them; the batch is a
+# ShapeDtypeStruct, so no data is read or prepared.
+BATCH_DTYPES = {name: row.dtype for name, row in packing.empty_row(1, 0).items()}
 
 
 def plan_device_count(config: ml_collections.ConfigDict) -> int:
@@ -83,20 +77,13 @@ def shard_bytes(tree) -> int:
 
 def compile_step(config: ml_collections.ConfigDict, mesh) -> tuple[Any, Any]:
   """AOT-compiles the loop's train step from abstract shapes: (compiled, abstract state)."""
-  model = Decoder(model_config(config))
-  optimizer = make_optimizer(config.train)
-  seq_len, rows = config.data.seq_len, parallelism.batch_shards(mesh)
-  batch_sharding = parallelism.batch_sharding(mesh)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.mesh.rules):
-    shardings = state_shardings(model, optimizer, mesh, config.mesh.rules, rows, seq_len)
-    state = abstract_state(model, optimizer, shardings, rows, seq_len)
-    batch = {name: jax.ShapeDtypeStruct((config.train.batch_size, seq_len), dtype,
-                                        sharding=batch_sharding)
+    parts = build_training(config, mesh)
+    batch = {name: jax.ShapeDtypeStruct((config.train.batch_size, config.data.seq_len), dtype,
+                                        sharding=parts.batch_sharding)
              for name, dtype in BATCH_DTYPES.items()}
-    step_fn = jit_train_step(model, optimizer, make_schedule(config.train),
-                             config.train.micro_batches, shardings, batch_sharding)
-    compiled = step_fn.lower(state, batch).compile()
-  return compiled, state
+    compiled = parts.step_fn.lower(parts.abstract_state, batch).compile()
+  return compiled, parts.abstract_state
 
 
 def memory_figures(compiled) -> dict[str, int]:

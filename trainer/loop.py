@@ -11,11 +11,12 @@ import os
 import signal
 import statistics
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
 import ml_collections
+import optax
 from jax.experimental import multihost_utils
 
 import data
@@ -25,7 +26,7 @@ from trainer import flops
 from trainer.checkpointing import CheckpointError, Checkpointer
 from trainer.optimizer import make_optimizer, make_schedule
 from trainer.resume import compare_configs, config_path, load_stored_config
-from trainer.state import abstract_state, init_state, state_shardings
+from trainer.state import TrainState, abstract_state, init_state, state_shardings
 from trainer.step import distance_buckets, eval_step, jit_train_step
 from trainer.tracking import device_memory_bytes, make_trackers
 
@@ -61,16 +62,10 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     with open(config_path(workdir), "w", encoding="utf-8") as f:
       f.write(config.to_json_best_effort(indent=2, sort_keys=True))
 
-  model = Decoder(model_cfg)
-  optimizer = make_optimizer(config.train)
-  batch_sharding = parallelism.batch_sharding(mesh)
-  rows = parallelism.batch_shards(mesh)  # Smallest batch that shards: enough for init shapes.
   iterator = _make_iterator(config, data_cfg, model_cfg, mesh, data_cfg.train_split)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.mesh.rules):
-    shardings = state_shardings(model, optimizer, mesh, config.mesh.rules, rows,
-                                data_cfg.seq_len)
-    restored = checkpointer.restore(
-        abstract_state(model, optimizer, shardings, rows, data_cfg.seq_len))
+    parts = build_training(config, mesh)
+    restored = checkpointer.restore(parts.abstract_state)
     if restored:
       start, state, data_state, _ = restored
       iterator.set_state(data_state)
@@ -79,15 +74,14 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
               + (f"; changed: {', '.join(changes)}" if changes else ""), flush=True)
     else:
       start = 0
-      state = init_state(model, optimizer, shardings, config.seed, rows, data_cfg.seq_len)
-    step_fn = jit_train_step(model, optimizer, make_schedule(config.train),
-                             config.train.micro_batches, shardings, batch_sharding)
-    eval_fn = jax.jit(functools.partial(eval_step, model=model),
-                      in_shardings=(shardings.params, batch_sharding))
+      state = init_state(parts.model, parts.optimizer, parts.shardings, config.seed,
+                         parts.init_rows, data_cfg.seq_len)
+    eval_fn = jax.jit(functools.partial(eval_step, model=parts.model),
+                      in_shardings=(parts.shardings.params, parts.batch_sharding))
     trackers = make_trackers(config, workdir) if is_writer else []
     run = _Run(config, model_cfg, mesh, checkpointer, trackers, iterator, eval_fn)
     try:
-      summary = run.loop(state, step_fn, start)
+      summary = run.loop(state, parts.step_fn, start)
       checkpointer.wait()  # An async save that failed raises here: the exit is non-zero.
     except BaseException:
       # Let saves already started commit; the original error is the one to report.
@@ -101,6 +95,34 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       for tracker in trackers:
         tracker.close()
   return summary
+
+
+class Training(NamedTuple):
+  """What a config trains with on a mesh; nothing in it holds an allocated array."""
+  model: Decoder
+  optimizer: optax.GradientTransformation
+  shardings: TrainState  # NamedShardings of every state leaf, from the rules table.
+  abstract_state: TrainState  # ShapeDtypeStructs with those shardings (restores, AOT).
+  init_rows: int  # Smallest batch that shards: enough for init shapes.
+  batch_sharding: jax.sharding.NamedSharding
+  step_fn: Any  # The jitted train step.
+
+
+def build_training(config: ml_collections.ConfigDict, mesh) -> Training:
+  """Model, optimizer, state shardings and the jitted train step of `config` on `mesh`.
+
+  Shared by the loop and the dry-run planner; call it under `jax.set_mesh(mesh)` and the
+  config's logical axis rules.
+  """
+  model, optimizer = Decoder(model_config(config)), make_optimizer(config.train)
+  rows, seq_len = parallelism.batch_shards(mesh), config.data.seq_len
+  batch_sharding = parallelism.batch_sharding(mesh)
+  shardings = state_shardings(model, optimizer, mesh, config.mesh.rules, rows, seq_len)
+  step_fn = jit_train_step(model, optimizer, make_schedule(config.train),
+                           config.train.micro_batches, shardings, batch_sharding)
+  return Training(model, optimizer, shardings,
+                  abstract_state(model, optimizer, shardings, rows, seq_len), rows,
+                  batch_sharding, step_fn)
 
 
 def _prepare_data(data_cfg: data.DataConfig, is_writer: bool) -> None:
