@@ -3,4 +3,4 @@
 from parallelism.layouts import LAYOUTS, check_seq_len, permute, unpermute
 from parallelism.mesh import (MESH_AXES, batch_sharding, batch_shards, check_rules, logical_to_spec,
                               make_mesh, resolve_mesh_shape)
-from parallelism.ring_attention import ring_attention
+from parallelism.ring_attention import block_tile, ring_attention

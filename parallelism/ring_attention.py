@@ -139,12 +139,17 @@ def _check_shapes(q_BSHD, k_BSKD, v_BSKD, token_index_BS, segment_ids_BS) -> Non
     raise ValueError(f"query heads ({num_heads}) must be divisible by kv heads ({num_kv})")
 
 
+def block_tile(seq_len: int, num_shards: int, tile_size: int) -> int:
+  """The tile the kernels use: `tile_size` clipped to the per-device block."""
+  return min(tile_size, seq_len // num_shards)
+
+
 def _tile_for(seq_len: int, num_shards: int, tile_size: int, axis: str) -> int:
-  """The tile actually used: tile_size clipped to the block; S must divide into tiles."""
+  """The tile actually used (`block_tile`); S must divide into shards x tiles."""
   if seq_len % num_shards:
     raise ValueError(f"sequence length {seq_len} must be divisible by the '{axis}' mesh "
                      f"axis size {num_shards}")
-  tile = min(tile_size, seq_len // num_shards)
+  tile = block_tile(seq_len, num_shards, tile_size)
   if seq_len % (num_shards * tile):
     raise ValueError(f"sequence length {seq_len} must be divisible by {axis} shards x tile "
                      f"= {num_shards} x {tile} = {num_shards * tile}")

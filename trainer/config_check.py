@@ -96,9 +96,9 @@ def _check_mesh(config: ml_collections.ConfigDict, num_devices: int, head_size: 
            f"data.seq_len={seq_len} must be divisible by {divisor} (mesh.sequence={sequence}"
            f"{' x 2 for zigzag' if layout == 'zigzag' else ''})")
   if m.attention != "dense":
-    block = seq_len // sequence
-    tile = min(m.attention_tile, block // (2 if layout == "zigzag" else 1))
-    _require(block % tile == 0,
+    # The kernels' own clipping, so a config that passes here cannot fail in the ring.
+    tile = parallelism.block_tile(seq_len, sequence, m.attention_tile)
+    _require(seq_len % (sequence * tile) == 0,
              f"data.seq_len={seq_len} must be divisible by mesh.sequence x model.attention_tile"
              f" = {sequence} x {tile}")
 
