@@ -56,6 +56,13 @@ class KernelConfig:
   bwd_warps: int = 4
   bwd_stages: int = 2
 
+  def for_operands(self, dtype) -> KernelConfig:
+    """4-byte operands take twice the shared memory per pipelined tile: the forward's
+    128-key, 3-stage K/V pipeline (384 KiB in float32) would exceed an H100's 227 KiB."""
+    if jnp.dtype(dtype).itemsize <= 2:
+      return self
+    return dataclasses.replace(self, fwd_k=min(self.fwd_k, 64))
+
 
 DEFAULT_CONFIG = KernelConfig()
 
@@ -325,6 +332,7 @@ def _query_tile_grid(q_index_BT, q_seg_BT, k_index_BT, k_seg_BT, block_q: int, b
 def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_index_BT, q_seg_BT, k_index_BT, k_seg_BT, *, tile: int,
               config: KernelConfig = DEFAULT_CONFIG) -> tuple[jax.Array, jax.Array]:
   """Attention of a query block on a key block: (out [B,Tq,Hq,D] f32, lse [B,Tq,Hq] f32)."""
+  config = config.for_operands(q_BTHD.dtype)
   batch, len_q, num_heads, head_dim = q_BTHD.shape
   len_k, num_kv = k_BTKD.shape[1], k_BTKD.shape[2]
   g = _query_tile_grid(q_index_BT, q_seg_BT, k_index_BT, k_seg_BT,
