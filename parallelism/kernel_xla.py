@@ -1,20 +1,25 @@
 """The `xla` block kernel: tiled flash attention of one query block against one key block.
 
 Pure JAX, runs on any backend; it is the reference the Pallas kernel is checked against.
-The loops are `lax.scan`s over tiles and each (query tile, key tile) pair goes through
-`lax.switch` on its class from `parallelism.tiles`, so a skipped pair executes no
-arithmetic at all (a real conditional on CPU/GPU). The class is decided once per pair
-from min/max over the whole local batch, never vmapped, because a vmapped cond would
-turn into a select that computes both branches.
+Each (query tile, key tile) pair has a class from `parallelism.tiles`. The tile loops run
+only over the pairs that are not SKIP (`_computed_first`), so a skipped pair costs not even
+a loop iteration; a `lax.cond` picks the unmasked or the masked update. A MASKED pair is
+computed as 2 x 2 quarter tiles classified by the same rule (`_by_quarters`): on a block's
+diagonal one quarter is skipped and one is unmasked. Classes are decided from min/max over
+the whole local batch, never vmapped, because a vmapped cond would turn into a select that
+computes both branches.
 
 Shapes: q `[B, Tq, Hq, D]`, k/v `[B, Tk, Hkv, D]`, token_index/segment_ids `[B, T]`.
-GQA keeps K/V un-repeated by viewing q as `[B, T, Hkv, G, D]` with q head h = kv_head * G + g
-(the same pairing as `jnp.repeat(k, G, axis=2)`). Matmuls take the input dtype (bf16 ok)
-and accumulate in float32. Log-sum-exp is the natural log, float32, shape `[B, Tq, Hq]`;
-a query that sees no key gets output 0 and lse -inf, never NaN.
+Inside, arrays are head-major (`[B, Hkv, G, T, D]` for q, `[B, Hkv, T, D]` for k/v) so every
+matmul is a plain batched one with no transpose of a tile. GQA keeps K/V un-repeated: q head
+h = kv_head * G + g (the pairing of `jnp.repeat(k, G, axis=2)`). Matmuls take the input
+dtype (bf16 ok) and accumulate in float32. Log-sum-exp is the natural log, float32, shape
+`[B, Tq, Hq]`; a query that sees no key gets output 0 and lse -inf, never NaN.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -25,35 +30,107 @@ from parallelism import tiles
 _F32 = jnp.float32
 
 
-def _tiled(x_BT, tile: int):
-  """[B, T, ...] -> [T // tile, B, tile, ...], tiles leading so `scan` walks them."""
-  batch, length = x_BT.shape[:2]
-  x = x_BT.reshape(batch, length // tile, tile, *x_BT.shape[2:])
-  return jnp.moveaxis(x, 1, 0)
+def _tiled(x, tile: int, axis: int):
+  """Splits `axis` into tiles and puts the tile number first, so loops index it."""
+  x = x.reshape(*x.shape[:axis], x.shape[axis] // tile, tile, *x.shape[axis + 1:])
+  return jnp.moveaxis(x, axis, 0)
 
 
-def _untiled(x_NBt):
+def _untiled(x, axis: int):
   """Inverse of `_tiled`."""
-  x = jnp.moveaxis(x_NBt, 0, 1)
-  return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
+  x = jnp.moveaxis(x, 0, axis)
+  return x.reshape(*x.shape[:axis], x.shape[axis] * x.shape[axis + 1], *x.shape[axis + 2:])
 
 
-def _scores(q_BtKGD, k_BtKD, scale: float):
-  """Scaled q.k^T in float32, [B, Kv, G, tq, tk]."""
-  s = jnp.einsum("bqhgd,bkhd->bhgqk", q_BtKGD, k_BtKD, preferred_element_type=_F32)
-  return s * scale
+def _q_head_major(x_BTH, num_kv: int):
+  """[B, T, Hq, ...] -> [B, Hkv, G, T, ...]."""
+  batch, length, num_heads = x_BTH.shape[:3]
+  x = x_BTH.reshape(batch, length, num_kv, num_heads // num_kv, *x_BTH.shape[3:])
+  return jnp.moveaxis(x, 1, 3)
+
+
+def _q_token_major(x_BKGT):
+  """Inverse of `_q_head_major`."""
+  x = jnp.moveaxis(x_BKGT, 3, 1)
+  return x.reshape(x.shape[0], x.shape[1], x.shape[2] * x.shape[3], *x.shape[4:])
 
 
 def _mask(q_index_Bt, q_seg_Bt, k_index_Bt, k_seg_Bt):
-  """Visibility [B, 1, 1, tq, tk]: causal in token_index, same segment."""
-  visible = ((k_index_Bt[:, None, :] <= q_index_Bt[:, :, None])
-             & (k_seg_Bt[:, None, :] == q_seg_Bt[:, :, None]))
-  return visible[:, None, None]
+  """Visibility [B, tq, tk]: causal in token_index, same segment."""
+  return ((k_index_Bt[:, None, :] <= q_index_Bt[:, :, None])
+          & (k_seg_Bt[:, None, :] == q_seg_Bt[:, :, None]))
 
 
-def _summaries(q_index, q_seg, k_index, k_seg, tile: int):
-  return (tiles.summarize_tiles(q_index, q_seg, tile),
-          tiles.summarize_tiles(k_index, k_seg, tile))
+def _classes(q_index, q_seg, k_index, k_seg, tile: int):
+  """Class of every (query tile, key tile) pair, [num_q_tiles, num_k_tiles] int32."""
+  return tiles.classify_all(tiles.summarize_tiles(q_index, q_seg, tile),
+                            tiles.summarize_tiles(k_index, k_seg, tile))
+
+
+def _computed_first(classes_N):
+  """(positions of the non-SKIP tiles in order, then the SKIP ones; how many are non-SKIP).
+
+  The tile loops run only over the first `count` positions; the order does not assume
+  sorted token indices.
+  """
+  skip_N = classes_N == tiles.SKIP
+  return jnp.argsort(skip_N, stable=True), jnp.sum(~skip_N)
+
+
+def _by_quarters(update, carry, q_xs, k_xs, *, carry_axes, carry_sides, q_axes, k_axes):
+  """A MASKED tile pair as 2 x 2 quarter pairs, each classified by the same rule.
+
+  `update(carry, q_xs, k_xs, masked=...)` is the per-pair update. Each argument is cut in
+  halves along its token axis (`*_axes`); a carry element belongs to the query side or the
+  key side (`carry_sides`, 'q' or 'k'), which says which half of it a quarter updates. An
+  odd tile is computed whole.
+  """
+  length = q_xs[0].shape[q_axes[0]]
+  half = length // 2
+  if half == 0 or 2 * half != length:
+    return update(carry, q_xs, k_xs, masked=True)
+
+  def cut(x, axis, part):
+    return lax.slice_in_dim(x, part * half, (part + 1) * half, axis=axis)
+
+  q_halves = [tuple(cut(x, axis, a) for x, axis in zip(q_xs, q_axes)) for a in range(2)]
+  k_halves = [tuple(cut(x, axis, b) for x, axis in zip(k_xs, k_axes)) for b in range(2)]
+  # The index and segment ids are the last two of each side's arguments.
+  classes_22 = _classes(*q_xs[-2:], *k_xs[-2:], half)
+  pieces = [[cut(x, axis, 0), cut(x, axis, 1)] for x, axis in zip(carry, carry_axes)]
+  branches = [lambda c, *_: c, functools.partial(update, masked=False),
+              functools.partial(update, masked=True)]
+  for a in range(2):
+    for b in range(2):
+      part = {"q": a, "k": b}
+      sub = tuple(p[part[side]] for p, side in zip(pieces, carry_sides))
+      sub = lax.switch(classes_22[a, b], branches, sub, q_halves[a], k_halves[b])
+      for p, side, x in zip(pieces, carry_sides, sub):
+        p[part[side]] = x
+  return tuple(jnp.concatenate(p, axis=axis) for p, axis in zip(pieces, carry_axes))
+
+
+def _fwd_update(carry, q_xs, k_xs, *, scale: float, masked: bool):
+  """One online-softmax step of a query tile on a key tile; carry is (m, l, acc).
+
+  m is the running max of the UNSCALED scores; the scale goes into the exponent, which
+  saves a pass over the scores (scale > 0, so the max commutes with it).
+  """
+  m_BKGt, l_BKGt, acc_BKGtD = carry
+  q_BKGtD, q_idx_Bt, q_seg_Bt = q_xs
+  k_BKtD, v_BKtD, k_idx_Bt, k_seg_Bt = k_xs
+  s = jnp.einsum("bhgqd,bhkd->bhgqk", q_BKGtD, k_BKtD, preferred_element_type=_F32)
+  if masked:
+    s = jnp.where(_mask(q_idx_Bt, q_seg_Bt, k_idx_Bt, k_seg_Bt)[:, None, None], s, -jnp.inf)
+  m_new = jnp.maximum(m_BKGt, s.max(axis=-1))
+  # A row with nothing visible yet keeps m = -inf; shift by 0 so exp gives 0, not NaN.
+  m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+  p = jnp.exp((s - m_safe[..., None]) * scale)
+  alpha = jnp.exp((m_BKGt - m_safe) * scale)
+  l_new = alpha * l_BKGt + p.sum(axis=-1)
+  pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(v_BKtD.dtype), v_BKtD,
+                  preferred_element_type=_F32)
+  return m_new, l_new, alpha[..., None] * acc_BKGtD + pv
 
 
 def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_index_BT, q_seg_BT, k_index_BT, k_seg_BT, *,
@@ -61,59 +138,66 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_index_BT, q_seg_BT, k_index_BT, k_seg_BT
   """Attention of a query block on a key block: (out [B,Tq,Hq,D] f32, lse [B,Tq,Hq] f32)."""
   batch, _, num_heads, head_dim = q_BTHD.shape
   num_kv = k_BTKD.shape[2]
-  group = num_heads // num_kv
   scale = head_dim ** -0.5
-  q_sum, k_sum = _summaries(q_index_BT, q_seg_BT, k_index_BT, k_seg_BT, tile)
-  q_tiles = _tiled(q_BTHD.reshape(*q_BTHD.shape[:2], num_kv, group, head_dim), tile)
-  k_tiles, v_tiles = _tiled(k_BTKD, tile), _tiled(v_BTKD, tile)
-  k_idx_tiles, k_seg_tiles = _tiled(k_index_BT, tile), _tiled(k_seg_BT, tile)
+  classes_NqNk = _classes(q_index_BT, q_seg_BT, k_index_BT, k_seg_BT, tile)
+  k_tiles = (_tiled(jnp.swapaxes(k_BTKD, 1, 2), tile, 2),
+             _tiled(jnp.swapaxes(v_BTKD, 1, 2), tile, 2),
+             _tiled(k_index_BT, tile, 1), _tiled(k_seg_BT, tile, 1))
+  unmasked = functools.partial(_fwd_update, scale=scale, masked=False)
+  masked = functools.partial(
+      _by_quarters, functools.partial(_fwd_update, scale=scale), carry_axes=(3, 3, 3),
+      carry_sides=("q", "q", "q"), q_axes=(3, 1, 1), k_axes=(2, 2, 1, 1))
 
   def q_tile_body(_, q_xs):
-    q_BtKGD, q_idx_Bt, q_seg_Bt, qi_min, qi_max, qs_min, qs_max = q_xs
+    *q_xs, classes_N = q_xs
+    q_xs = tuple(q_xs)
+    order_N, count = _computed_first(classes_N)
 
-    def k_tile_body(carry, k_xs):
-      k_BtKD, v_BtKD, k_idx_Bt, k_seg_Bt, ki_min, ki_max, ks_min, ks_max = k_xs
-      single = tiles.one_segment(qs_min, qs_max, ks_min, ks_max)
-      tile_class = tiles.classify_tile(qi_min, qi_max, ki_min, ki_max, single)
+    def k_tile_body(i, carry):
+      j = order_N[i]
+      k_xs = tuple(x[j] for x in k_tiles)
+      return lax.cond(classes_N[j] == tiles.MASKED, masked, unmasked, carry, q_xs, k_xs)
 
-      def update(masked: bool):
-        def fn(carry):
-          m_BKGt, l_BKGt, acc_BtKGD = carry
-          s = _scores(q_BtKGD, k_BtKD, scale)
-          if masked:
-            s = jnp.where(_mask(q_idx_Bt, q_seg_Bt, k_idx_Bt, k_seg_Bt), s, -jnp.inf)
-          m_new = jnp.maximum(m_BKGt, s.max(axis=-1))
-          # A row with nothing visible yet keeps m = -inf; shift by 0 so exp gives 0, not NaN.
-          m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-          p = jnp.exp(s - m_safe[..., None])
-          alpha = jnp.exp(m_BKGt - m_safe)
-          l_new = alpha * l_BKGt + p.sum(axis=-1)
-          pv = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v_BtKD.dtype), v_BtKD,
-                          preferred_element_type=_F32)
-          acc_new = jnp.moveaxis(alpha, -1, 1)[..., None] * acc_BtKGD + pv
-          return m_new, l_new, acc_new
-        return fn
-
-      carry = lax.switch(tile_class, [lambda c: c, update(False), update(True)], carry)
-      return carry, None
-
-    t = q_BtKGD.shape[1]
-    init = (jnp.full((batch, num_kv, group, t), -jnp.inf, _F32),
-            jnp.zeros((batch, num_kv, group, t), _F32),
-            jnp.zeros(q_BtKGD.shape, _F32))
-    k_xs = (k_tiles, v_tiles, k_idx_tiles, k_seg_tiles, *k_sum)
-    (m, l, acc), _ = lax.scan(k_tile_body, init, k_xs)
+    rows_BKGt = q_xs[0].shape[:-1]
+    init = (jnp.full(rows_BKGt, -jnp.inf, _F32), jnp.zeros(rows_BKGt, _F32),
+            jnp.zeros(q_xs[0].shape, _F32))
+    m, l, acc = lax.fori_loop(0, count, k_tile_body, init)
     seen = l > 0
-    lse_BKGt = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
-    out_BtKGD = acc / jnp.moveaxis(jnp.where(seen, l, 1.0), -1, 1)[..., None]
-    lse_BtKG = jnp.moveaxis(lse_BKGt, -1, 1)
-    return None, (out_BtKGD, lse_BtKG)
+    lse_BKGt = jnp.where(seen, m * scale + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+    return None, (acc / jnp.where(seen, l, 1.0)[..., None], lse_BKGt)
 
-  q_xs = (q_tiles, _tiled(q_index_BT, tile), _tiled(q_seg_BT, tile), *q_sum)
+  q_xs = (_tiled(_q_head_major(q_BTHD, num_kv), tile, 3), _tiled(q_index_BT, tile, 1),
+          _tiled(q_seg_BT, tile, 1), classes_NqNk)
   _, (out_tiles, lse_tiles) = lax.scan(q_tile_body, None, q_xs)
-  out_BTKGD, lse_BTKG = _untiled(out_tiles), _untiled(lse_tiles)
-  return (out_BTKGD.reshape(q_BTHD.shape),
-          lse_BTKG.reshape(batch, q_BTHD.shape[1], num_heads))
+  out_BTHD = _q_token_major(_untiled(out_tiles, 3))
+  lse_BTH = _q_token_major(_untiled(lse_tiles, 3))
+  return out_BTHD, lse_BTH
+
+
+def _bwd_update(carry, q_xs, k_xs, *, scale: float, masked: bool):
+  """Gradients of one query tile x key tile; carry is (dk, dv) of the key tile and dq of
+  the query tile, all float32.
+
+  Works in key-major scores [B, Kv, tk, G, tq], so dv, dp and dk are plain matmuls; only
+  dq's contraction over keys reads a transposed operand.
+  """
+  dk_BKtD, dv_BKtD, dq_BKGtD = carry
+  q_BKGtD, do_BKGtD, lse_BKGt, delta_BKGt, q_idx_Bt, q_seg_Bt = q_xs
+  k_BKtD, v_BKtD, k_idx_Bt, k_seg_Bt = k_xs
+  s_T = jnp.einsum("bhkd,bhgqd->bhkgq", k_BKtD, q_BKGtD, preferred_element_type=_F32)
+  p_T = jnp.exp(s_T * scale - lse_BKGt[:, :, None])
+  if masked:
+    visible_T = jnp.swapaxes(_mask(q_idx_Bt, q_seg_Bt, k_idx_Bt, k_seg_Bt), 1, 2)
+    p_T = jnp.where(visible_T[:, None, :, None, :], p_T, 0.0)
+  dv_BKtD = dv_BKtD + jnp.einsum("bhkgq,bhgqd->bhkd", p_T.astype(do_BKGtD.dtype), do_BKGtD,
+                                 preferred_element_type=_F32)
+  dp_T = jnp.einsum("bhkd,bhgqd->bhkgq", v_BKtD, do_BKGtD, preferred_element_type=_F32)
+  ds_T = (p_T * (dp_T - delta_BKGt[:, :, None]) * scale).astype(q_BKGtD.dtype)
+  dk_BKtD = dk_BKtD + jnp.einsum("bhkgq,bhgqd->bhkd", ds_T, q_BKGtD,
+                                 preferred_element_type=_F32)
+  dq_BKGtD = dq_BKGtD + jnp.einsum("bhkgq,bhkd->bhgqd", ds_T, k_BKtD,
+                                   preferred_element_type=_F32)
+  return dk_BKtD, dv_BKtD, dq_BKGtD
 
 
 def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_index_BT, q_seg_BT,
@@ -124,60 +208,41 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_index_BT,
   `delta_BTH = sum(dout * out, -1)` with the global output, so each block's
   probabilities are recomputed exactly as the forward's final softmax.
   """
-  batch, _, num_heads, head_dim = q_BTHD.shape
+  head_dim = q_BTHD.shape[3]
   num_kv = k_BTKD.shape[2]
-  group = num_heads // num_kv
   scale = head_dim ** -0.5
-  q_sum, k_sum = _summaries(q_index_BT, q_seg_BT, k_index_BT, k_seg_BT, tile)
-
-  def grouped(x_BTHD):
-    return x_BTHD.reshape(*x_BTHD.shape[:2], num_kv, group, head_dim)
-
+  classes_NqNk = _classes(q_index_BT, q_seg_BT, k_index_BT, k_seg_BT, tile)
   # lse -inf (a query that sees nothing) -> +inf so exp(s - lse) is 0 rather than NaN.
   lse_safe = jnp.where(jnp.isfinite(lse_BTH), lse_BTH, jnp.inf).astype(_F32)
-  lse_tiles = _tiled(lse_safe.reshape(batch, -1, num_kv, group), tile)
-  delta_tiles = _tiled(delta_BTH.astype(_F32).reshape(batch, -1, num_kv, group), tile)
-  q_xs = (_tiled(grouped(q_BTHD), tile), _tiled(grouped(dout_BTHD), tile), lse_tiles,
-          delta_tiles, _tiled(q_index_BT, tile), _tiled(q_seg_BT, tile), *q_sum)
+  q_tiles = (*(_tiled(_q_head_major(x, num_kv), tile, 3) for x in (
+      q_BTHD, dout_BTHD, lse_safe, delta_BTH.astype(_F32))),
+             _tiled(q_index_BT, tile, 1), _tiled(q_seg_BT, tile, 1))
+  unmasked = functools.partial(_bwd_update, scale=scale, masked=False)
+  masked = functools.partial(
+      _by_quarters, functools.partial(_bwd_update, scale=scale), carry_axes=(2, 2, 3),
+      carry_sides=("k", "k", "q"), q_axes=(3, 3, 3, 3, 1, 1), k_axes=(2, 2, 1, 1))
 
   def k_tile_body(dq_tiles, k_xs):
-    k_BtKD, v_BtKD, k_idx_Bt, k_seg_Bt, ki_min, ki_max, ks_min, ks_max = k_xs
+    *k_xs, classes_N = k_xs
+    k_xs = tuple(k_xs)
+    order_N, count = _computed_first(classes_N)
 
-    def q_tile_body(dkv, q_xs_i):
-      (q_BtKGD, do_BtKGD, lse_BtKG, delta_BtKG, q_idx_Bt, q_seg_Bt,
-       qi_min, qi_max, qs_min, qs_max) = q_xs_i
-      single = tiles.one_segment(qs_min, qs_max, ks_min, ks_max)
-      tile_class = tiles.classify_tile(qi_min, qi_max, ki_min, ki_max, single)
+    def q_tile_body(n, carry):
+      i = order_N[n]
+      dk, dv, dq_tiles = carry
+      dk, dv, dq = lax.cond(classes_N[i] == tiles.MASKED, masked, unmasked,
+                            (dk, dv, dq_tiles[i]), tuple(x[i] for x in q_tiles), k_xs)
+      # In place in the loop carry: only computed tiles touch dq.
+      return dk, dv, dq_tiles.at[i].set(dq)
 
-      def skip(dkv):
-        return dkv, jnp.zeros(q_BtKGD.shape, _F32)
+    init = (jnp.zeros(k_xs[0].shape, _F32), jnp.zeros(k_xs[1].shape, _F32), dq_tiles)
+    dk, dv, dq_tiles = lax.fori_loop(0, count, q_tile_body, init)
+    return dq_tiles, (dk, dv)
 
-      def update(masked: bool):
-        def fn(dkv):
-          dk_BtKD, dv_BtKD = dkv
-          s = _scores(q_BtKGD, k_BtKD, scale)
-          p = jnp.exp(s - jnp.moveaxis(lse_BtKG, 1, -1)[..., None])
-          if masked:
-            p = jnp.where(_mask(q_idx_Bt, q_seg_Bt, k_idx_Bt, k_seg_Bt), p, 0.0)
-          dv_new = dv_BtKD + jnp.einsum("bhgqk,bqhgd->bkhd", p.astype(do_BtKGD.dtype),
-                                        do_BtKGD, preferred_element_type=_F32)
-          dp = jnp.einsum("bqhgd,bkhd->bhgqk", do_BtKGD, v_BtKD, preferred_element_type=_F32)
-          ds = p * (dp - jnp.moveaxis(delta_BtKG, 1, -1)[..., None]) * scale
-          ds = ds.astype(q_BtKGD.dtype)
-          dq = jnp.einsum("bhgqk,bkhd->bqhgd", ds, k_BtKD, preferred_element_type=_F32)
-          dk_new = dk_BtKD + jnp.einsum("bhgqk,bqhgd->bkhd", ds, q_BtKGD,
-                                        preferred_element_type=_F32)
-          return (dk_new, dv_new), dq
-        return fn
-
-      return lax.switch(tile_class, [skip, update(False), update(True)], dkv)
-
-    init = (jnp.zeros(k_BtKD.shape, _F32), jnp.zeros(v_BtKD.shape, _F32))
-    (dk, dv), dq_contrib = lax.scan(q_tile_body, init, q_xs)
-    return dq_tiles + dq_contrib, (dk, dv)
-
-  k_xs = (_tiled(k_BTKD, tile), _tiled(v_BTKD, tile), _tiled(k_index_BT, tile),
-          _tiled(k_seg_BT, tile), *k_sum)
-  dq_init = jnp.zeros(q_xs[0].shape, _F32)
+  k_xs = (_tiled(jnp.swapaxes(k_BTKD, 1, 2), tile, 2), _tiled(jnp.swapaxes(v_BTKD, 1, 2), tile, 2),
+          _tiled(k_index_BT, tile, 1), _tiled(k_seg_BT, tile, 1), classes_NqNk.T)
+  dq_init = jnp.zeros(q_tiles[0].shape, _F32)
   dq_tiles, (dk_tiles, dv_tiles) = lax.scan(k_tile_body, dq_init, k_xs)
-  return (_untiled(dq_tiles).reshape(q_BTHD.shape), _untiled(dk_tiles), _untiled(dv_tiles))
+  dq_BTHD = _q_token_major(_untiled(dq_tiles, 3))
+  dk_BTKD, dv_BTKD = (jnp.swapaxes(_untiled(x, 2), 1, 2) for x in (dk_tiles, dv_tiles))
+  return dq_BTHD, dk_BTKD, dv_BTKD
