@@ -167,14 +167,10 @@ def _encoder(cfg: DataConfig, tokenizer: Tokenizer):
 
 def check_layout(seq_len: int, layout: str, num_shards: int) -> None:
   """DataError unless `seq_len` splits evenly over the sequence shards of `layout`."""
-  if layout not in layouts.LAYOUTS:
-    raise DataError(f"unknown layout '{layout}'; choose one of {layouts.LAYOUTS}")
-  divisor = layouts.required_divisor(layout, num_shards)
-  if num_shards < 1 or seq_len % divisor:
-    raise DataError(
-        f"data.seq_len={seq_len} must be divisible by {divisor} (sequence shards={num_shards}"
-        f"{' x 2 for zigzag' if layout == 'zigzag' else ''}); change data.seq_len or "
-        f"mesh.sequence")
+  try:
+    layouts.check_seq_len(seq_len, layout, num_shards, name="data.seq_len")
+  except ValueError as e:
+    raise DataError(f"{e}; change data.seq_len or mesh.sequence") from None
 
 
 def _own_rows(global_batch_size: int, process_index: int, process_count: int,

@@ -45,7 +45,8 @@ class Tokenizer:
     across spaces, odd whitespace) it falls back to the offsets SentencePiece reports.
     """
     words = text.split(" ")
-    counts = [self._word_tokens.get(w) or self._count_tokens(w) for w in words]
+    counts = [self._word_tokens[w] if w in self._word_tokens else self._count_tokens(w)
+              for w in words]  # 0 is a cached count too (the empty word of a double space)
     if sum(counts) == len(ids):
       word_chars = np.cumsum([0] + [len(w) + 1 for w in words[:-1]])
       word_tokens = np.cumsum([0] + counts[:-1])

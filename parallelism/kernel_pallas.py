@@ -100,14 +100,9 @@ def _summaries(index_BT, seg_BT, size: int, pad_to: int):
   return out
 
 
-def _pair_class(q_sum, k_sum):
-  """classify_tile on (index_min, index_max, seg_min, seg_max) of a query and key tile."""
-  single = tiles.one_segment(q_sum[2], q_sum[3], k_sum[2], k_sum[3])
-  return tiles.classify_tile(q_sum[0], q_sum[1], k_sum[0], k_sum[1], single)
-
-
-def _load_summary(refs, at=None):
-  return tuple(ref[...] if at is None else ref[at] for ref in refs)
+def _load_summary(refs, at=None) -> tiles.TileSummary:
+  """The summary fields of one tile (`at`), or of all tiles, from their refs."""
+  return tiles.TileSummary(*(ref[...] if at is None else ref[at] for ref in refs))
 
 
 def _loop_bounds(class_N):
@@ -150,8 +145,8 @@ def _mask(q_idx_t, q_seg_t, k_idx_t, k_seg_t, all_visible):
 def _fwd_kernel(q_ref, k_ref, v_ref, q_idx_ref, q_seg_ref, k_idx_ref, k_seg_ref, *refs,
                 scale: float, block_k: int):
   q_sum_refs, k_sum_refs, (o_ref, lse_ref) = refs[:4], refs[4:8], refs[8:]
-  q_sum = _load_summary(q_sum_refs, _reversed_tile(0))
-  bounds = _loop_bounds(_pair_class(q_sum, _load_summary(k_sum_refs)))
+  q_sum = _load_summary(q_sum_refs, _query_tile(pl.program_id(0), pl.num_programs(0)))
+  bounds = _loop_bounds(tiles.classify_pair(q_sum, _load_summary(k_sum_refs)))
   q_tD = q_ref[...]
   q_idx_t, q_seg_t = q_idx_ref[...], q_seg_ref[...]
   scale2 = scale * _LOG2E  # base-2 logits: exp2(s * log2 e) == exp(s)
@@ -176,7 +171,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, q_idx_ref, q_seg_ref, k_idx_ref, k_seg_ref,
 
     if unmasked:
       return compute(True, carry)
-    return _visit(_pair_class(q_sum, _load_summary(k_sum_refs, j)), compute, carry)
+    return _visit(tiles.classify_pair(q_sum, _load_summary(k_sum_refs, j)), compute, carry)
 
   t, d = q_tD.shape
   init = (jnp.full((t,), -jnp.inf, _F32), jnp.zeros((t,), _F32), jnp.zeros((t, d), _F32))
@@ -205,7 +200,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_idx_ref, q_se
                 k_idx_ref, k_seg_ref, *refs, scale: float, block_q: int, group: int):
   q_sum_refs, k_sum_refs, (dk_ref, dv_ref) = refs[:4], refs[4:8], refs[8:]
   k_sum = _load_summary(k_sum_refs, pl.program_id(0))
-  bounds = _loop_bounds(_pair_class(_load_summary(q_sum_refs), k_sum))
+  bounds = _loop_bounds(tiles.classify_pair(_load_summary(q_sum_refs), k_sum))
   k_kD, v_kD = k_ref[...], v_ref[...]
   k_idx_t, k_seg_t = k_idx_ref[...], k_seg_ref[...]
 
@@ -226,7 +221,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_idx_ref, q_se
 
     if unmasked:
       return compute(True, carry)
-    return _visit(_pair_class(_load_summary(q_sum_refs, i), k_sum), compute, carry)
+    return _visit(tiles.classify_pair(_load_summary(q_sum_refs, i), k_sum), compute, carry)
 
   # The q heads of this kv head's group, one after another (no K/V repeat).
   zeros = jnp.zeros(k_kD.shape, _F32)
@@ -238,8 +233,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_idx_ref, q_se
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_idx_ref, q_seg_ref,
                k_idx_ref, k_seg_ref, *refs, scale: float, block_k: int):
   q_sum_refs, k_sum_refs, (dq_ref,) = refs[:4], refs[4:8], refs[8:]
-  q_sum = _load_summary(q_sum_refs, _reversed_tile(0))
-  bounds = _loop_bounds(_pair_class(q_sum, _load_summary(k_sum_refs)))
+  q_sum = _load_summary(q_sum_refs, _query_tile(pl.program_id(0), pl.num_programs(0)))
+  bounds = _loop_bounds(tiles.classify_pair(q_sum, _load_summary(k_sum_refs)))
   q_tD, do_tD = q_ref[...], do_ref[...]
   lse2_t, delta_t = _lse2(lse_ref[...]), delta_ref[...]
   q_idx_t, q_seg_t = q_idx_ref[...], q_seg_ref[...]
@@ -257,15 +252,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_idx_ref, q_seg
 
     if unmasked:
       return compute(True, dq_tD)
-    return _visit(_pair_class(q_sum, _load_summary(k_sum_refs, j)), compute, dq_tD)
+    return _visit(tiles.classify_pair(q_sum, _load_summary(k_sum_refs, j)), compute, dq_tD)
 
   dq_ref[...] = _three_loops(bounds, step, jnp.zeros(q_tD.shape, _F32))
 
 
-def _reversed_tile(axis: int):
-  """Query tiles run last-first: in a causal order the late tiles see the most keys, and
-  launching them first evens out the tail of the grid."""
-  return pl.num_programs(axis) - 1 - pl.program_id(axis)
+def _query_tile(i, num_q):
+  """The query tile of grid step `i`: last-first, because in a causal order the late tiles
+  see the most keys, and launching them first evens out the tail of the grid."""
+  return num_q - 1 - i
 
 
 def _size(wanted: int, tile: int, length: int, what: str) -> int:
@@ -296,7 +291,7 @@ def _whole_row(length: int):
 def _q_grid_specs(num_q: int, block_q: int, head_dim: int):
   """Specs of per-query-tile operands for grid (query tile, b, q head), tiles last-first:
   [B,T,H,D] tile, [B,T,H] tile (lse, delta), [B,T] tile (index, segment)."""
-  tile = lambda i: num_q - 1 - i
+  tile = lambda i: _query_tile(i, num_q)
   return (pl.BlockSpec((None, block_q, None, head_dim), lambda i, b, h: (b, tile(i), h, 0)),
           pl.BlockSpec((None, block_q, None), lambda i, b, h: (b, tile(i), h)),
           pl.BlockSpec((None, block_q), lambda i, b, h: (b, tile(i))))

@@ -28,6 +28,10 @@ from jax import lax
 from parallelism import tiles
 
 _F32 = jnp.float32
+# The token axis of head-major arrays (and of their tiles): q-side [B, Hkv, G, T, ...],
+# k/v [B, Hkv, T, D], index and segment ids [B, T].
+_Q_AXIS, _KV_AXIS, _INDEX_AXIS = 3, 2, 1
+_K_AXES = (_KV_AXIS, _KV_AXIS, _INDEX_AXIS, _INDEX_AXIS)  # of `_key_tiles`
 
 
 def _tiled(x, tile: int, axis: int):
@@ -46,13 +50,27 @@ def _q_head_major(x_BTH, num_kv: int):
   """[B, T, Hq, ...] -> [B, Hkv, G, T, ...]."""
   batch, length, num_heads = x_BTH.shape[:3]
   x = x_BTH.reshape(batch, length, num_kv, num_heads // num_kv, *x_BTH.shape[3:])
-  return jnp.moveaxis(x, 1, 3)
+  return jnp.moveaxis(x, 1, _Q_AXIS)
 
 
 def _q_token_major(x_BKGT):
   """Inverse of `_q_head_major`."""
-  x = jnp.moveaxis(x_BKGT, 3, 1)
+  x = jnp.moveaxis(x_BKGT, _Q_AXIS, 1)
   return x.reshape(x.shape[0], x.shape[1], x.shape[2] * x.shape[3], *x.shape[4:])
+
+
+def _query_tiles(per_head, q_index_BT, q_seg_BT, num_kv: int, tile: int):
+  """Tiles of the query side: each [B, T, Hq, ...] array of `per_head` head-major,
+  [N, B, Hkv, G, t, ...], then the index and segment ids, [N, B, t]."""
+  return (*(_tiled(_q_head_major(x, num_kv), tile, _Q_AXIS) for x in per_head),
+          _tiled(q_index_BT, tile, _INDEX_AXIS), _tiled(q_seg_BT, tile, _INDEX_AXIS))
+
+
+def _key_tiles(k_BTKD, v_BTKD, k_index_BT, k_seg_BT, tile: int):
+  """Tiles of the key side: k and v head-major, [N, B, Hkv, t, D], then the index and
+  segment ids, [N, B, t]."""
+  return (*(_tiled(jnp.swapaxes(x, 1, 2), tile, _KV_AXIS) for x in (k_BTKD, v_BTKD)),
+          _tiled(k_index_BT, tile, _INDEX_AXIS), _tiled(k_seg_BT, tile, _INDEX_AXIS))
 
 
 def _mask(q_index_Bt, q_seg_Bt, k_index_Bt, k_seg_Bt):
@@ -136,17 +154,15 @@ def _fwd_update(carry, q_xs, k_xs, *, scale: float, masked: bool):
 def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_index_BT, q_seg_BT, k_index_BT, k_seg_BT, *,
               tile: int) -> tuple[jax.Array, jax.Array]:
   """Attention of a query block on a key block: (out [B,Tq,Hq,D] f32, lse [B,Tq,Hq] f32)."""
-  batch, _, num_heads, head_dim = q_BTHD.shape
+  head_dim = q_BTHD.shape[3]
   num_kv = k_BTKD.shape[2]
   scale = head_dim ** -0.5
   classes_NqNk = _classes(q_index_BT, q_seg_BT, k_index_BT, k_seg_BT, tile)
-  k_tiles = (_tiled(jnp.swapaxes(k_BTKD, 1, 2), tile, 2),
-             _tiled(jnp.swapaxes(v_BTKD, 1, 2), tile, 2),
-             _tiled(k_index_BT, tile, 1), _tiled(k_seg_BT, tile, 1))
+  k_tiles = _key_tiles(k_BTKD, v_BTKD, k_index_BT, k_seg_BT, tile)
   unmasked = functools.partial(_fwd_update, scale=scale, masked=False)
   masked = functools.partial(
-      _by_quarters, functools.partial(_fwd_update, scale=scale), carry_axes=(3, 3, 3),
-      carry_sides=("q", "q", "q"), q_axes=(3, 1, 1), k_axes=(2, 2, 1, 1))
+      _by_quarters, functools.partial(_fwd_update, scale=scale), carry_axes=(_Q_AXIS,) * 3,
+      carry_sides=("q", "q", "q"), q_axes=(_Q_AXIS, _INDEX_AXIS, _INDEX_AXIS), k_axes=_K_AXES)
 
   def q_tile_body(_, q_xs):
     *q_xs, classes_N = q_xs
@@ -166,12 +182,10 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_index_BT, q_seg_BT, k_index_BT, k_seg_BT
     lse_BKGt = jnp.where(seen, m * scale + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
     return None, (acc / jnp.where(seen, l, 1.0)[..., None], lse_BKGt)
 
-  q_xs = (_tiled(_q_head_major(q_BTHD, num_kv), tile, 3), _tiled(q_index_BT, tile, 1),
-          _tiled(q_seg_BT, tile, 1), classes_NqNk)
+  q_xs = (*_query_tiles((q_BTHD,), q_index_BT, q_seg_BT, num_kv, tile), classes_NqNk)
   _, (out_tiles, lse_tiles) = lax.scan(q_tile_body, None, q_xs)
-  out_BTHD = _q_token_major(_untiled(out_tiles, 3))
-  lse_BTH = _q_token_major(_untiled(lse_tiles, 3))
-  return out_BTHD, lse_BTH
+  return (_q_token_major(_untiled(out_tiles, _Q_AXIS)),
+          _q_token_major(_untiled(lse_tiles, _Q_AXIS)))
 
 
 def _bwd_update(carry, q_xs, k_xs, *, scale: float, masked: bool):
@@ -214,13 +228,12 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_index_BT,
   classes_NqNk = _classes(q_index_BT, q_seg_BT, k_index_BT, k_seg_BT, tile)
   # lse -inf (a query that sees nothing) -> +inf so exp(s - lse) is 0 rather than NaN.
   lse_safe = jnp.where(jnp.isfinite(lse_BTH), lse_BTH, jnp.inf).astype(_F32)
-  q_tiles = (*(_tiled(_q_head_major(x, num_kv), tile, 3) for x in (
-      q_BTHD, dout_BTHD, lse_safe, delta_BTH.astype(_F32))),
-             _tiled(q_index_BT, tile, 1), _tiled(q_seg_BT, tile, 1))
+  q_tiles = _query_tiles((q_BTHD, dout_BTHD, lse_safe, delta_BTH.astype(_F32)), q_index_BT,
+                         q_seg_BT, num_kv, tile)
   unmasked = functools.partial(_bwd_update, scale=scale, masked=False)
   masked = functools.partial(
-      _by_quarters, functools.partial(_bwd_update, scale=scale), carry_axes=(2, 2, 3),
-      carry_sides=("k", "k", "q"), q_axes=(3, 3, 3, 3, 1, 1), k_axes=(2, 2, 1, 1))
+      _by_quarters, functools.partial(_bwd_update, scale=scale), carry_axes=(_KV_AXIS, _KV_AXIS, _Q_AXIS),
+      carry_sides=("k", "k", "q"), q_axes=(_Q_AXIS,) * 4 + (_INDEX_AXIS,) * 2, k_axes=_K_AXES)
 
   def k_tile_body(dq_tiles, k_xs):
     *k_xs, classes_N = k_xs
@@ -239,10 +252,9 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_index_BT,
     dk, dv, dq_tiles = lax.fori_loop(0, count, q_tile_body, init)
     return dq_tiles, (dk, dv)
 
-  k_xs = (_tiled(jnp.swapaxes(k_BTKD, 1, 2), tile, 2), _tiled(jnp.swapaxes(v_BTKD, 1, 2), tile, 2),
-          _tiled(k_index_BT, tile, 1), _tiled(k_seg_BT, tile, 1), classes_NqNk.T)
+  k_xs = (*_key_tiles(k_BTKD, v_BTKD, k_index_BT, k_seg_BT, tile), classes_NqNk.T)
   dq_init = jnp.zeros(q_tiles[0].shape, _F32)
   dq_tiles, (dk_tiles, dv_tiles) = lax.scan(k_tile_body, dq_init, k_xs)
-  dq_BTHD = _q_token_major(_untiled(dq_tiles, 3))
-  dk_BTKD, dv_BTKD = (jnp.swapaxes(_untiled(x, 2), 1, 2) for x in (dk_tiles, dv_tiles))
+  dq_BTHD = _q_token_major(_untiled(dq_tiles, _Q_AXIS))
+  dk_BTKD, dv_BTKD = (jnp.swapaxes(_untiled(x, _KV_AXIS), 1, 2) for x in (dk_tiles, dv_tiles))
   return dq_BTHD, dk_BTKD, dv_BTKD

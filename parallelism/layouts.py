@@ -25,12 +25,14 @@ def required_divisor(layout: str, num_shards: int) -> int:
   return 2 * num_shards if layout == "zigzag" else num_shards
 
 
-def check_seq_len(seq_len: int, layout: str, num_shards: int) -> None:
+def check_seq_len(seq_len: int, layout: str, num_shards: int, name: str = "seq_len") -> None:
+  """ValueError unless `seq_len` splits evenly over the shards of `layout`; `name` is how
+  the caller's users know the length (e.g. 'data.seq_len')."""
   divisor = required_divisor(layout, num_shards)
   if num_shards < 1 or seq_len % divisor:
-    what = "2 x sequence shards" if layout == "zigzag" else "sequence shards"
     raise ValueError(
-        f"seq_len={seq_len} must be divisible by {what} ({divisor}) for layout '{layout}'")
+        f"{name}={seq_len} must be divisible by {divisor} (sequence shards={num_shards}"
+        f"{' x 2 for zigzag' if layout == 'zigzag' else ''})")
 
 
 @functools.lru_cache(maxsize=64)

@@ -11,7 +11,7 @@ key segment ids are one value:
 
 Under `ring` this skips whole future blocks; under `striped` and `zigzag` it skips the
 upper triangle of tiles inside each block. The xla kernel, the benchmark's tile counter
-and (later) the Pallas kernel all call `classify_tile`, so they cannot disagree.
+and the Pallas kernel all call `classify_tile`, so they cannot disagree.
 
 The functions work on NumPy arrays (host-side counting) and on traced jnp values (inside
 the kernels) alike; summaries are taken over the whole local batch, which is
@@ -76,9 +76,13 @@ def classify_tile(q_index_min: ArrayLike, q_index_max: ArrayLike, k_index_min: A
   return tile_class.astype(xp.int32)
 
 
+def classify_pair(q: TileSummary, k: TileSummary) -> ArrayLike:
+  """Class of query tiles `q` against key tiles `k` (fields broadcast like NumPy)."""
+  single = one_segment(q.segment_min, q.segment_max, k.segment_min, k.segment_max)
+  return classify_tile(q.index_min, q.index_max, k.index_min, k.index_max, single)
+
+
 def classify_all(q: TileSummary, k: TileSummary) -> ArrayLike:
   """Classes of all pairs as a [num_q_tiles, num_k_tiles] array."""
-  single = one_segment(q.segment_min[:, None], q.segment_max[:, None],
-                       k.segment_min[None, :], k.segment_max[None, :])
-  return classify_tile(q.index_min[:, None], q.index_max[:, None],
-                       k.index_min[None, :], k.index_max[None, :], single)
+  return classify_pair(TileSummary(*(field[:, None] for field in q)),
+                       TileSummary(*(field[None, :] for field in k)))

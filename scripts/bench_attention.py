@@ -173,7 +173,8 @@ def time_on_both_core_orders(seq_len: int, repeats: int) -> dict[str, list]:
 def summarize(seconds: dict[str, list]) -> dict:
   # The min is printed too: on a machine shared with other jobs it is the least disturbed run.
   return {"median": {key: statistics.median(ts) for key, ts in seconds.items()},
-          "min": {key: min(ts) for key, ts in seconds.items()}}
+          "min": {key: min(ts) for key, ts in seconds.items()},
+          "runs": min(len(ts) for ts in seconds.values())}
 
 
 def load_average() -> str:
@@ -222,17 +223,16 @@ def main() -> None:
     one_core = summarize(time_on_cores(("0", "0"), args.seq_len, args.repeats))
     load_after = load_average()
     print(f"\nPart 2: S={args.seq_len}, 2 heads, head_dim 64, tile 256, batch 1, "
-          f"2 CPU devices in 2 processes, median of {2 * args.repeats} on 2 cores "
-          f"(both core orders) and of {args.repeats} on 1")
+          f"2 CPU devices in 2 processes, median of {two_cores['runs']} runs on 2 cores "
+          f"(both core orders) and of {one_core['runs']} on 1")
     print(f"load before: {load_before}\nload after:  {load_after}")
     print("speedup = ring time / layout time (goal on 2 cores: striped fwd >= 1.4, "
           "fwd+bwd >= 1.3; control ~1.0)")
     print_timing("2 cores (one per device and process, both orders pooled)", two_cores)
     print_timing("control: both processes pinned to 1 core (taskset -c 0)", one_core)
     for cores, timings in (("2", two_cores), ("1 (taskset -c 0)", one_core)):
-      runs = 2 * args.repeats if cores == "2" else args.repeats
       rows.append(dict(part="time", cores=cores, seq_len=args.seq_len, num_heads=2, head_dim=64,
-                       tile=256, repeats=runs, median_s=timings["median"],
+                       tile=256, repeats=timings["runs"], median_s=timings["median"],
                        min_s=timings["min"], speedup_median=ratios(timings["median"]),
                        speedup_min=ratios(timings["min"]), load_before=load_before,
                        load_after=load_after))

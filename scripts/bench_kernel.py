@@ -135,6 +135,11 @@ def part_check() -> None:
     record(part="check", layout=layout, block=c, heads=heads, kv_heads=kv, **worst)
 
 
+def _causal_fwd_flops(seq_len: int, heads: int = 32, d: int = 128) -> float:
+  """Forward FLOPs of causal attention on `_causal_inputs` (QK^T and PV, half of them)."""
+  return 4 * heads * seq_len ** 2 * d / 2
+
+
 def _causal_inputs(seq_len: int, heads: int = 32, d: int = 128, seed: int = 0):
   q, k, v, dout = normals(jax.random.key(seed), [(1, seq_len, heads, d)] * 4, BF16)
   index = jnp.arange(seq_len, dtype=jnp.int32)[None]
@@ -163,7 +168,7 @@ def part_sweep(seq_len: int) -> kernel_pallas.KernelConfig:
               dict(dkv_k=64, dkv_q=32, dq_q=64, dq_k=32, bwd_warps=4, bwd_stages=2),
               dict(dkv_k=128, dkv_q=64, dq_q=128, dq_k=64, bwd_warps=8, bwd_stages=2)]
   q, k, v, dout, index, seg = _causal_inputs(seq_len)
-  fwd_flops = 4 * 32 * seq_len ** 2 * 128 / 2
+  fwd_flops = _causal_fwd_flops(seq_len)
   best = {"fwd": (None, np.inf), "bwd": (None, np.inf)}
   out, lse = jax.jit(functools.partial(kernel_pallas.block_fwd, tile=TILE))(
       q, k, v, index, seg, index, seg)
@@ -203,7 +208,7 @@ def part_cudnn(config, seq_lens) -> None:
         f" {'ratio':>6}  rel err vs cudnn (out, dq, dk, dv)")
   for seq_len in seq_lens:
     q, k, v, dout, index, seg = _causal_inputs(seq_len, seed=seq_len)
-    flops = 4 * 32 * seq_len ** 2 * 128 / 2
+    fwd_flops = _causal_fwd_flops(seq_len)
     (dq, dk, dv), out, _ = ours_fb(q, k, v, dout, index, seg, index, seg)
     ref_out = cudnn_f(q, k, v)
     ref_dq, ref_dk, ref_dv = cudnn_fb(q, k, v, dout)
@@ -211,9 +216,10 @@ def part_cudnn(config, seq_lens) -> None:
     times = [median_time(ours_f, q, k, v, index, seg), median_time(cudnn_f, q, k, v),
              median_time(ours_fb, q, k, v, dout, index, seg, index, seg),
              median_time(cudnn_fb, q, k, v, dout)]
-    tf = [flops / times[0], flops / times[1], 3.5 * flops / times[2], 3.5 * flops / times[3]]
+    tf = [fwd_flops / times[0], fwd_flops / times[1], 3.5 * fwd_flops / times[2],
+          3.5 * fwd_flops / times[3]]
     tf = [x / 1e12 for x in tf]
-    ref_tf = _jax_pallas_reference(q, k, v, dout, flops)
+    ref_tf = _jax_pallas_reference(q, k, v, dout, fwd_flops)
     print(f"{seq_len:>6} {tf[0]:>9.1f} {tf[1]:>9.1f} {tf[0] / tf[1]:>6.2f} {tf[2]:>9.1f} "
           f"{tf[3]:>9.1f} {tf[2] / tf[3]:>6.2f}  " + " ".join(f"{e:.1e}" for e in errs))
     record(part="cudnn", seq_len=seq_len, ours_fwd_tflops=tf[0], cudnn_fwd_tflops=tf[1],
@@ -223,7 +229,7 @@ def part_cudnn(config, seq_lens) -> None:
            jax_pallas_mha_tflops=ref_tf)
 
 
-def _jax_pallas_reference(q, k, v, dout, flops):
+def _jax_pallas_reference(q, k, v, dout, fwd_flops):
   """JAX's own Pallas-Triton flash attention (no index rule): the backend's ceiling here."""
   try:
     from jax.experimental.pallas.ops.gpu import attention
@@ -231,8 +237,8 @@ def _jax_pallas_reference(q, k, v, dout, flops):
                             sm_scale=q.shape[-1] ** -0.5)
     f = jax.jit(mha)
     fb = jax.jit(lambda q, k, v, dout: jax.vjp(mha, q, k, v)[1](dout))
-    tf = (flops / median_time(f, q, k, v) / 1e12,
-          3.5 * flops / median_time(fb, q, k, v, dout) / 1e12)
+    tf = (fwd_flops / median_time(f, q, k, v) / 1e12,
+          3.5 * fwd_flops / median_time(fb, q, k, v, dout) / 1e12)
     print(f"        jax.experimental.pallas.ops.gpu.attention.mha: fwd {tf[0]:.1f}, "
           f"f+b {tf[1]:.1f} TFLOP/s")
     return tf
@@ -319,6 +325,7 @@ def part_e2e(seq_lens, remat_policy: str = "auto", attention: str = "pallas") ->
 
   import parallelism
   from model import Decoder, ModelConfig
+  from trainer import flops
   if attention == "cudnn":
     parallelism.ring_attention = lambda q, k, v, *_, **__: jax.nn.dot_product_attention(
         q, k, v, is_causal=True, implementation="cudnn")
@@ -354,12 +361,11 @@ def part_e2e(seq_lens, remat_policy: str = "auto", attention: str = "pallas") ->
       jax.block_until_ready(loss)
       times.append(time.perf_counter() - start)
     t = statistics.median(times[2:])
-    attention = 6 * cfg.num_layers * cfg.num_heads * cfg.head_size * seq_len  # causal half
-    flops_token = 6 * cfg.matmul_params() + attention
     tps = seq_len / t
-    mfu = flops_token * tps / 989e12
+    peak = flops.PEAK_FLOPS[flops.accelerator_name(jax.devices()[0].device_kind) or "h100"]
+    mfu = flops.mfu(flops.flops_per_token(cfg, seq_len), tps, 1, peak)
     print(f"  S={seq_len} remat={remat}: step {t * 1e3:.1f} ms, {tps:,.0f} tokens/s, "
-          f"MFU {mfu:.3f} (peak 989e12), loss {float(loss):.3f}")
+          f"MFU {mfu:.3f} (peak {peak:.3g}), loss {float(loss):.3f}")
     record(part="e2e", attention=attention, seq_len=seq_len, remat=remat, step_s=t,
            tokens_per_sec=tps, mfu=mfu,
            loss=float(loss), config=dataclasses.asdict(kernel_pallas.DEFAULT_CONFIG))

@@ -91,10 +91,10 @@ def _check_mesh(config: ml_collections.ConfigDict, num_devices: int, head_size: 
   layout = "ring" if m.attention == "dense" else m.attention
   sequence = shape["sequence"]
   seq_len = config.data.seq_len
-  divisor = parallelism.layouts.required_divisor(layout, sequence)
-  _require(seq_len % divisor == 0,
-           f"data.seq_len={seq_len} must be divisible by {divisor} (mesh.sequence={sequence}"
-           f"{' x 2 for zigzag' if layout == 'zigzag' else ''})")
+  try:
+    parallelism.layouts.check_seq_len(seq_len, layout, sequence, name="data.seq_len")
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
   if m.attention != "dense":
     # The kernels' own clipping, so a config that passes here cannot fail in the ring.
     tile = parallelism.block_tile(seq_len, sequence, m.attention_tile)

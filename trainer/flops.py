@@ -12,9 +12,12 @@ MFU = FLOPs per token * tokens per second / (devices * peak FLOP/s of one device
 
 from __future__ import annotations
 
-import ml_collections
+from typing import TYPE_CHECKING
 
 from model import ModelConfig
+
+if TYPE_CHECKING:  # Only for annotations: the GPU benchmark imports this without ml_collections.
+  import ml_collections
 
 # Dense bf16 peak FLOP/s of one device (chip), from the vendors' spec sheets (no sparsity).
 PEAK_FLOPS = {

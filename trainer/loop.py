@@ -148,15 +148,22 @@ def _make_iterator(config, data_cfg, model_cfg, mesh, split):
 
 
 class _StopSignals:
-  """Turns SIGTERM/SIGINT into a request to save and stop after the current step."""
+  """Turns SIGTERM/SIGINT into a request to save and stop after the current step.
+
+  Single process only. With several processes each would see a signal at its own step and
+  save alone, so SIGTERM is left to JAX's preemption service (installed by
+  `jax.distributed.initialize`; a Python handler would replace it), which agrees on one
+  step for all processes: `Checkpointer.reached_preemption`.
+  """
 
   def __init__(self):
     self.received: str | None = None
     self._previous = {}
 
   def __enter__(self):
-    for sig in (signal.SIGTERM, signal.SIGINT):
-      self._previous[sig] = signal.signal(sig, self._handle)
+    if jax.process_count() == 1:
+      for sig in (signal.SIGTERM, signal.SIGINT):
+        self._previous[sig] = signal.signal(sig, self._handle)
     return self
 
   def _handle(self, signum, frame):
@@ -260,11 +267,14 @@ class _Run:
                               cfg.data.eval_split)
     sharding = parallelism.batch_sharding(self.mesh)
     totals: dict[str, float] = {}
-    for _ in range(cfg.train.eval_steps):
-      sums = self.eval_fn(state.params, data.to_global_batch(next(iterator), sharding,
-                                                             cfg.train.batch_size))
-      for key, value in jax.device_get(sums).items():
-        totals[key] = totals.get(key, 0.0) + float(value)
+    try:
+      for _ in range(cfg.train.eval_steps):
+        sums = self.eval_fn(state.params, data.to_global_batch(next(iterator), sharding,
+                                                               cfg.train.batch_size))
+        for key, value in jax.device_get(sums).items():
+          totals[key] = totals.get(key, 0.0) + float(value)
+    finally:
+      iterator.close()  # A fresh iterator per eval: stop its prefetch thread now, not at exit.
     record = {"step": step, "eval_loss": totals["loss_sum"] / max(totals["tokens"], 1.0)}
     if totals.get("answers"):
       record["eval_retrieval_accuracy"] = totals["answers_correct"] / totals["answers"]

@@ -28,9 +28,10 @@ from urllib.parse import urlparse
 import jax
 import ml_collections
 
+import parallelism
+from trainer.config_check import WANDB_MODES
 from trainer.tracking import NoopTracker, Tracker, scrub, secret_values
 
-MODES = ("auto", "online", "offline", "disabled")
 _STATE_FILE = "run.json"
 
 
@@ -39,9 +40,9 @@ def resolve_mode(config_mode: str, environ: dict[str, str] | None = None) -> str
   environ = os.environ if environ is None else environ
   mode = (environ.get("WANDB_MODE", "").strip() or config_mode).lower()
   mode = {"dryrun": "offline", "run": "online"}.get(mode, mode)  # W&B's older spellings.
-  if mode not in MODES:
+  if mode not in WANDB_MODES:
     raise ValueError(f"W&B mode {mode!r} (from WANDB_MODE or config.wandb.mode) is not one of "
-                     f"{', '.join(MODES)}")
+                     f"{', '.join(WANDB_MODES)}")
   if mode == "auto":
     return "online" if has_api_key(environ) else "offline"
   return mode
@@ -76,11 +77,7 @@ def run_names(config: ml_collections.ConfigDict) -> tuple[str, str, list[str]]:
 
 def resolved_mesh(mesh: dict[str, int], num_devices: int) -> dict[str, int]:
   """The mesh axis sizes with a -1 filled from the device count."""
-  fixed = 1
-  for size in mesh.values():
-    fixed *= size if size != -1 else 1
-  return {axis: num_devices // fixed if size == -1 else size for axis, size in mesh.items()
-          if axis in ("data", "fsdp", "sequence", "tensor")}
+  return dict(zip(parallelism.MESH_AXES, parallelism.resolve_mesh_shape(mesh, num_devices)))
 
 
 class WandbTracker:
