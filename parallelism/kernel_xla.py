@@ -9,9 +9,11 @@ diagonal one quarter is skipped and one is unmasked. Classes are decided from mi
 the whole local batch, never vmapped, because a vmapped cond would turn into a select that
 computes both branches.
 
-Shapes: q `[B, Tq, Hq, D]`, k/v `[B, Tk, Hkv, D]`, token_index/segment_ids `[B, T]`.
-Inside, arrays are head-major (`[B, Hkv, G, T, D]` for q, `[B, Hkv, T, D]` for k/v) so every
-matmul is a plain batched one with no transpose of a tile. GQA keeps K/V un-repeated: q head
+Shapes: q `[B, Tq, Hq, D]`, k/v `[B, Tk, Hkv, D]`, token_index/segment_ids `[B, T]`; the
+token axis is axis 1 of every argument and result. The loops slice each tile out of these
+token-major arrays and transpose only the tile head-major (`[B, Hkv, G, t, D]` for q,
+`[B, Hkv, t, D]` for k/v), so every matmul is a plain batched one and no whole-block copy is
+made (a token-major tile is one contiguous run of memory). GQA keeps K/V un-repeated: q head
 h = kv_head * G + g (the pairing of `jnp.repeat(k, G, axis=2)`). Matmuls take the input
 dtype (bf16 ok) and accumulate in float32. Log-sum-exp is the natural log, float32, shape
 `[B, Tq, Hq]`; a query that sees no key gets output 0 and lse -inf, never NaN.
@@ -28,22 +30,22 @@ from jax import lax
 from parallelism import tiles
 
 _F32 = jnp.float32
-# The token axis of head-major arrays (and of their tiles): q-side [B, Hkv, G, T, ...],
-# k/v [B, Hkv, T, D], index and segment ids [B, T].
+# The token axis of head-major tiles: q-side [B, Hkv, G, t, ...], k/v [B, Hkv, t, D], and
+# index and segment ids [B, t]. (Token-major arguments all have it at axis 1.)
 _Q_AXIS, _KV_AXIS, _INDEX_AXIS = 3, 2, 1
-_K_AXES = (_KV_AXIS, _KV_AXIS, _INDEX_AXIS, _INDEX_AXIS)  # of `_key_tiles`
+_K_AXES = (_KV_AXIS, _KV_AXIS, _INDEX_AXIS, _INDEX_AXIS)  # of `_key_tile`
+# ... and of the backward's transposed tiles: k^T [B, Hkv, D, t] and dq^T [B, Hkv, D, G, t].
+_KV_T_AXIS, _DQ_T_AXIS = 3, 4
 
 
-def _tiled(x, tile: int, axis: int):
-  """Splits `axis` into tiles and puts the tile number first, so loops index it."""
-  x = x.reshape(*x.shape[:axis], x.shape[axis] // tile, tile, *x.shape[axis + 1:])
-  return jnp.moveaxis(x, axis, 0)
+def _tile_of(x_BT, i, tile: int):
+  """Tile `i` of a token-major array (tokens on axis 1)."""
+  return lax.dynamic_slice_in_dim(x_BT, i * tile, tile, axis=1)
 
 
-def _untiled(x, axis: int):
-  """Inverse of `_tiled`."""
-  x = jnp.moveaxis(x, 0, axis)
-  return x.reshape(*x.shape[:axis], x.shape[axis] * x.shape[axis + 1], *x.shape[axis + 2:])
+def _with_tile(x_BT, i, tile: int, value_Bt):
+  """`x_BT` with tile `i` replaced (in place inside a loop carry)."""
+  return lax.dynamic_update_slice_in_dim(x_BT, value_Bt.astype(x_BT.dtype), i * tile, axis=1)
 
 
 def _q_head_major(x_BTH, num_kv: int):
@@ -59,18 +61,17 @@ def _q_token_major(x_BKGT):
   return x.reshape(x.shape[0], x.shape[1], x.shape[2] * x.shape[3], *x.shape[4:])
 
 
-def _query_tiles(per_head, q_index_BT, q_seg_BT, num_kv: int, tile: int):
-  """Tiles of the query side: each [B, T, Hq, ...] array of `per_head` head-major,
-  [N, B, Hkv, G, t, ...], then the index and segment ids, [N, B, t]."""
-  return (*(_tiled(_q_head_major(x, num_kv), tile, _Q_AXIS) for x in per_head),
-          _tiled(q_index_BT, tile, _INDEX_AXIS), _tiled(q_seg_BT, tile, _INDEX_AXIS))
+def _query_tile(per_head, q_index_BT, q_seg_BT, i, num_kv: int, tile: int):
+  """Query tile `i`: each [B, T, Hq, ...] array of `per_head` head-major, [B, Hkv, G, t, ...],
+  then the index and segment ids, [B, t]."""
+  return (*(_q_head_major(_tile_of(x, i, tile), num_kv) for x in per_head),
+          _tile_of(q_index_BT, i, tile), _tile_of(q_seg_BT, i, tile))
 
 
-def _key_tiles(k_BTKD, v_BTKD, k_index_BT, k_seg_BT, tile: int):
-  """Tiles of the key side: k and v head-major, [N, B, Hkv, t, D], then the index and
-  segment ids, [N, B, t]."""
-  return (*(_tiled(jnp.swapaxes(x, 1, 2), tile, _KV_AXIS) for x in (k_BTKD, v_BTKD)),
-          _tiled(k_index_BT, tile, _INDEX_AXIS), _tiled(k_seg_BT, tile, _INDEX_AXIS))
+def _key_tile(k_BTKD, v_BTKD, k_index_BT, k_seg_BT, j, tile: int):
+  """Key tile `j`: k and v head-major, [B, Hkv, t, D], then the index and segment ids."""
+  return (*(jnp.swapaxes(_tile_of(x, j, tile), 1, 2) for x in (k_BTKD, v_BTKD)),
+          _tile_of(k_index_BT, j, tile), _tile_of(k_seg_BT, j, tile))
 
 
 def _mask(q_index_Bt, q_seg_Bt, k_index_Bt, k_seg_Bt):
@@ -80,9 +81,10 @@ def _mask(q_index_Bt, q_seg_Bt, k_index_Bt, k_seg_Bt):
 
 
 def _classes(q_index, q_seg, k_index, k_seg, tile: int):
-  """Class of every (query tile, key tile) pair, [num_q_tiles, num_k_tiles] int32."""
-  return tiles.classify_all(tiles.summarize_tiles(q_index, q_seg, tile),
-                            tiles.summarize_tiles(k_index, k_seg, tile))
+  """Class of every (query tile, key tile) pair, [num_q_tiles, num_k_tiles] int32; a JAX
+  array even for NumPy inputs, since the loops index it with traced tile numbers."""
+  return jnp.asarray(tiles.classify_all(tiles.summarize_tiles(q_index, q_seg, tile),
+                                        tiles.summarize_tiles(k_index, k_seg, tile)))
 
 
 def _computed_first(classes_N):
@@ -158,20 +160,19 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_index_BT, q_seg_BT, k_index_BT, k_seg_BT
   num_kv = k_BTKD.shape[2]
   scale = head_dim ** -0.5
   classes_NqNk = _classes(q_index_BT, q_seg_BT, k_index_BT, k_seg_BT, tile)
-  k_tiles = _key_tiles(k_BTKD, v_BTKD, k_index_BT, k_seg_BT, tile)
   unmasked = functools.partial(_fwd_update, scale=scale, masked=False)
   masked = functools.partial(
       _by_quarters, functools.partial(_fwd_update, scale=scale), carry_axes=(_Q_AXIS,) * 3,
       carry_sides=("q", "q", "q"), q_axes=(_Q_AXIS, _INDEX_AXIS, _INDEX_AXIS), k_axes=_K_AXES)
 
-  def q_tile_body(_, q_xs):
-    *q_xs, classes_N = q_xs
-    q_xs = tuple(q_xs)
+  def q_tile_body(i, results):
+    q_xs = _query_tile((q_BTHD,), q_index_BT, q_seg_BT, i, num_kv, tile)
+    classes_N = classes_NqNk[i]
     order_N, count = _computed_first(classes_N)
 
-    def k_tile_body(i, carry):
-      j = order_N[i]
-      k_xs = tuple(x[j] for x in k_tiles)
+    def k_tile_body(n, carry):
+      j = order_N[n]
+      k_xs = _key_tile(k_BTKD, v_BTKD, k_index_BT, k_seg_BT, j, tile)
       return lax.cond(classes_N[j] == tiles.MASKED, masked, unmasked, carry, q_xs, k_xs)
 
     rows_BKGt = q_xs[0].shape[:-1]
@@ -180,24 +181,28 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_index_BT, q_seg_BT, k_index_BT, k_seg_BT
     m, l, acc = lax.fori_loop(0, count, k_tile_body, init)
     seen = l > 0
     lse_BKGt = jnp.where(seen, m * scale + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
-    return None, (acc / jnp.where(seen, l, 1.0)[..., None], lse_BKGt)
+    out_BKGtD = acc / jnp.where(seen, l, 1.0)[..., None]
+    out_BTHD, lse_BTH = results
+    return (_with_tile(out_BTHD, i, tile, _q_token_major(out_BKGtD)),
+            _with_tile(lse_BTH, i, tile, _q_token_major(lse_BKGt)))
 
-  q_xs = (*_query_tiles((q_BTHD,), q_index_BT, q_seg_BT, num_kv, tile), classes_NqNk)
-  _, (out_tiles, lse_tiles) = lax.scan(q_tile_body, None, q_xs)
-  return (_q_token_major(_untiled(out_tiles, _Q_AXIS)),
-          _q_token_major(_untiled(lse_tiles, _Q_AXIS)))
+  # Every query tile is written; the zeros only allocate.
+  results = (jnp.zeros(q_BTHD.shape, _F32), jnp.zeros(q_BTHD.shape[:3], _F32))
+  return lax.fori_loop(0, classes_NqNk.shape[0], q_tile_body, results)
 
 
 def _bwd_update(carry, q_xs, k_xs, *, scale: float, masked: bool):
   """Gradients of one query tile x key tile; carry is (dk, dv) of the key tile and dq of
-  the query tile, all float32.
+  the query tile, transposed ([B, Hkv, D, G, tq]), all float32.
 
-  Works in key-major scores [B, Kv, tk, G, tq], so dv, dp and dk are plain matmuls; only
-  dq's contraction over keys reads a transposed operand.
+  Works in key-major scores [B, Kv, tk, G, tq], so dv, dp and dk are plain matmuls, and dq
+  is computed transposed, dq^T = k^T ds^T, from the key tile transposed once per key tile
+  (`k_xs[2]`). XLA's CPU matmuls want [m, k] x [k, n] operands: dq = ds k would transpose
+  the score-sized ds for every tile pair, which cost a third of the backward.
   """
-  dk_BKtD, dv_BKtD, dq_BKGtD = carry
+  dk_BKtD, dv_BKtD, dq_BKDGt = carry
   q_BKGtD, do_BKGtD, lse_BKGt, delta_BKGt, q_idx_Bt, q_seg_Bt = q_xs
-  k_BKtD, v_BKtD, k_idx_Bt, k_seg_Bt = k_xs
+  k_BKtD, v_BKtD, k_BKDt, k_idx_Bt, k_seg_Bt = k_xs
   s_T = jnp.einsum("bhkd,bhgqd->bhkgq", k_BKtD, q_BKGtD, preferred_element_type=_F32)
   p_T = jnp.exp(s_T * scale - lse_BKGt[:, :, None])
   if masked:
@@ -209,9 +214,9 @@ def _bwd_update(carry, q_xs, k_xs, *, scale: float, masked: bool):
   ds_T = (p_T * (dp_T - delta_BKGt[:, :, None]) * scale).astype(q_BKGtD.dtype)
   dk_BKtD = dk_BKtD + jnp.einsum("bhkgq,bhgqd->bhkd", ds_T, q_BKGtD,
                                  preferred_element_type=_F32)
-  dq_BKGtD = dq_BKGtD + jnp.einsum("bhkgq,bhkd->bhgqd", ds_T, k_BKtD,
+  dq_BKDGt = dq_BKDGt + jnp.einsum("bhdk,bhkgq->bhdgq", k_BKDt, ds_T,
                                    preferred_element_type=_F32)
-  return dk_BKtD, dv_BKtD, dq_BKGtD
+  return dk_BKtD, dv_BKtD, dq_BKDGt
 
 
 def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_index_BT, q_seg_BT,
@@ -228,33 +233,38 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_index_BT,
   classes_NqNk = _classes(q_index_BT, q_seg_BT, k_index_BT, k_seg_BT, tile)
   # lse -inf (a query that sees nothing) -> +inf so exp(s - lse) is 0 rather than NaN.
   lse_safe = jnp.where(jnp.isfinite(lse_BTH), lse_BTH, jnp.inf).astype(_F32)
-  q_tiles = _query_tiles((q_BTHD, dout_BTHD, lse_safe, delta_BTH.astype(_F32)), q_index_BT,
-                         q_seg_BT, num_kv, tile)
+  per_head = (q_BTHD, dout_BTHD, lse_safe, delta_BTH.astype(_F32))
   unmasked = functools.partial(_bwd_update, scale=scale, masked=False)
   masked = functools.partial(
-      _by_quarters, functools.partial(_bwd_update, scale=scale), carry_axes=(_KV_AXIS, _KV_AXIS, _Q_AXIS),
-      carry_sides=("k", "k", "q"), q_axes=(_Q_AXIS,) * 4 + (_INDEX_AXIS,) * 2, k_axes=_K_AXES)
+      _by_quarters, functools.partial(_bwd_update, scale=scale),
+      carry_axes=(_KV_AXIS, _KV_AXIS, _DQ_T_AXIS), carry_sides=("k", "k", "q"),
+      q_axes=(_Q_AXIS,) * 4 + (_INDEX_AXIS,) * 2,
+      k_axes=(_KV_AXIS, _KV_AXIS, _KV_T_AXIS, _INDEX_AXIS, _INDEX_AXIS))
 
-  def k_tile_body(dq_tiles, k_xs):
-    *k_xs, classes_N = k_xs
-    k_xs = tuple(k_xs)
+  def k_tile_body(j, grads):
+    k_BKtD, v_BKtD, k_idx_Bt, k_seg_Bt = _key_tile(k_BTKD, v_BTKD, k_index_BT, k_seg_BT, j, tile)
+    k_xs = (k_BKtD, v_BKtD, jnp.swapaxes(k_BKtD, 2, 3), k_idx_Bt, k_seg_Bt)
+    classes_N = classes_NqNk[:, j]
     order_N, count = _computed_first(classes_N)
 
     def q_tile_body(n, carry):
       i = order_N[n]
-      dk, dv, dq_tiles = carry
-      dk, dv, dq = lax.cond(classes_N[i] == tiles.MASKED, masked, unmasked,
-                            (dk, dv, dq_tiles[i]), tuple(x[i] for x in q_tiles), k_xs)
+      dk, dv, dq_BTHD = carry
+      dq_BKDGt = jnp.moveaxis(_q_head_major(_tile_of(dq_BTHD, i, tile), num_kv), 4, 2)
+      q_xs = _query_tile(per_head, q_index_BT, q_seg_BT, i, num_kv, tile)
+      dk, dv, dq_BKDGt = lax.cond(classes_N[i] == tiles.MASKED, masked, unmasked,
+                                  (dk, dv, dq_BKDGt), q_xs, k_xs)
       # In place in the loop carry: only computed tiles touch dq.
-      return dk, dv, dq_tiles.at[i].set(dq)
+      dq_BKGtD = jnp.moveaxis(dq_BKDGt, 2, 4)
+      return dk, dv, _with_tile(dq_BTHD, i, tile, _q_token_major(dq_BKGtD))
 
-    init = (jnp.zeros(k_xs[0].shape, _F32), jnp.zeros(k_xs[1].shape, _F32), dq_tiles)
-    dk, dv, dq_tiles = lax.fori_loop(0, count, q_tile_body, init)
-    return dq_tiles, (dk, dv)
+    dq_BTHD, dk_BTKD, dv_BTKD = grads
+    init = (jnp.zeros(k_xs[0].shape, _F32), jnp.zeros(k_xs[1].shape, _F32), dq_BTHD)
+    dk, dv, dq_BTHD = lax.fori_loop(0, count, q_tile_body, init)
+    return (dq_BTHD, _with_tile(dk_BTKD, j, tile, jnp.swapaxes(dk, 1, 2)),
+            _with_tile(dv_BTKD, j, tile, jnp.swapaxes(dv, 1, 2)))
 
-  k_xs = (*_key_tiles(k_BTKD, v_BTKD, k_index_BT, k_seg_BT, tile), classes_NqNk.T)
-  dq_init = jnp.zeros(q_tiles[0].shape, _F32)
-  dq_tiles, (dk_tiles, dv_tiles) = lax.scan(k_tile_body, dq_init, k_xs)
-  dq_BTHD = _q_token_major(_untiled(dq_tiles, _Q_AXIS))
-  dk_BTKD, dv_BTKD = (jnp.swapaxes(_untiled(x, _KV_AXIS), 1, 2) for x in (dk_tiles, dv_tiles))
-  return dq_BTHD, dk_BTKD, dv_BTKD
+  # dq accumulates over key tiles; each dk/dv tile is written once.
+  grads = (jnp.zeros(q_BTHD.shape, _F32), jnp.zeros(k_BTKD.shape, _F32),
+           jnp.zeros(v_BTKD.shape, _F32))
+  return lax.fori_loop(0, classes_NqNk.shape[1], k_tile_body, grads)

@@ -48,38 +48,50 @@ def _merge(out_a_BTHD, lse_a_BTH, out_b_BTHD, lse_b_BTH):
   return out_BTHD, lse_BTH
 
 
-def _pack(k_BTKD, v_BTKD, index_BT, seg_BT):
-  """The K/V block and its indices as two arrays, so a ring hop is two transfers, not four.
+def _pack(*arrays):
+  """Arrays as one flat byte buffer, so a ring hop is one transfer however many arrays travel.
 
-  Each transfer is a rendezvous of both neighbours; fewer of them is less waiting.
+  Each transfer is a rendezvous of both neighbours (on CPU also a round trip through the
+  collectives library); one per hop is the least waiting. Bytes are moved, never converted,
+  so the trip is exact for every dtype.
   """
-  return jnp.stack([k_BTKD, v_BTKD]), jnp.stack([index_BT, seg_BT])
+  return jnp.concatenate([lax.bitcast_convert_type(x, jnp.uint8).reshape(-1) for x in arrays])
 
 
-def _unpack(kv):
-  kv_2BTKD, indices_2BT = kv
-  return kv_2BTKD[0], kv_2BTKD[1], indices_2BT[0], indices_2BT[1]
+def _unpack(buffer, like):
+  """Inverse of `_pack`: arrays with the shapes and dtypes of `like`."""
+  arrays, start = [], 0
+  for x in like:
+    size = x.size * x.dtype.itemsize
+    raw = lax.slice_in_dim(buffer, start, start + size)
+    raw = raw.reshape(x.shape + ((x.dtype.itemsize,) if x.dtype.itemsize > 1 else ()))
+    arrays.append(lax.bitcast_convert_type(raw, x.dtype))
+    start += size
+  return tuple(arrays)
 
 
 def _ring_fwd_pass(q_BTHD, k_BTKD, v_BTKD, index_BT, seg_BT, *, axis: str, num_shards: int,
                    tile: int, kernel: str):
   """Per-device forward ring: returns (out f32 [B,T,Hq,D], lse f32 [B,T,Hq])."""
   perm = [(i, (i + 1) % num_shards) for i in range(num_shards)]
-  block = functools.partial(_BLOCK_KERNELS[kernel][0], tile=tile)
+  block_fwd = functools.partial(_BLOCK_KERNELS[kernel][0], tile=tile)
+  attend = lambda k_b, v_b, k_index_BT, k_seg_BT: block_fwd(
+      q_BTHD, k_b, v_b, index_BT, seg_BT, k_index_BT, k_seg_BT)
+  # The device's own block; its keys carry the same indices as its queries.
+  own = (k_BTKD, v_BTKD, index_BT, seg_BT)
+  if num_shards == 1:
+    return attend(*own)
 
   def step(carry, send: bool):
     out_BTHD, lse_BTH, kv = carry
     # Issue the transfer of the next block first; the compute below does not depend on it.
     kv_next = lax.ppermute(kv, axis, perm) if send else kv
-    k_BTKD, v_BTKD, k_index_BT, k_seg_BT = _unpack(kv)
-    out_b, lse_b = block(q_BTHD, k_BTKD, v_BTKD, index_BT, seg_BT, k_index_BT, k_seg_BT)
-    return (*_merge(out_BTHD, lse_BTH, out_b, lse_b), kv_next)
+    return (*_merge(out_BTHD, lse_BTH, *attend(*_unpack(kv, own))), kv_next)
 
-  # The device's own keys carry the same indices as its queries.
-  carry = (jnp.zeros(q_BTHD.shape, jnp.float32), jnp.full(q_BTHD.shape[:3], -jnp.inf, jnp.float32),
-           _pack(k_BTKD, v_BTKD, index_BT, seg_BT))
-  if num_shards > 1:
-    carry = lax.fori_loop(0, num_shards - 1, lambda _, c: step(c, True), carry)
+  # Step 0 computes on the arrays the device holds and starts the results (no merge).
+  kv_next = lax.ppermute(_pack(*own), axis, perm)
+  carry = (*attend(*own), kv_next)
+  carry = lax.fori_loop(1, num_shards - 1, lambda _, c: step(c, True), carry)
   out_BTHD, lse_BTH, _ = step(carry, False)  # the last block needs no onward transfer
   return out_BTHD, lse_BTH
 
@@ -88,25 +100,26 @@ def _ring_bwd_pass(q_BTHD, k_BTKD, v_BTKD, index_BT, seg_BT, out_BTHD, lse_BTH, 
                    axis: str, num_shards: int, tile: int, kernel: str):
   """Per-device backward ring: returns (dq, dk, dv) in float32."""
   perm = [(i, (i + 1) % num_shards) for i in range(num_shards)]
-  block = functools.partial(_BLOCK_KERNELS[kernel][1], tile=tile)
+  block_bwd = functools.partial(_BLOCK_KERNELS[kernel][1], tile=tile)
   delta_BTH = jnp.sum(dout_BTHD.astype(jnp.float32) * out_BTHD.astype(jnp.float32), axis=-1)
+  grads = lambda k_b, v_b, k_index_BT, k_seg_BT: block_bwd(
+      q_BTHD, k_b, v_b, dout_BTHD, lse_BTH, delta_BTH, index_BT, seg_BT, k_index_BT, k_seg_BT)
+  own = (k_BTKD, v_BTKD, index_BT, seg_BT)
+  if num_shards == 1:
+    return grads(*own)
 
   def step(carry, send_kv: bool):
     dq_BTHD, kv, dkv_2BTKD = carry
     kv_next = lax.ppermute(kv, axis, perm) if send_kv else kv
-    k_b, v_b, k_index_BT, k_seg_BT = _unpack(kv)
-    dq_b, dk_b, dv_b = block(q_BTHD, k_b, v_b, dout_BTHD, lse_BTH, delta_BTH, index_BT, seg_BT,
-                             k_index_BT, k_seg_BT)
+    dq_b, dk_b, dv_b = grads(*_unpack(kv, own))
     # The accumulators follow their K/V block; N hops bring them home to its owner.
-    dkv_2BTKD = dkv_2BTKD + jnp.stack([dk_b, dv_b])
-    if num_shards > 1:
-      dkv_2BTKD = lax.ppermute(dkv_2BTKD, axis, perm)
+    dkv_2BTKD = lax.ppermute(dkv_2BTKD + jnp.stack([dk_b, dv_b]), axis, perm)
     return dq_BTHD + dq_b, kv_next, dkv_2BTKD
 
-  carry = (jnp.zeros(q_BTHD.shape, jnp.float32), _pack(k_BTKD, v_BTKD, index_BT, seg_BT),
-           jnp.zeros((2, *k_BTKD.shape), jnp.float32))
-  if num_shards > 1:
-    carry = lax.fori_loop(0, num_shards - 1, lambda _, c: step(c, True), carry)
+  kv_next = lax.ppermute(_pack(*own), axis, perm)
+  dq_BTHD, dk_b, dv_b = grads(*own)
+  carry = (dq_BTHD, kv_next, lax.ppermute(jnp.stack([dk_b, dv_b]), axis, perm))
+  carry = lax.fori_loop(1, num_shards - 1, lambda _, c: step(c, True), carry)
   dq_BTHD, _, dkv_2BTKD = step(carry, False)
   return dq_BTHD, dkv_2BTKD[0], dkv_2BTKD[1]
 
@@ -221,8 +234,9 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, token_index: jax.Ar
   if segment_ids is None:
     segment_ids = jnp.zeros((batch, seq_len), jnp.int32)
 
-  # check_vma=False: the loop carries start as replicated zeros and turn device-varying after
-  # the first ppermute; every argument is sharded over `axis`, so the check adds nothing.
+  # check_vma=False: the kernels' branches and loop carries start from replicated constants
+  # (the skip branch returns its carry as is) while the computed ones are device-varying; every
+  # argument is sharded over `axis`, so the check adds nothing.
   sharded = jax.shard_map(
       lambda *args: _ring(*args, axis, num_shards, tile, kernel),
       mesh=None if context_mesh else mesh, out_specs=heads_spec, check_vma=False,

@@ -22,6 +22,11 @@ keep the quieter core. A control re-runs the same with both processes on one cor
 ratios there should be near 1.0 -- the speed-up comes from load balance, not from doing
 less work.
 
+Part 3 times the same critical path block by block: each (query block, K/V block) pair a
+device computes in the part 2 setup, forward and backward kernels alone on one core, summed
+over ring steps as the busiest device per step. No transfers and no waiting at a rendezvous,
+so it shows the kernels' balance without the harness's noise; part 2 is what a run gets.
+
 Expected: part 1 ratios ~1.85 at N=8; part 2 striped/ring >= 1.4 forward on 2 idle cores.
 """
 
@@ -38,6 +43,7 @@ if __name__ == "__main__":
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
@@ -86,6 +92,76 @@ def part_count(block_len: int = 32768, tile: int = 512) -> list[dict]:
                        ring_over_layout=ratio, theory=theory, **counts[layout]))
   at8 = [r for r in rows if r["num_shards"] == 8 and r["layout"] == "striped"][0]
   print(f"N=8 ring/striped = {at8['ring_over_layout']:.3f} (goal >= 1.84)")
+  return rows
+
+
+def block_medians(seq_len: int, repeats: int, num_shards: int, tile: int) -> dict[str, float]:
+  """Median seconds of each (layout, pass, step, device) block pair's kernel call (part 3).
+
+  Runs in a child pinned to one core (`taskset`), so XLA's own threads stay on it too.
+  """
+  import jax
+  import jax.numpy as jnp
+
+  from parallelism import kernel_xla
+
+  block_len, shape = seq_len // num_shards, (1, seq_len // num_shards, 2, 64)
+  rng = np.random.default_rng(0)
+  q, k, v, dout = (jnp.asarray(rng.standard_normal(shape, np.float32)) for _ in range(4))
+  segment = jnp.zeros((1, block_len), jnp.int32)
+  fwd = jax.jit(lambda q_index, k_index, q, k, v: kernel_xla.block_fwd(
+      q, k, v, q_index, segment, k_index, segment, tile=tile))
+  bwd = jax.jit(lambda lse, delta, q_index, k_index, q, k, v, dout: kernel_xla.block_bwd(
+      q, k, v, dout, lse, delta, q_index, segment, k_index, segment, tile=tile))
+  runs = {}
+  for layout in LAYOUTS:
+    index_ND = jnp.asarray(permutation(layout, seq_len, num_shards).reshape(num_shards, 1, -1),
+                           jnp.int32)
+    for step in range(num_shards):
+      for d in range(num_shards):
+        # At step s, device d holds the K/V block that started on device d - s.
+        q_index, k_index = index_ND[d], index_ND[(d - step) % num_shards]
+        out, lse = fwd(q_index, k_index, q, k, v)
+        delta = jnp.sum(out * dout, axis=-1)
+        runs[f"{layout}/fwd/{step}/{d}"] = functools.partial(fwd, q_index, k_index, q, k, v)
+        runs[f"{layout}/bwd/{step}/{d}"] = functools.partial(bwd, lse, delta, q_index, k_index,
+                                                             q, k, v, dout)
+  seconds = {key: [] for key in runs}
+  for rep in range(repeats + 1):  # rep 0 compiles and warms up
+    for key, run in runs.items():  # interleaved, as in part 2
+      start = time.perf_counter()
+      jax.block_until_ready(run())
+      if rep:
+        seconds[key].append(time.perf_counter() - start)
+  return {key: statistics.median(ts) for key, ts in seconds.items()}
+
+
+def part_compute(seq_len: int, repeats: int, num_shards: int = 2, tile: int = 256) -> list[dict]:
+  """Kernel time on the critical path, block pair by block pair, on one core (part 3)."""
+  child = subprocess.run(
+      ["taskset", "-c", "1", sys.executable, os.path.abspath(__file__), "--block_medians",
+       "--seq_len", str(seq_len), "--repeats", str(repeats)],
+      capture_output=True, text=True, timeout=1800)
+  if child.returncode:
+    raise RuntimeError(f"the block timing process failed:\n{child.stderr[-2000:]}")
+  median = json.loads(child.stdout.strip().splitlines()[-1])
+  critical = {f"{layout}/{what}": sum(max(median[f"{layout}/{what}/{step}/{d}"]
+                                          for d in range(num_shards))
+                                      for step in range(num_shards))
+              for layout in LAYOUTS for what in ("fwd", "bwd")}
+  for layout in LAYOUTS:
+    critical[f"{layout}/fwd_bwd"] = critical[f"{layout}/fwd"] + critical[f"{layout}/bwd"]
+  print(f"\nPart 3: kernels alone on the critical path, S={seq_len}, {num_shards} devices, "
+        f"tile {tile}, one core, median of {repeats} per block pair (ms)")
+  print(f"{'layout':>8} {'fwd':>8} {'bwd':>8} {'f+b':>8} {'speedup fwd':>12} {'speedup f+b':>12}")
+  rows = []
+  for layout in LAYOUTS:
+    times = {what: critical[f"{layout}/{what}"] for what in ("fwd", "bwd", "fwd_bwd")}
+    speedup = {what: critical[f"ring/{what}"] / times[what] for what in ("fwd", "fwd_bwd")}
+    print(f"{layout:>8} " + " ".join(f"{t * 1e3:>8.1f}" for t in times.values())
+          + f" {speedup['fwd']:>12.3f} {speedup['fwd_bwd']:>12.3f}")
+    rows.append(dict(part="compute", layout=layout, seq_len=seq_len, num_shards=num_shards,
+                     tile=tile, repeats=repeats, critical_s=times, speedup=speedup))
   return rows
 
 
@@ -203,13 +279,19 @@ def print_timing(label: str, timings: dict) -> None:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--part", choices=("all", "count", "time"), default="all")
+  parser.add_argument("--part", choices=("all", "count", "time", "compute"), default="all")
   parser.add_argument("--seq_len", type=int, default=8192)
   parser.add_argument("--repeats", type=int, default=7)
   parser.add_argument("--child", type=int, default=None,
                       help="internal: run as ring process CHILD and print timings as JSON")
   parser.add_argument("--coordinator", default="", help="internal: host:port of process 0")
+  parser.add_argument("--block_medians", action="store_true",
+                      help="internal: print part 3's per-block medians as JSON")
   args = parser.parse_args()
+
+  if args.block_medians:
+    print(json.dumps(block_medians(args.seq_len, args.repeats, num_shards=2, tile=256)))
+    return
 
   if args.child is not None:
     print(json.dumps(part_time(args.seq_len, args.repeats, args.coordinator, args.child)))
@@ -236,6 +318,8 @@ def main() -> None:
                        min_s=timings["min"], speedup_median=ratios(timings["median"]),
                        speedup_min=ratios(timings["min"]), load_before=load_before,
                        load_after=load_after))
+  if args.part in ("all", "compute"):
+    rows += part_compute(args.seq_len, args.repeats)
   os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
   with open(RESULTS, "a") as f:
     for row in rows:

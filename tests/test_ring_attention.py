@@ -19,7 +19,7 @@ from jax.sharding import AxisType
 
 from parallelism import kernel_xla, tiles
 from parallelism.layouts import LAYOUTS, permute, unpermute
-from parallelism.ring_attention import _merge, ring_attention
+from parallelism.ring_attention import _merge, _pack, _unpack, ring_attention
 
 _F32_TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -194,6 +194,24 @@ def test_block_kernel_rows_that_see_nothing():
   for got, want in zip(grads, vjp(dout)):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), **_F32_TOL)
   np.testing.assert_array_equal(np.asarray(grads[0])[:, :8], 0.0)
+
+
+def test_ring_hop_buffer_moves_bits_exactly():
+  """K/V and indices travel as one byte buffer; every bit comes back, NaN payloads and
+  bf16 included, and the inverse follows the shapes and dtypes of the local block."""
+  rng = np.random.default_rng(7)
+  bits = rng.integers(0, 2**16, (2, 6, 3, 4), dtype=np.uint16)
+  k = jax.lax.bitcast_convert_type(jnp.asarray(bits), jnp.bfloat16)  # NaNs and denormals too
+  v = jnp.asarray(rng.standard_normal((2, 6, 3, 4)), jnp.float32).at[0, 0, 0, 0].set(jnp.nan)
+  index = jnp.asarray(rng.integers(-2**31, 2**31 - 1, (2, 6)), jnp.int32)
+  segment = jnp.asarray(rng.integers(0, 5, (2, 6)), jnp.int32)
+  arrays = (k, v, index, segment)
+  buffer = jax.jit(_pack)(*arrays)
+  assert buffer.dtype == jnp.uint8 and buffer.ndim == 1
+  for got, want in zip(jax.jit(_unpack)(buffer, arrays), arrays):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(got, jnp.uint8)),
+                                  np.asarray(jax.lax.bitcast_convert_type(want, jnp.uint8)))
 
 
 def test_tile_rule_skips_striped_upper_triangle():
