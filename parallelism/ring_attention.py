@@ -1,17 +1,17 @@
 """Exact causal attention over a sequence sharded on one mesh axis, by a ring of K/V blocks.
 
 Each device keeps its query block and passes its K/V block (with the keys' token_index
-and segment_ids) around the `axis` ring with `lax.ppermute`; after N steps every query
-block has met every key block. The next transfer is issued before the current block is
-computed so communication can overlap compute. Partial (out, lse) pairs merge by the
-stable log-sum-exp rule. Which tiles are computed is decided from the indices alone
-(`parallelism.tiles`), so the same code is ring, striped or zigzag attention depending
-only on how the data pipeline permuted the sequence (see DESIGN.md).
+and segment_ids, packed into one buffer) around the `axis` ring with `lax.ppermute`; after
+N steps every query block has met every key block. The next transfer is issued before the
+current block is computed so communication can overlap compute. Partial (out, lse) pairs
+merge by the stable log-sum-exp rule. Which tiles are computed is decided from the indices
+alone (`parallelism.tiles`), so the same code is ring, striped or zigzag attention
+depending only on how the data pipeline permuted the sequence (see DESIGN.md).
 
 The gradient is a `jax.custom_vjp`: the forward saves its inputs plus the global output
 and lse; the backward is a second ring pass that recomputes each block's probabilities
-from them, while dK/dV accumulators travel with their K/V block and, after N hops, arrive
-back at the device that owns it.
+from them. A device keeps the dK/dV of its own block; the accumulators of the others
+travel with their K/V block and, after N - 1 hops, arrive back at the device that owns it.
 """
 
 from __future__ import annotations
@@ -108,20 +108,25 @@ def _ring_bwd_pass(q_BTHD, k_BTKD, v_BTKD, index_BT, seg_BT, out_BTHD, lse_BTH, 
   if num_shards == 1:
     return grads(*own)
 
-  def step(carry, send_kv: bool):
-    dq_BTHD, kv, dkv_2BTKD = carry
+  def step(dq_BTHD, kv, dkv_2BTKD, send_kv: bool):
     kv_next = lax.ppermute(kv, axis, perm) if send_kv else kv
     dq_b, dk_b, dv_b = grads(*_unpack(kv, own))
-    # The accumulators follow their K/V block; N hops bring them home to its owner.
-    dkv_2BTKD = lax.ppermute(dkv_2BTKD + jnp.stack([dk_b, dv_b]), axis, perm)
-    return dq_BTHD + dq_b, kv_next, dkv_2BTKD
+    # The accumulators follow their K/V block, one hop after each step; after the last step
+    # that hop takes them home to the block's owner.
+    dkv_b = jnp.stack([dk_b, dv_b])
+    dkv_2BTKD = dkv_b if dkv_2BTKD is None else dkv_2BTKD + dkv_b
+    return dq_BTHD + dq_b, kv_next, lax.ppermute(dkv_2BTKD, axis, perm)
 
-  kv_next = lax.ppermute(_pack(*own), axis, perm)
-  dq_BTHD, dk_b, dv_b = grads(*own)
-  carry = (dq_BTHD, kv_next, lax.ppermute(jnp.stack([dk_b, dv_b]), axis, perm))
-  carry = lax.fori_loop(1, num_shards - 1, lambda _, c: step(c, True), carry)
-  dq_BTHD, _, dkv_2BTKD = step(carry, False)
-  return dq_BTHD, dkv_2BTKD[0], dkv_2BTKD[1]
+  kv = lax.ppermute(_pack(*own), axis, perm)
+  # Step 0 is the device's own block: its dK/dV stay here, so the others' accumulators make
+  # N - 1 hops, not N.
+  dq_BTHD, dk_BTKD, dv_BTKD = grads(*own)
+  carry = step(dq_BTHD, kv, None, send_kv=num_shards > 2)
+  carry = lax.fori_loop(2, num_shards - 1, lambda _, c: step(*c, send_kv=True), carry)
+  if num_shards > 2:
+    carry = step(*carry, send_kv=False)
+  dq_BTHD, _, dkv_2BTKD = carry
+  return dq_BTHD, dk_BTKD + dkv_2BTKD[0], dv_BTKD + dkv_2BTKD[1]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))

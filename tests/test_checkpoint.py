@@ -89,6 +89,14 @@ def _corrupt_newest(workdir, how):
         f.write(bytes([byte[0] ^ 0x10]))
 
 
+# A checkpoint read or write that fails (a corrupt shard, a full disk) stops at its first
+# error; Orbax then drops its other async I/O still in flight, and pytest reports each dropped
+# coroutine as "exception ignored" (0 to ~200 of them, by timing). They are the expected
+# failure, not a second one.
+_DROPPED_READS = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+@_DROPPED_READS
 @pytest.mark.parametrize("how", ["delete_metadata", "truncate", "flip_bit"])
 def test_corrupt_newest_checkpoint_falls_back_to_previous(tmp_path, tiny_config, capsys, how):
   config = _config(tiny_config, **{"train.steps": 20})
@@ -193,6 +201,7 @@ def test_sigterm_saves_at_the_signal_step_and_resumes_exactly(tmp_path, tiny_con
   assert _losses(tmp_path / "stopped") == _losses(tmp_path / "straight")
 
 
+@_DROPPED_READS
 def test_full_disk_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path, tiny_config):
   mount_point = tmp_path / "small_disk"
   mount_point.mkdir()
