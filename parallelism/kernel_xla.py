@@ -13,7 +13,7 @@ Shapes: q `[B, Tq, Hq, D]`, k/v `[B, Tk, Hkv, D]`, token_index/segment_ids `[B, 
 token axis is axis 1 of every argument and result. The loops slice each tile out of these
 token-major arrays and transpose only the tile head-major (`[B, Hkv, G, t, D]` for q,
 `[B, Hkv, t, D]` for k/v), so every matmul is a plain batched one and no whole-block copy is
-made (a token-major tile is one contiguous run of memory). GQA keeps K/V un-repeated: q head
+made (a token-major tile is one contiguous run of memory per row). GQA keeps K/V un-repeated: q head
 h = kv_head * G + g (the pairing of `jnp.repeat(k, G, axis=2)`). Matmuls take the input
 dtype (bf16 ok) and accumulate in float32. Log-sum-exp is the natural log, float32, shape
 `[B, Tq, Hq]`; a query that sees no key gets output 0 and lse -inf, never NaN.
@@ -186,7 +186,7 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_index_BT, q_seg_BT, k_index_BT, k_seg_BT
     return (_with_tile(out_BTHD, i, tile, _q_token_major(out_BKGtD)),
             _with_tile(lse_BTH, i, tile, _q_token_major(lse_BKGt)))
 
-  # Every query tile is written; the zeros only allocate.
+  # Every query tile is overwritten.
   results = (jnp.zeros(q_BTHD.shape, _F32), jnp.zeros(q_BTHD.shape[:3], _F32))
   return lax.fori_loop(0, classes_NqNk.shape[0], q_tile_body, results)
 
@@ -198,7 +198,9 @@ def _bwd_update(carry, q_xs, k_xs, *, scale: float, masked: bool):
   Works in key-major scores [B, Kv, tk, G, tq], so dv, dp and dk are plain matmuls, and dq
   is computed transposed, dq^T = k^T ds^T, from the key tile transposed once per key tile
   (`k_xs[2]`). XLA's CPU matmuls want [m, k] x [k, n] operands: dq = ds k would transpose
-  the score-sized ds for every tile pair, which cost a third of the backward.
+  the score-sized ds for every tile pair, which cost a third of the backward. The
+  query-side tiles (q, dout, lse, delta, dq) are transposed per pair instead, which is
+  t / D times less data than a score tile.
   """
   dk_BKtD, dv_BKtD, dq_BKDGt = carry
   q_BKGtD, do_BKGtD, lse_BKGt, delta_BKGt, q_idx_Bt, q_seg_Bt = q_xs

@@ -96,6 +96,14 @@ def test_matches_dense(layout, n):
   assert_close(got, reference(*inputs), **_F32_TOL)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_three_devices(layout):
+  """An odd ring: the backward's dK/dV hops then run a first step, no loop, a last step."""
+  inputs = make_inputs(seq_len=96, seed=8)
+  got = ring_in_layout(layout, seq_mesh(3), *inputs, tile_size=8)
+  assert_close(got, reference(*inputs), **_F32_TOL)
+
+
 @pytest.mark.parametrize("group", [1, 2, 4])
 def test_gqa_ratios(group):
   inputs = make_inputs(num_heads=4, num_kv=4 // group, seq_len=64, head_dim=32)
@@ -197,18 +205,22 @@ def test_block_kernel_rows_that_see_nothing():
 
 
 def test_ring_hop_buffer_moves_bits_exactly():
-  """K/V and indices travel as one byte buffer; every bit comes back, NaN payloads and
-  bf16 included, and the inverse follows the shapes and dtypes of the local block."""
+  """K/V and indices travel as one byte buffer; every bit comes back (NaN payloads, bf16,
+  one-byte dtypes), in the shapes and dtypes of the templates it is unpacked against."""
   rng = np.random.default_rng(7)
   bits = rng.integers(0, 2**16, (2, 6, 3, 4), dtype=np.uint16)
   k = jax.lax.bitcast_convert_type(jnp.asarray(bits), jnp.bfloat16)  # NaNs and denormals too
   v = jnp.asarray(rng.standard_normal((2, 6, 3, 4)), jnp.float32).at[0, 0, 0, 0].set(jnp.nan)
   index = jnp.asarray(rng.integers(-2**31, 2**31 - 1, (2, 6)), jnp.int32)
-  segment = jnp.asarray(rng.integers(0, 5, (2, 6)), jnp.int32)
-  arrays = (k, v, index, segment)
+  small = jnp.asarray(rng.integers(-128, 127, (2, 5)), jnp.int8)
+  fp8 = jax.lax.bitcast_convert_type(jnp.asarray(rng.integers(0, 256, (3,), np.uint8)),
+                                     jnp.float8_e4m3fn)
+  arrays = (k, v, index, small, fp8)
   buffer = jax.jit(_pack)(*arrays)
-  assert buffer.dtype == jnp.uint8 and buffer.ndim == 1
-  for got, want in zip(jax.jit(_unpack)(buffer, arrays), arrays):
+  assert buffer.dtype == jnp.uint8 and buffer.shape == (sum(x.nbytes for x in arrays),)
+  # The templates carry only shapes and dtypes, as on the receiving device.
+  templates = tuple(jnp.zeros_like(x) for x in arrays)
+  for got, want in zip(jax.jit(_unpack)(buffer, templates), arrays):
     assert got.dtype == want.dtype and got.shape == want.shape
     np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(got, jnp.uint8)),
                                   np.asarray(jax.lax.bitcast_convert_type(want, jnp.uint8)))
