@@ -138,7 +138,7 @@ def _visit(cls, compute, carry):
 
 def _mask(q_idx_t, q_seg_t, k_idx_t, k_seg_t, all_visible):
   """Visibility [tq, tk] OR-ed with the flag `all_visible` (a traced bool)."""
-  mask = (k_idx_t[None, :] <= q_idx_t[:, None]) & (k_seg_t[None, :] == q_seg_t[:, None])
+  mask = tiles.visible(q_idx_t[:, None], q_seg_t[:, None], k_idx_t[None, :], k_seg_t[None, :])
   return mask | all_visible
 
 

@@ -3,11 +3,11 @@
 Pure JAX, runs on any backend; it is the reference the Pallas kernel is checked against.
 Each (query tile, key tile) pair has a class from `parallelism.tiles`. The tile loops run
 only over the pairs that are not SKIP (`_computed_first`), so a skipped pair costs not even
-a loop iteration; a `lax.cond` picks the unmasked or the masked update. A MASKED pair is
-computed as 2 x 2 quarter tiles classified by the same rule (`_by_quarters`): on a block's
-diagonal one quarter is skipped and one is unmasked. Classes are decided from min/max over
-the whole local batch, never vmapped, because a vmapped cond would turn into a select that
-computes both branches.
+a loop iteration; a `lax.cond` picks the unmasked or the masked update. (Computing a MASKED
+pair as 2 x 2 quarters, skipping one, measured no faster on CPU, forward or backward: the
+split and the smaller matmuls cost what the skipped quarter saves.) Classes are decided from
+min/max over the whole local batch, never vmapped, because a vmapped cond would turn into a
+select that computes both branches.
 
 Shapes: q `[B, Tq, Hq, D]`, k/v `[B, Tk, Hkv, D]`, token_index/segment_ids `[B, T]`; the
 token axis is axis 1 of every argument and result. The loops slice each tile out of these
@@ -30,12 +30,7 @@ from jax import lax
 from parallelism import tiles
 
 _F32 = jnp.float32
-# The token axis of head-major tiles: q-side [B, Hkv, G, t, ...], k/v [B, Hkv, t, D], and
-# index and segment ids [B, t]. (Token-major arguments all have it at axis 1.)
-_Q_AXIS, _KV_AXIS, _INDEX_AXIS = 3, 2, 1
-_K_AXES = (_KV_AXIS, _KV_AXIS, _INDEX_AXIS, _INDEX_AXIS)  # of `_key_tile`
-# ... and of the backward's transposed tiles: k^T [B, Hkv, D, t] and dq^T [B, Hkv, D, G, t].
-_KV_T_AXIS, _DQ_T_AXIS = 3, 4
+_Q_AXIS = 3  # the token axis of head-major query-side tiles, [B, Hkv, G, t, ...]
 
 
 def _tile_of(x_BT, i, tile: int):
@@ -75,9 +70,9 @@ def _key_tile(k_BTKD, v_BTKD, k_index_BT, k_seg_BT, j, tile: int):
 
 
 def _mask(q_index_Bt, q_seg_Bt, k_index_Bt, k_seg_Bt):
-  """Visibility [B, tq, tk]: causal in token_index, same segment."""
-  return ((k_index_Bt[:, None, :] <= q_index_Bt[:, :, None])
-          & (k_seg_Bt[:, None, :] == q_seg_Bt[:, :, None]))
+  """Visibility [B, tq, tk]."""
+  return tiles.visible(q_index_Bt[:, :, None], q_seg_Bt[:, :, None], k_index_Bt[:, None, :],
+                       k_seg_Bt[:, None, :])
 
 
 def _classes(q_index, q_seg, k_index, k_seg, tile: int):
@@ -95,39 +90,6 @@ def _computed_first(classes_N):
   """
   skip_N = classes_N == tiles.SKIP
   return jnp.argsort(skip_N, stable=True), jnp.sum(~skip_N)
-
-
-def _by_quarters(update, carry, q_xs, k_xs, *, carry_axes, carry_sides, q_axes, k_axes):
-  """A MASKED tile pair as 2 x 2 quarter pairs, each classified by the same rule.
-
-  `update(carry, q_xs, k_xs, masked=...)` is the per-pair update. Each argument is cut in
-  halves along its token axis (`*_axes`); a carry element belongs to the query side or the
-  key side (`carry_sides`, 'q' or 'k'), which says which half of it a quarter updates. An
-  odd tile is computed whole.
-  """
-  length = q_xs[0].shape[q_axes[0]]
-  half = length // 2
-  if half == 0 or 2 * half != length:
-    return update(carry, q_xs, k_xs, masked=True)
-
-  def cut(x, axis, part):
-    return lax.slice_in_dim(x, part * half, (part + 1) * half, axis=axis)
-
-  q_halves = [tuple(cut(x, axis, a) for x, axis in zip(q_xs, q_axes)) for a in range(2)]
-  k_halves = [tuple(cut(x, axis, b) for x, axis in zip(k_xs, k_axes)) for b in range(2)]
-  # The index and segment ids are the last two of each side's arguments.
-  classes_22 = _classes(*q_xs[-2:], *k_xs[-2:], half)
-  pieces = [[cut(x, axis, 0), cut(x, axis, 1)] for x, axis in zip(carry, carry_axes)]
-  branches = [lambda c, *_: c, functools.partial(update, masked=False),
-              functools.partial(update, masked=True)]
-  for a in range(2):
-    for b in range(2):
-      part = {"q": a, "k": b}
-      sub = tuple(p[part[side]] for p, side in zip(pieces, carry_sides))
-      sub = lax.switch(classes_22[a, b], branches, sub, q_halves[a], k_halves[b])
-      for p, side, x in zip(pieces, carry_sides, sub):
-        p[part[side]] = x
-  return tuple(jnp.concatenate(p, axis=axis) for p, axis in zip(pieces, carry_axes))
 
 
 def _fwd_update(carry, q_xs, k_xs, *, scale: float, masked: bool):
@@ -161,9 +123,7 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_index_BT, q_seg_BT, k_index_BT, k_seg_BT
   scale = head_dim ** -0.5
   classes_NqNk = _classes(q_index_BT, q_seg_BT, k_index_BT, k_seg_BT, tile)
   unmasked = functools.partial(_fwd_update, scale=scale, masked=False)
-  masked = functools.partial(
-      _by_quarters, functools.partial(_fwd_update, scale=scale), carry_axes=(_Q_AXIS,) * 3,
-      carry_sides=("q", "q", "q"), q_axes=(_Q_AXIS, _INDEX_AXIS, _INDEX_AXIS), k_axes=_K_AXES)
+  masked = functools.partial(_fwd_update, scale=scale, masked=True)
 
   def q_tile_body(i, results):
     q_xs = _query_tile((q_BTHD,), q_index_BT, q_seg_BT, i, num_kv, tile)
@@ -237,11 +197,7 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_index_BT,
   lse_safe = jnp.where(jnp.isfinite(lse_BTH), lse_BTH, jnp.inf).astype(_F32)
   per_head = (q_BTHD, dout_BTHD, lse_safe, delta_BTH.astype(_F32))
   unmasked = functools.partial(_bwd_update, scale=scale, masked=False)
-  masked = functools.partial(
-      _by_quarters, functools.partial(_bwd_update, scale=scale),
-      carry_axes=(_KV_AXIS, _KV_AXIS, _DQ_T_AXIS), carry_sides=("k", "k", "q"),
-      q_axes=(_Q_AXIS,) * 4 + (_INDEX_AXIS,) * 2,
-      k_axes=(_KV_AXIS, _KV_AXIS, _KV_T_AXIS, _INDEX_AXIS, _INDEX_AXIS))
+  masked = functools.partial(_bwd_update, scale=scale, masked=True)
 
   def k_tile_body(j, grads):
     k_BKtD, v_BKtD, k_idx_Bt, k_seg_Bt = _key_tile(k_BTKD, v_BTKD, k_index_BT, k_seg_BT, j, tile)

@@ -71,30 +71,38 @@ def _unpack(buffer, like):
   return tuple(arrays)
 
 
+def _around_ring(own, start, visit, *, axis: str, num_shards: int):
+  """The ring schedule both passes share; returns the last carry.
+
+  Step 0 is `start(*own)` on the device's own block (k, v, index, segment; its keys carry
+  its queries' indices), giving the first carry. Steps 1..N-1 are `visit(carry, *block)` on
+  the block that arrived, the one that started on device d - s. Each step first issues the
+  transfer of the block it holds, so the compute can overlap it; the last needs none.
+  """
+  if num_shards == 1:
+    return start(*own)
+  perm = [(i, (i + 1) % num_shards) for i in range(num_shards)]
+
+  def step(state, send: bool):
+    carry, kv_bytes = state
+    kv_bytes_next = lax.ppermute(kv_bytes, axis, perm) if send else kv_bytes
+    return visit(carry, *_unpack(kv_bytes, own)), kv_bytes_next
+
+  state = (start(*own), lax.ppermute(_pack(*own), axis, perm))
+  state = lax.fori_loop(1, num_shards - 1, lambda _, s: step(s, True), state)
+  return step(state, False)[0]
+
+
 def _ring_fwd_pass(q_BTHD, k_BTKD, v_BTKD, index_BT, seg_BT, *, axis: str, num_shards: int,
                    tile: int, kernel: str):
   """Per-device forward ring: returns (out f32 [B,T,Hq,D], lse f32 [B,T,Hq])."""
-  perm = [(i, (i + 1) % num_shards) for i in range(num_shards)]
   block_fwd = functools.partial(_BLOCK_KERNELS[kernel][0], tile=tile)
   attend = lambda k_b, v_b, k_index_BT, k_seg_BT: block_fwd(
       q_BTHD, k_b, v_b, index_BT, seg_BT, k_index_BT, k_seg_BT)
-  # The device's own block; its keys carry the same indices as its queries.
-  own = (k_BTKD, v_BTKD, index_BT, seg_BT)
-  if num_shards == 1:
-    return attend(*own)
-
-  def step(carry, send: bool):
-    out_BTHD, lse_BTH, kv_bytes = carry
-    # Issue the transfer of the next block first; the compute below does not depend on it.
-    kv_bytes_next = lax.ppermute(kv_bytes, axis, perm) if send else kv_bytes
-    return (*_merge(out_BTHD, lse_BTH, *attend(*_unpack(kv_bytes, own))), kv_bytes_next)
-
-  # Step 0 computes on the arrays the device holds and starts the results (no merge).
-  kv_bytes = lax.ppermute(_pack(*own), axis, perm)
-  carry = (*attend(*own), kv_bytes)
-  carry = lax.fori_loop(1, num_shards - 1, lambda _, c: step(c, True), carry)
-  out_BTHD, lse_BTH, _ = step(carry, False)  # the last block needs no onward transfer
-  return out_BTHD, lse_BTH
+  # Step 0's result starts the (out, lse) pair, so no merge with an empty one.
+  return _around_ring((k_BTKD, v_BTKD, index_BT, seg_BT), attend,
+                      lambda out_lse, *block: _merge(*out_lse, *attend(*block)),
+                      axis=axis, num_shards=num_shards)
 
 
 def _ring_bwd_pass(q_BTHD, k_BTKD, v_BTKD, index_BT, seg_BT, out_BTHD, lse_BTH, dout_BTHD, *,
@@ -105,28 +113,23 @@ def _ring_bwd_pass(q_BTHD, k_BTKD, v_BTKD, index_BT, seg_BT, out_BTHD, lse_BTH, 
   delta_BTH = jnp.sum(dout_BTHD.astype(jnp.float32) * out_BTHD.astype(jnp.float32), axis=-1)
   grads = lambda k_b, v_b, k_index_BT, k_seg_BT: block_bwd(
       q_BTHD, k_b, v_b, dout_BTHD, lse_BTH, delta_BTH, index_BT, seg_BT, k_index_BT, k_seg_BT)
-  own = (k_BTKD, v_BTKD, index_BT, seg_BT)
-  if num_shards == 1:
-    return grads(*own)
 
-  def step(dq_BTHD, kv_bytes, dkv_2BTKD, send_kv: bool):
-    kv_bytes_next = lax.ppermute(kv_bytes, axis, perm) if send_kv else kv_bytes
-    dq_b, dk_b, dv_b = grads(*_unpack(kv_bytes, own))
-    # The accumulators follow their K/V block, one hop after each step; after the last step
-    # that hop takes them home to the block's owner.
-    dkv_b = jnp.stack([dk_b, dv_b])
-    dkv_2BTKD = dkv_b if dkv_2BTKD is None else dkv_2BTKD + dkv_b
-    return dq_BTHD + dq_b, kv_bytes_next, lax.ppermute(dkv_2BTKD, axis, perm)
+  def start(*own):
+    # The own block's dK/dV stay here; the accumulator that travels (with the block this
+    # device sees next) starts empty, so the others make N - 1 hops, not N.
+    dq_BTHD, dk_BTKD, dv_BTKD = grads(*own)
+    return dq_BTHD, dk_BTKD, dv_BTKD, jnp.zeros((2, *k_BTKD.shape), jnp.float32)
 
-  kv_bytes = lax.ppermute(_pack(*own), axis, perm)
-  # Step 0 is the device's own block: its dK/dV stay here, so the others' accumulators make
-  # N - 1 hops, not N.
-  dq_BTHD, dk_BTKD, dv_BTKD = grads(*own)
-  carry = step(dq_BTHD, kv_bytes, None, send_kv=num_shards > 2)
-  carry = lax.fori_loop(2, num_shards - 1, lambda _, c: step(*c, send_kv=True), carry)
-  if num_shards > 2:
-    carry = step(*carry, send_kv=False)
-  dq_BTHD, _, dkv_2BTKD = carry
+  def visit(carry, *block):
+    dq_BTHD, dk_BTKD, dv_BTKD, dkv_2BTKD = carry
+    dq_b, dk_b, dv_b = grads(*block)
+    # The accumulator follows its K/V block, one hop after each step; after the last step
+    # that hop takes it home to the block's owner.
+    dkv_2BTKD = lax.ppermute(dkv_2BTKD + jnp.stack([dk_b, dv_b]), axis, perm)
+    return dq_BTHD + dq_b, dk_BTKD, dv_BTKD, dkv_2BTKD
+
+  dq_BTHD, dk_BTKD, dv_BTKD, dkv_2BTKD = _around_ring(
+      (k_BTKD, v_BTKD, index_BT, seg_BT), start, visit, axis=axis, num_shards=num_shards)
   return dq_BTHD, dk_BTKD + dkv_2BTKD[0], dv_BTKD + dkv_2BTKD[1]
 
 

@@ -64,6 +64,12 @@ def one_segment(segment_min_q: ArrayLike, segment_max_q: ArrayLike, segment_min_
           & (segment_min_q == segment_min_k))
 
 
+def visible(q_index: ArrayLike, q_seg: ArrayLike, k_index: ArrayLike,
+            k_seg: ArrayLike) -> ArrayLike:
+  """The elementwise rule the classes summarise: query sees key (broadcasts like NumPy)."""
+  return (k_index <= q_index) & (k_seg == q_seg)
+
+
 def classify_tile(q_index_min: ArrayLike, q_index_max: ArrayLike, k_index_min: ArrayLike,
                   k_index_max: ArrayLike, single_segment: ArrayLike) -> ArrayLike:
   """SKIP, UNMASKED or MASKED (int32) for tile pairs; broadcasts like NumPy."""

@@ -65,6 +65,16 @@ RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
                        "results", "bench_attention.jsonl")
 
 
+def held_block(device: int, step: int, num_shards: int) -> int:
+  """At ring step s, device d holds the K/V block that started on device d - s."""
+  return (device - step) % num_shards
+
+
+def critical_path(work_SN) -> float:
+  """The ring synchronises every step: the sum over steps of the busiest device's work."""
+  return float(np.asarray(work_SN).max(axis=1).sum())
+
+
 def count_tiles(layout: str, num_shards: int, block_len: int, tile: int) -> dict:
   """Executed (non-skipped) tiles per device per ring step, by the kernels' own rule."""
   index_ND = permutation(layout, num_shards * block_len, num_shards).reshape(num_shards, 1, -1)
@@ -74,11 +84,10 @@ def count_tiles(layout: str, num_shards: int, block_len: int, tile: int) -> dict
   masked_SN = np.zeros((num_shards, num_shards), np.int64)
   for step in range(num_shards):
     for d in range(num_shards):
-      # At step s, device d holds the K/V block that started on device d - s.
-      classes = tiles.classify_all(summary[d], summary[(d - step) % num_shards])
+      classes = tiles.classify_all(summary[d], summary[held_block(d, step, num_shards)])
       executed_SN[step, d] = np.count_nonzero(classes != tiles.SKIP)
       masked_SN[step, d] = np.count_nonzero(classes == tiles.MASKED)
-  return dict(critical_path=int(executed_SN.max(axis=1).sum()), total=int(executed_SN.sum()),
+  return dict(critical_path=int(critical_path(executed_SN)), total=int(executed_SN.sum()),
               masked_total=int(masked_SN.sum()), per_step_max=executed_SN.max(axis=1).tolist())
 
 
@@ -126,8 +135,7 @@ def block_medians(seq_len: int, repeats: int) -> dict[str, float]:
                            jnp.int32)
     for step in range(num_shards):
       for d in range(num_shards):
-        # At step s, device d holds the K/V block that started on device d - s.
-        q_index, k_index = index_ND[d], index_ND[(d - step) % num_shards]
+        q_index, k_index = index_ND[d], index_ND[held_block(d, step, num_shards)]
         out, lse = fwd(q_index, k_index, q, k, v)
         delta = jnp.sum(out * dout, axis=-1)
         runs[f"{layout}/fwd/{step}/{d}"] = functools.partial(fwd, q_index, k_index, q, k, v)
@@ -153,9 +161,9 @@ def part_compute(seq_len: int, repeats: int) -> list[dict]:
   if child.returncode:
     raise RuntimeError(f"the block timing process failed:\n{child.stderr[-2000:]}")
   median = json.loads(child.stdout.strip().splitlines()[-1])
-  critical = {f"{layout}/{what}": sum(max(median[f"{layout}/{what}/{step}/{d}"]
-                                          for d in range(num_shards))
-                                      for step in range(num_shards))
+  critical = {f"{layout}/{what}": critical_path(
+                  [[median[f"{layout}/{what}/{step}/{d}"] for d in range(num_shards)]
+                   for step in range(num_shards)])
               for layout in LAYOUTS for what in ("fwd", "bwd")}
   for layout in LAYOUTS:
     critical[f"{layout}/fwd_bwd"] = critical[f"{layout}/fwd"] + critical[f"{layout}/bwd"]

@@ -22,7 +22,7 @@ import parallelism
 from trainer import loop
 from trainer.loop import train
 from trainer.optimizer import make_optimizer
-from trainer.state import state_shardings
+from trainer.state import abstract_state, shardings_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,8 +87,8 @@ def test_every_parameter_is_sharded_as_the_rules_say(tiny_config):
   mesh = parallelism.make_mesh(config.mesh)
   model = loop.Decoder(loop.model_config(config))
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.mesh.rules):
-    shardings = state_shardings(model, make_optimizer(config.train), mesh, config.mesh.rules,
-                                2, config.data.seq_len)
+    shardings = shardings_of(abstract_state(model, make_optimizer(config.train), mesh,
+                                            config.mesh.rules, 2, config.data.seq_len))
   rules = dict(config.mesh.rules)
   embed = tuple(rules["embed"])
   expected = {  # name -> spec, from the rules table: embed over (fsdp, sequence), rest tensor.

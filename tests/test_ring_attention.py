@@ -98,7 +98,7 @@ def test_matches_dense(layout, n):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_three_devices(layout):
-  """An odd ring: the backward's dK/dV hops then run a first step, no loop, a last step."""
+  """An odd ring size: one step between the first and the last in the ring schedule."""
   inputs = make_inputs(seq_len=96, seed=8)
   got = ring_in_layout(layout, seq_mesh(3), *inputs, tile_size=8)
   assert_close(got, reference(*inputs), **_F32_TOL)

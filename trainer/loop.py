@@ -26,7 +26,7 @@ from trainer import flops
 from trainer.checkpointing import CheckpointError, Checkpointer
 from trainer.optimizer import make_optimizer, make_schedule
 from trainer.resume import compare_configs, config_path, load_stored_config
-from trainer.state import TrainState, abstract_state, init_state, state_shardings
+from trainer.state import TrainState, abstract_state, init_state, shardings_of
 from trainer.step import distance_buckets, eval_step, jit_train_step
 from trainer.tracking import device_memory_bytes, make_trackers
 
@@ -117,12 +117,11 @@ def build_training(config: ml_collections.ConfigDict, mesh) -> Training:
   model, optimizer = Decoder(model_config(config)), make_optimizer(config.train)
   rows, seq_len = parallelism.batch_shards(mesh), config.data.seq_len
   batch_sharding = parallelism.batch_sharding(mesh)
-  shardings = state_shardings(model, optimizer, mesh, config.mesh.rules, rows, seq_len)
+  state = abstract_state(model, optimizer, mesh, config.mesh.rules, rows, seq_len)
+  shardings = shardings_of(state)
   step_fn = jit_train_step(model, optimizer, make_schedule(config.train),
                            config.train.micro_batches, shardings, batch_sharding)
-  return Training(model, optimizer, shardings,
-                  abstract_state(model, optimizer, shardings, rows, seq_len), rows,
-                  batch_sharding, step_fn)
+  return Training(model, optimizer, shardings, state, rows, batch_sharding, step_fn)
 
 
 def _prepare_data(data_cfg: data.DataConfig, is_writer: bool) -> None:

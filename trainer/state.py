@@ -33,31 +33,37 @@ def dummy_inputs(batch: int, seq_len: int) -> tuple[jax.Array, ...]:
   return tokens_BS, index_BS, index_BS, jnp.ones((batch, seq_len), jnp.int32)
 
 
-def state_shardings(model: Decoder, optimizer: optax.GradientTransformation, mesh: Mesh,
-                    rules, batch: int, seq_len: int) -> TrainState:
-  """NamedShardings of every leaf of the train state, from the parameters' logical names."""
+def abstract_state(model: Decoder, optimizer: optax.GradientTransformation, mesh: Mesh,
+                   rules, batch: int, seq_len: int) -> TrainState:
+  """Shape, dtype and target sharding of every state leaf, allocating nothing (restores,
+  AOT compiles). One trace of the init gives the shapes and the parameters' logical names;
+  the rules table turns the names into shardings."""
   boxed = jax.eval_shape(model.init, jax.random.key(0), *dummy_inputs(batch, seq_len))["params"]
   param_specs = jax.tree.map(
       lambda spec: parallelism.logical_to_spec(spec, rules), nn.get_partition_spec(boxed),
       is_leaf=lambda x: isinstance(x, P))
-  abstract_opt_state = jax.eval_shape(lambda p: optimizer.init(nn.meta.unbox(p)), boxed)
+
+  def params_and_moments(boxed_params):
+    # Unboxed inside a trace: under a mesh, unboxing applies the sharding constraint.
+    params = nn.meta.unbox(boxed_params)
+    return params, optimizer.init(params)
+
+  params, abstract_opt_state = jax.eval_shape(params_and_moments, boxed)
   # Optimizer moments follow their parameter; counters and the like are replicated.
   opt_specs = optax.tree_map_params(
       optimizer, lambda _, spec: spec, abstract_opt_state, param_specs,
       transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
+  shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
+                      opt_state=abstract_opt_state)
   specs = TrainState(step=P(), params=param_specs, opt_state=opt_specs)
-  return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
-                      is_leaf=lambda x: isinstance(x, P))
+  return jax.tree.map(
+      lambda s, spec: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, spec)),
+      shapes, specs)
 
 
-def abstract_state(model: Decoder, optimizer: optax.GradientTransformation,
-                   shardings: TrainState, batch: int, seq_len: int) -> TrainState:
-  """Shapes, dtypes and target shardings of the state, allocating nothing (for restores)."""
-  shapes = jax.eval_shape(
-      lambda rng: _init(model, optimizer, rng, batch, seq_len), jax.random.key(0))
-  return jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype,
-                                                               sharding=sharding),
-                      shapes, shardings)
+def shardings_of(state: TrainState) -> TrainState:
+  """The sharding of every leaf of an abstract (or real) state."""
+  return jax.tree.map(lambda leaf: leaf.sharding, state)
 
 
 def _init(model, optimizer, rng, batch, seq_len) -> TrainState:
