@@ -1,9 +1,10 @@
 """Grouped-query self-attention and its dispatch by `ModelConfig.attention`.
 
-Visibility is decided by indices, never by array position, so every layout shares one rule:
-query i may see key j iff `token_index[j] <= token_index[i]` and their segment ids match.
-`dense` applies that rule to the whole (possibly permuted) row; `ring`, `striped` and
-`zigzag` hand the same operands to `parallelism.ring_attention`, which distributes it.
+Every layout shares one rule: query i may see key j iff `token_index[j] <= token_index[i]`
+(original positions) and their segment ids match. `dense` applies it to the whole row from
+the batch's `token_index`; `ring`, `striped` and `zigzag` hand q, k, v and the segment ids to
+`parallelism.ring_attention` with the layout's name, whose static schedule knows every
+token's original position without reading an index.
 """
 
 from __future__ import annotations
@@ -66,10 +67,14 @@ class Attention(nn.Module):
     if cfg.attention == "dense":
       out_BSHD = dense_attention(q_BSHD, k_BSKD, v_BSKD, token_index_BS, segment_ids_BS)
     else:
+      # The ring's shardings come from the rules table the activations above are pinned by;
+      # its schedule from the layout the data pipeline permuted the batch into.
       out_BSHD = parallelism.ring_attention(
-          q_BSHD, k_BSKD, v_BSKD, token_index_BS, segment_ids_BS,
+          q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, layout=cfg.layout,
+          rules=nn.get_logical_axis_rules(),
           kernel=cfg.kernel, tile_size=cfg.attention_tile)
-    # Named so that the `save_attention` remat policy can keep it.
+    # Named so that the `save_attention` remat policy can keep it (the ring names its
+    # backward's residuals itself).
     out_BSHD = checkpoint_name(out_BSHD, "attention_out")
     return Projection(cfg, "bshd,hde->bse", (cfg.num_heads, cfg.head_size, cfg.d_model),
                       ("heads", "head_dim", "embed"), name="out")(out_BSHD)

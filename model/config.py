@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import parallelism
+
 ATTENTIONS = ("dense", "ring", "striped", "zigzag")
-KERNELS = ("xla", "pallas")
+KERNELS = tuple(parallelism.KERNELS)
 REMAT_POLICIES = ("none", "full", "save_dots", "save_attention")
 
 

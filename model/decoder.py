@@ -6,6 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+import parallelism
 from model.attention import Attention
 from model.config import ModelConfig
 from model.layers import Projection, RMSNorm, SwiGLU, constrain
@@ -33,7 +34,10 @@ def _remat_policy(name: str):
   return {
       "full": None,  # Save nothing; recompute the whole block in the backward pass.
       "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-      "save_attention": jax.checkpoint_policies.save_only_these_names("attention_out"),
+      # The attention output and the ring's lse: all its backward needs besides q, k, v,
+      # which the block recomputes with its projections, not with another ring pass.
+      "save_attention": jax.checkpoint_policies.save_only_these_names(
+          "attention_out", *parallelism.SAVED_NAMES),
   }[name]
 
 

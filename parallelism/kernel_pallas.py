@@ -1,24 +1,21 @@
 """The `pallas` block kernel: fused flash attention of one query block on one key block.
 
-Same contract as `kernel_xla` (shapes, GQA pairing, natural-log float32 lse, a query that
-sees no key gives out 0 and lse -inf), written as Pallas kernels: one forward call and a
-flash-attention-2 backward in two calls (dK/dV with the key tile fixed, dQ with the query
-tile fixed). GPU through the Triton backend; on a CPU backend the same kernels run in
-Pallas interpret mode (chosen automatically), which is how the tests check them.
+Same contract as `kernel_xla` (see `parallelism.kernels`), written as Pallas kernels: one
+forward call and a flash-attention-2 backward in two calls (dK/dV with the key tile fixed,
+dQ with the query tile fixed). GPU through the Triton backend; on a CPU backend the same
+kernels run in Pallas interpret mode (chosen automatically), which is how the tests check
+them.
 
-Tile skipping: per-tile min/max of token_index and segment ids are taken per batch row
-outside the kernels (`tiles.summarize_tiles`); inside, each program calls
-`tiles.classify_tile` on the summaries of all the tiles it may visit at once (vectors) and
-splits them into three loops: live tiles before the first UNMASKED one, the run of
-UNMASKED tiles that follows, and the live tiles after it. The middle loop has no branch and
-builds no mask, so Triton pipelines it (on an H100 a branch in every iteration cost
-12-17%); the edge loops classify each tile again on its scalars and run SKIP tiles as no-ops
-(no load, no matmul), MASKED tiles with the elementwise mask. GQA: q head h reads kv head
-h // G; K/V are never repeated.
+Tile skipping is the static schedule's (`parallelism.schedule`), at this kernel's own tile
+sizes: each program reads its tile's row of the block pair's tile lists and runs the
+UNMASKED runs as plain loops (no branch, no mask, so Triton pipelines them; on an H100 a
+branch in every iteration cost 12-17%), then the MASKED tiles with their precomputed mask.
+SKIP tiles are never loaded. Segment ids, when given, are an elementwise mask on every
+computed tile. GQA: q head h reads kv head h // G; K/V are never repeated.
 
-Kernel tiles are `min(config size, tile)`; finer tiles than the xla kernel's classify at
-least as precisely, and the rule is exact at any granularity, so the results agree.
-Softmax runs in base 2 (exp2 with log2(e) folded into the scale); lse is converted back.
+The metadata tables are padded to powers of 2 (Triton's block shapes) and read by scalar
+loads. Softmax runs in base 2 (exp2 with log2(e) folded into the scale); lse is converted
+back.
 """
 
 from __future__ import annotations
@@ -26,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,11 +31,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from parallelism import tiles
+from parallelism.kernel_xla import over_tiles
+from parallelism.schedule import RingSchedule, TileLists
 
 _F32 = jnp.float32
 _LOG2E = math.log2(math.e)
-_I32_MAX, _I32_MIN = np.iinfo(np.int32).max, np.iinfo(np.int32).min
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,98 +80,69 @@ def _dot_tn(a, b):
                          preferred_element_type=_F32)
 
 
-def _summaries(index_BT, seg_BT, size: int, pad_to: int):
-  """Per batch row and tile: (index_min, index_max, seg_min, seg_max), each [B, pad_to] int32.
+def _pow2(n: int) -> int:
+  """Triton wants power-of-2 block shapes: tables are padded to them."""
+  return 1 << max(0, n - 1).bit_length()
 
-  Rows are flattened into one so `summarize_tiles` summarises each row's tiles on their
-  own (tiles never straddle rows). Padding tiles get an empty index range, so the rule
-  classifies them SKIP against anything.
-  """
-  batch, length = index_BT.shape
-  flat = tiles.summarize_tiles(index_BT.reshape(1, -1), seg_BT.reshape(1, -1), size)
-  pad = [(0, 0), (0, pad_to - length // size)]
+
+def _pair_tables(lists: TileLists, masks: np.ndarray, pair) -> list[jax.Array]:
+  """The pair's rows of the tile lists, then the distinct masks (int8), padded to powers
+  of 2 (padding is never read: loops stop at the counts)."""
   out = []
-  for field, fill in zip(flat, (_I32_MAX, _I32_MIN, 0, 0)):
-    out.append(jnp.pad(field.reshape(batch, -1).astype(jnp.int32), pad, constant_values=fill))
+  for table in lists:
+    pad = [(0, 0)] + [(0, _pow2(n) - n) for n in table.shape[1:]]
+    out.append(jnp.asarray(np.pad(table, pad))[pair])
+  out.append(jnp.asarray(np.pad(masks, [(0, _pow2(masks.shape[0]) - masks.shape[0]), (0, 0),
+                                        (0, 0)]).astype(np.int8)))
   return out
 
 
-def _load_summary(refs, at=None) -> tiles.TileSummary:
-  """The summary fields of one tile (`at`), or of all tiles, from their refs."""
-  return tiles.TileSummary(*(ref[...] if at is None else ref[at] for ref in refs))
+def _whole(x):
+  """BlockSpec of a whole (small) array, the same for every program."""
+  return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
 
 
-def _loop_bounds(class_N):
-  """(lo, u_lo, u_hi, hi) from a class vector: the live tiles are [lo, hi), and
-  [u_lo, u_hi) is the run of UNMASKED tiles starting at the first one (empty when none)."""
-  n = class_N.shape[0]
-  tile_N = jnp.arange(n, dtype=jnp.int32)
-  live = class_N != tiles.SKIP
-  lo = jnp.min(jnp.where(live, tile_N, n))
-  hi = jnp.maximum(lo, jnp.max(jnp.where(live, tile_N + 1, 0)))
-  unmasked = class_N == tiles.UNMASKED
-  u_lo = jnp.min(jnp.where(unmasked, tile_N, hi))
-  # Tiles from hi on are SKIP, so the run ends at hi at the latest.
-  u_hi = jnp.min(jnp.where((class_N != tiles.UNMASKED) & (tile_N >= u_lo), tile_N, hi))
-  return lo, u_lo, u_hi, hi
+def _visible(masks_ref, mask_id, q_seg_t, k_seg_t):
+  """Visibility [tq, tk] of a tile pair, or None when every query sees every key."""
+  seen = None if q_seg_t is None else q_seg_t[:, None] == k_seg_t[None, :]
+  if mask_id is None:
+    return seen
+  mask = masks_ref[mask_id] != 0
+  return mask if seen is None else mask & seen
 
 
-def _three_loops(bounds, step, carry):
-  """Edge tiles through `step(j, carry, None)` (classify per tile), the UNMASKED run through
-  `step(j, carry, True)`; `step` returns the new carry."""
-  lo, u_lo, u_hi, hi = bounds
-  carry = lax.fori_loop(lo, u_lo, lambda j, c: step(j, c, None), carry)
-  carry = lax.fori_loop(u_lo, u_hi, lambda j, c: step(j, c, True), carry)
-  return lax.fori_loop(u_hi, hi, lambda j, c: step(j, c, None), carry)
+def _split_refs(refs, has_seg: bool, num_out: int):
+  """(segment refs or (None, None), tile lists, masks ref, output refs) of a kernel."""
+  seg_refs, refs = (refs[:2], refs[2:]) if has_seg else ((None, None), refs)
+  return seg_refs, TileLists(*refs[:5]), refs[5], refs[6:6 + num_out]
 
 
-def _visit(cls, compute, carry):
-  """An edge tile of class `cls`: SKIP is a no-op, else compute with UNMASKED as a flag
-  OR-ed into the mask (one branch rather than three keeps the loop simple)."""
-  return lax.cond(cls == tiles.SKIP, lambda c: c,
-                  lambda c: compute(cls == tiles.UNMASKED, c), carry)
-
-
-def _mask(q_idx_t, q_seg_t, k_idx_t, k_seg_t, all_visible):
-  """Visibility [tq, tk] OR-ed with the flag `all_visible` (a traced bool)."""
-  mask = tiles.visible(q_idx_t[:, None], q_seg_t[:, None], k_idx_t[None, :], k_seg_t[None, :])
-  return mask | all_visible
-
-
-def _fwd_kernel(q_ref, k_ref, v_ref, q_idx_ref, q_seg_ref, k_idx_ref, k_seg_ref, *refs,
-                scale: float, block_k: int):
-  q_sum_refs, k_sum_refs, (o_ref, lse_ref) = refs[:4], refs[4:8], refs[8:]
-  q_sum = _load_summary(q_sum_refs, _query_tile(pl.program_id(0), pl.num_programs(0)))
-  bounds = _loop_bounds(tiles.classify_pair(q_sum, _load_summary(k_sum_refs)))
+def _fwd_kernel(q_ref, k_ref, v_ref, *refs, scale: float, block_k: int, has_seg: bool):
+  (q_seg_ref, k_seg_ref), lists, masks_ref, (o_ref, lse_ref) = _split_refs(refs, has_seg, 2)
+  row = _query_tile(pl.program_id(0), pl.num_programs(0))
   q_tD = q_ref[...]
-  q_idx_t, q_seg_t = q_idx_ref[...], q_seg_ref[...]
+  q_seg_t = q_seg_ref[...] if has_seg else None
   scale2 = scale * _LOG2E  # base-2 logits: exp2(s * log2 e) == exp(s)
 
-  def step(j, carry, unmasked):
+  def visit(j, carry, mask_id):
     keys = pl.ds(j * block_k, block_k)
-
-    def compute(all_visible, carry):
-      m_t, l_t, acc_tD = carry
-      k_kD, v_kD = k_ref[keys, :], v_ref[keys, :]
-      s_tk = _dot(q_tD, k_kD, 1) * scale2
-      if all_visible is not True:
-        mask = _mask(q_idx_t, q_seg_t, k_idx_ref[keys], k_seg_ref[keys], all_visible)
-        s_tk = jnp.where(mask, s_tk, -jnp.inf)
-      m_new = jnp.maximum(m_t, jnp.max(s_tk, axis=1))
-      # A row with nothing visible yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
-      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      p_tk = jnp.exp2(s_tk - m_safe[:, None])
-      alpha = jnp.exp2(m_t - m_safe)
-      acc_tD = alpha[:, None] * acc_tD + _dot(p_tk.astype(v_kD.dtype), v_kD, 0)
-      return m_new, alpha * l_t + jnp.sum(p_tk, axis=1), acc_tD
-
-    if unmasked:
-      return compute(True, carry)
-    return _visit(tiles.classify_pair(q_sum, _load_summary(k_sum_refs, j)), compute, carry)
+    m_t, l_t, acc_tD = carry
+    k_kD, v_kD = k_ref[keys, :], v_ref[keys, :]
+    s_tk = _dot(q_tD, k_kD, 1) * scale2
+    mask = _visible(masks_ref, mask_id, q_seg_t, k_seg_ref[keys] if has_seg else None)
+    if mask is not None:
+      s_tk = jnp.where(mask, s_tk, -jnp.inf)
+    m_new = jnp.maximum(m_t, jnp.max(s_tk, axis=1))
+    # A row with nothing visible yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p_tk = jnp.exp2(s_tk - m_safe[:, None])
+    alpha = jnp.exp2(m_t - m_safe)
+    acc_tD = alpha[:, None] * acc_tD + _dot(p_tk.astype(v_kD.dtype), v_kD, 0)
+    return m_new, alpha * l_t + jnp.sum(p_tk, axis=1), acc_tD
 
   t, d = q_tD.shape
   init = (jnp.full((t,), -jnp.inf, _F32), jnp.zeros((t,), _F32), jnp.zeros((t, d), _F32))
-  m_t, l_t, acc_tD = _three_loops(bounds, step, init)
+  m_t, l_t, acc_tD = over_tiles(lists, row, visit, init)
   seen = l_t > 0
   l_safe = jnp.where(seen, l_t, 1.0)
   o_ref[...] = (acc_tD / l_safe[:, None]).astype(o_ref.dtype)
@@ -196,65 +163,48 @@ def _lse2(lse_t):
   return jnp.where(lse_t == -jnp.inf, jnp.inf, lse_t * _LOG2E)
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_idx_ref, q_seg_ref,
-                k_idx_ref, k_seg_ref, *refs, scale: float, block_q: int, group: int):
-  q_sum_refs, k_sum_refs, (dk_ref, dv_ref) = refs[:4], refs[4:8], refs[8:]
-  k_sum = _load_summary(k_sum_refs, pl.program_id(0))
-  bounds = _loop_bounds(tiles.classify_pair(_load_summary(q_sum_refs), k_sum))
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, scale: float,
+                block_q: int, group: int, has_seg: bool):
+  (q_seg_ref, k_seg_ref), lists, masks_ref, (dk_ref, dv_ref) = _split_refs(refs, has_seg, 2)
+  row = pl.program_id(0)
   k_kD, v_kD = k_ref[...], v_ref[...]
-  k_idx_t, k_seg_t = k_idx_ref[...], k_seg_ref[...]
+  k_seg_t = k_seg_ref[...] if has_seg else None
 
-  def step(g, i, carry, unmasked):
+  def visit(g, i, carry, mask_id):
     rows = pl.ds(i * block_q, block_q)
-
-    def compute(all_visible, carry):
-      dk_kD, dv_kD = carry
-      q_tD, do_tD = q_ref[rows, g, :], do_ref[rows, g, :]
-      mask = None
-      if all_visible is not True:
-        mask = _mask(q_idx_ref[rows], q_seg_ref[rows], k_idx_t, k_seg_t, all_visible)
-      p_tk, ds_tk = _bwd_tile(q_tD, k_kD, v_kD, do_tD, _lse2(lse_ref[rows, g]),
-                              delta_ref[rows, g], scale, mask)
-      dv_kD = dv_kD + _dot_tn(p_tk.astype(do_tD.dtype), do_tD)
-      dk_kD = dk_kD + _dot_tn(ds_tk.astype(q_tD.dtype), q_tD)
-      return dk_kD, dv_kD
-
-    if unmasked:
-      return compute(True, carry)
-    return _visit(tiles.classify_pair(_load_summary(q_sum_refs, i), k_sum), compute, carry)
+    dk_kD, dv_kD = carry
+    q_tD, do_tD = q_ref[rows, g, :], do_ref[rows, g, :]
+    mask = _visible(masks_ref, mask_id, q_seg_ref[rows] if has_seg else None, k_seg_t)
+    p_tk, ds_tk = _bwd_tile(q_tD, k_kD, v_kD, do_tD, _lse2(lse_ref[rows, g]),
+                            delta_ref[rows, g], scale, mask)
+    dv_kD = dv_kD + _dot_tn(p_tk.astype(do_tD.dtype), do_tD)
+    dk_kD = dk_kD + _dot_tn(ds_tk.astype(q_tD.dtype), q_tD)
+    return dk_kD, dv_kD
 
   # The q heads of this kv head's group, one after another (no K/V repeat).
   zeros = jnp.zeros(k_kD.shape, _F32)
   dk_kD, dv_kD = lax.fori_loop(
-      0, group, lambda g, c: _three_loops(bounds, functools.partial(step, g), c), (zeros, zeros))
+      0, group, lambda g, c: over_tiles(lists, row, functools.partial(visit, g), c),
+      (zeros, zeros))
   dk_ref[...], dv_ref[...] = dk_kD, dv_kD
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_idx_ref, q_seg_ref,
-               k_idx_ref, k_seg_ref, *refs, scale: float, block_k: int):
-  q_sum_refs, k_sum_refs, (dq_ref,) = refs[:4], refs[4:8], refs[8:]
-  q_sum = _load_summary(q_sum_refs, _query_tile(pl.program_id(0), pl.num_programs(0)))
-  bounds = _loop_bounds(tiles.classify_pair(q_sum, _load_summary(k_sum_refs)))
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, scale: float,
+               block_k: int, has_seg: bool):
+  (q_seg_ref, k_seg_ref), lists, masks_ref, (dq_ref,) = _split_refs(refs, has_seg, 1)
+  row = _query_tile(pl.program_id(0), pl.num_programs(0))
   q_tD, do_tD = q_ref[...], do_ref[...]
   lse2_t, delta_t = _lse2(lse_ref[...]), delta_ref[...]
-  q_idx_t, q_seg_t = q_idx_ref[...], q_seg_ref[...]
+  q_seg_t = q_seg_ref[...] if has_seg else None
 
-  def step(j, dq_tD, unmasked):
+  def visit(j, dq_tD, mask_id):
     keys = pl.ds(j * block_k, block_k)
+    k_kD = k_ref[keys, :]
+    mask = _visible(masks_ref, mask_id, q_seg_t, k_seg_ref[keys] if has_seg else None)
+    _, ds_tk = _bwd_tile(q_tD, k_kD, v_ref[keys, :], do_tD, lse2_t, delta_t, scale, mask)
+    return dq_tD + _dot(ds_tk.astype(k_kD.dtype), k_kD, 0)
 
-    def compute(all_visible, dq_tD):
-      k_kD = k_ref[keys, :]
-      mask = None
-      if all_visible is not True:
-        mask = _mask(q_idx_t, q_seg_t, k_idx_ref[keys], k_seg_ref[keys], all_visible)
-      _, ds_tk = _bwd_tile(q_tD, k_kD, v_ref[keys, :], do_tD, lse2_t, delta_t, scale, mask)
-      return dq_tD + _dot(ds_tk.astype(k_kD.dtype), k_kD, 0)
-
-    if unmasked:
-      return compute(True, dq_tD)
-    return _visit(tiles.classify_pair(q_sum, _load_summary(k_sum_refs, j)), compute, dq_tD)
-
-  dq_ref[...] = _three_loops(bounds, step, jnp.zeros(q_tD.shape, _F32))
+  dq_ref[...] = over_tiles(lists, row, visit, jnp.zeros(q_tD.shape, _F32))
 
 
 def _query_tile(i, num_q):
@@ -270,83 +220,60 @@ def _size(wanted: int, tile: int, length: int, what: str) -> int:
   return size
 
 
-def _pow2(n: int) -> int:
-  """Vector loads in Triton need power-of-2 lengths; summaries are padded to one."""
-  return 1 << max(0, n - 1).bit_length()
+def _interpret() -> bool:
+  """The CPU has no Pallas compiler: there the kernels run in interpret mode."""
+  return jax.default_backend() == "cpu"
 
 
 def _call(kernel, grid, in_specs, out_specs, out_shape, warps: int, stages: int, name: str):
-  interpret = jax.default_backend() == "cpu"  # CPU has no Pallas compiler: interpret
   return pl.pallas_call(
       kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-      interpret=interpret, name=name,
+      interpret=_interpret(), name=name,
       compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages))
-
-
-def _whole_row(length: int):
-  """BlockSpec of a whole [B, L] row (indices, summaries) for grid (tile, b, head)."""
-  return pl.BlockSpec((None, length), lambda t, b, h: (b, 0))
 
 
 def _q_grid_specs(num_q: int, block_q: int, head_dim: int):
   """Specs of per-query-tile operands for grid (query tile, b, q head), tiles last-first:
-  [B,T,H,D] tile, [B,T,H] tile (lse, delta), [B,T] tile (index, segment)."""
+  [B,T,H,D] tile, [B,T,H] tile (lse, delta), [B,T] tile (segment ids)."""
   tile = lambda i: _query_tile(i, num_q)
   return (pl.BlockSpec((None, block_q, None, head_dim), lambda i, b, h: (b, tile(i), h, 0)),
           pl.BlockSpec((None, block_q, None), lambda i, b, h: (b, tile(i), h)),
           pl.BlockSpec((None, block_q), lambda i, b, h: (b, tile(i))))
 
 
-class _QueryTileGrid(NamedTuple):
-  """Grid (query tile, b, q head) of the forward and dQ calls, each program looping over
-  key tiles: tile counts, the tile summaries and the BlockSpecs of every operand kind."""
-  num_q: int
-  block_k: int
-  sums: tuple  # q then k summaries, as _summaries gives them
-  q_spec: pl.BlockSpec  # [B,T,H,D] query tile
-  stat_spec: pl.BlockSpec  # [B,T,H] query tile (lse, delta)
-  index_spec: pl.BlockSpec  # [B,T] query tile (index, segment)
-  kv_spec: pl.BlockSpec  # the whole K/V block of the program's kv head
-  k_row_spec: pl.BlockSpec  # the whole [B,Tk] key index / segment row
-  sum_specs: list  # the summaries' specs
+def _segments_and_tables(seg_args, seg_specs, tables):
+  """Operands and specs after the dense ones: segment ids when given, then the tables."""
+  args = [*seg_args, *tables] if seg_args[0] is not None else list(tables)
+  specs = [*seg_specs] if seg_args[0] is not None else []
+  return args, specs + [_whole(t) for t in tables]
 
 
-def _query_tile_grid(q_index_BT, q_seg_BT, k_index_BT, k_seg_BT, block_q: int, block_k: int,
-                     head_dim: int, group: int) -> _QueryTileGrid:
-  len_q, len_k = q_index_BT.shape[1], k_index_BT.shape[1]
-  num_q, num_k = len_q // block_q, len_k // block_k
-  sums = (*_summaries(q_index_BT, q_seg_BT, block_q, num_q),
-          *_summaries(k_index_BT, k_seg_BT, block_k, _pow2(num_k)))
-  q_spec, stat_spec, index_spec = _q_grid_specs(num_q, block_q, head_dim)
-  kv_spec = pl.BlockSpec((None, len_k, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
-  sum_specs = [*[_whole_row(num_q)] * 4, *[_whole_row(_pow2(num_k))] * 4]
-  return _QueryTileGrid(num_q, block_k, sums, q_spec, stat_spec, index_spec, kv_spec,
-                        _whole_row(len_k), sum_specs)
-
-
-def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_index_BT, q_seg_BT, k_index_BT, k_seg_BT, *, tile: int,
-              config: KernelConfig = DEFAULT_CONFIG) -> tuple[jax.Array, jax.Array]:
+def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSchedule, pair,
+              tile: int, config: KernelConfig = DEFAULT_CONFIG) -> tuple[jax.Array, jax.Array]:
   """Attention of a query block on a key block: (out [B,Tq,Hq,D] f32, lse [B,Tq,Hq] f32)."""
   config = config.for_operands(q_BTHD.dtype)
   batch, len_q, num_heads, head_dim = q_BTHD.shape
   len_k, num_kv = k_BTKD.shape[1], k_BTKD.shape[2]
-  g = _query_tile_grid(q_index_BT, q_seg_BT, k_index_BT, k_seg_BT,
-                       _size(config.fwd_q, tile, len_q, "query"),
-                       _size(config.fwd_k, tile, len_k, "key"), head_dim, num_heads // num_kv)
-  in_specs = [g.q_spec, g.kv_spec, g.kv_spec, g.index_spec, g.index_spec, g.k_row_spec,
-              g.k_row_spec, *g.sum_specs]
+  block_q = _size(config.fwd_q, tile, len_q, "query")
+  block_k = _size(config.fwd_k, tile, len_k, "key")
+  plan = schedule.tiles(block_q, block_k)
+  num_q, group = len_q // block_q, num_heads // num_kv
+  q_spec, stat_spec, seg_spec = _q_grid_specs(num_q, block_q, head_dim)
+  kv_spec = pl.BlockSpec((None, len_k, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
+  k_row_spec = pl.BlockSpec((None, len_k), lambda i, b, h: (b, 0))
+  rest, rest_specs = _segments_and_tables((q_seg_BT, k_seg_BT), (seg_spec, k_row_spec),
+                                          _pair_tables(plan.by_query, plan.masks, pair))
   out_shape = [jax.ShapeDtypeStruct(q_BTHD.shape, _F32),
                jax.ShapeDtypeStruct((batch, len_q, num_heads), _F32)]
-  kernel = functools.partial(_fwd_kernel, scale=head_dim ** -0.5, block_k=g.block_k)
-  out_BTHD, lse_BTH = _call(kernel, (g.num_q, batch, num_heads), in_specs,
-                            [g.q_spec, g.stat_spec], out_shape, config.fwd_warps,
-                            config.fwd_stages, "block_fwd")(
-      q_BTHD, k_BTKD, v_BTKD, q_index_BT, q_seg_BT, k_index_BT, k_seg_BT, *g.sums)
-  return out_BTHD, lse_BTH
+  kernel = functools.partial(_fwd_kernel, scale=head_dim ** -0.5, block_k=block_k,
+                             has_seg=q_seg_BT is not None)
+  return _call(kernel, (num_q, batch, num_heads), [q_spec, kv_spec, kv_spec, *rest_specs],
+               [q_spec, stat_spec], out_shape, config.fwd_warps, config.fwd_stages,
+               "block_fwd")(q_BTHD, k_BTKD, v_BTKD, *rest)
 
 
-def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_index_BT, q_seg_BT,
-              k_index_BT, k_seg_BT, *, tile: int,
+def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k_seg_BT, *,
+              schedule: RingSchedule, pair, tile: int,
               config: KernelConfig = DEFAULT_CONFIG) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Gradient contributions (dq, dk, dv, all float32) of one query block x key block.
 
@@ -357,36 +284,42 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_index_BT,
   len_k, num_kv = k_BTKD.shape[1], k_BTKD.shape[2]
   group = num_heads // num_kv
   scale = head_dim ** -0.5
+  has_seg = q_seg_BT is not None
   args = (q_BTHD, k_BTKD, v_BTKD, dout_BTHD.astype(q_BTHD.dtype), lse_BTH.astype(_F32),
-          delta_BTH.astype(_F32), q_index_BT, q_seg_BT, k_index_BT, k_seg_BT)
+          delta_BTH.astype(_F32))
 
   # dK, dV: one program per (key tile, row, kv head), looping over the group's q heads.
   block_k = _size(config.dkv_k, tile, len_k, "key")
   block_q = _size(config.dkv_q, tile, len_q, "query")
-  num_q, num_k = len_q // block_q, len_k // block_k
-  sums = (*_summaries(q_index_BT, q_seg_BT, block_q, _pow2(num_q)),
-          *_summaries(k_index_BT, k_seg_BT, block_k, num_k))
+  plan = schedule.tiles(block_q, block_k)
   q_spec = pl.BlockSpec((None, len_q, group, head_dim), lambda j, b, h: (b, 0, h, 0))
   k_spec = pl.BlockSpec((None, block_k, None, head_dim), lambda j, b, h: (b, j, h, 0))
   stat_spec = pl.BlockSpec((None, len_q, group), lambda j, b, h: (b, 0, h))
-  k_index_spec = pl.BlockSpec((None, block_k), lambda j, b, h: (b, j))
-  in_specs = [q_spec, k_spec, k_spec, q_spec, stat_spec, stat_spec, _whole_row(len_q),
-              _whole_row(len_q), k_index_spec, k_index_spec, *[_whole_row(_pow2(num_q))] * 4,
-              *[_whole_row(num_k)] * 4]
-  out_shape = [jax.ShapeDtypeStruct(k_BTKD.shape, _F32)] * 2
-  kernel = functools.partial(_dkv_kernel, scale=scale, block_q=block_q, group=group)
-  dk_BTKD, dv_BTKD = _call(kernel, (num_k, batch, num_kv), in_specs, [k_spec, k_spec],
-                           out_shape, config.bwd_warps, config.bwd_stages, "block_bwd_dkv")(
-      *args, *sums)
+  rest, rest_specs = _segments_and_tables(
+      (q_seg_BT, k_seg_BT), (pl.BlockSpec((None, len_q), lambda j, b, h: (b, 0)),
+                             pl.BlockSpec((None, block_k), lambda j, b, h: (b, j))),
+      _pair_tables(plan.by_key, plan.masks, pair))
+  kernel = functools.partial(_dkv_kernel, scale=scale, block_q=block_q, group=group,
+                             has_seg=has_seg)
+  dk_BTKD, dv_BTKD = _call(
+      kernel, (len_k // block_k, batch, num_kv),
+      [q_spec, k_spec, k_spec, q_spec, stat_spec, stat_spec, *rest_specs], [k_spec, k_spec],
+      [jax.ShapeDtypeStruct(k_BTKD.shape, _F32)] * 2, config.bwd_warps, config.bwd_stages,
+      "block_bwd_dkv")(*args, *rest)
 
   # dQ: one program per (query tile, row, q head), looping over key tiles.
-  g = _query_tile_grid(q_index_BT, q_seg_BT, k_index_BT, k_seg_BT,
-                       _size(config.dq_q, tile, len_q, "query"),
-                       _size(config.dq_k, tile, len_k, "key"), head_dim, group)
-  in_specs = [g.q_spec, g.kv_spec, g.kv_spec, g.q_spec, g.stat_spec, g.stat_spec, g.index_spec,
-              g.index_spec, g.k_row_spec, g.k_row_spec, *g.sum_specs]
-  kernel = functools.partial(_dq_kernel, scale=scale, block_k=g.block_k)
-  dq_BTHD = _call(kernel, (g.num_q, batch, num_heads), in_specs, g.q_spec,
+  block_q = _size(config.dq_q, tile, len_q, "query")
+  block_k = _size(config.dq_k, tile, len_k, "key")
+  plan = schedule.tiles(block_q, block_k)
+  num_q = len_q // block_q
+  q_spec, stat_spec, seg_spec = _q_grid_specs(num_q, block_q, head_dim)
+  kv_spec = pl.BlockSpec((None, len_k, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
+  rest, rest_specs = _segments_and_tables(
+      (q_seg_BT, k_seg_BT), (seg_spec, pl.BlockSpec((None, len_k), lambda i, b, h: (b, 0))),
+      _pair_tables(plan.by_query, plan.masks, pair))
+  kernel = functools.partial(_dq_kernel, scale=scale, block_k=block_k, has_seg=has_seg)
+  dq_BTHD = _call(kernel, (num_q, batch, num_heads),
+                  [q_spec, kv_spec, kv_spec, q_spec, stat_spec, stat_spec, *rest_specs], q_spec,
                   jax.ShapeDtypeStruct(q_BTHD.shape, _F32), config.bwd_warps,
-                  config.bwd_stages, "block_bwd_dq")(*args, *g.sums)
+                  config.bwd_stages, "block_bwd_dq")(*args, *rest)
   return dq_BTHD, dk_BTKD, dv_BTKD

@@ -1,33 +1,31 @@
 """The `xla` block kernel: tiled flash attention of one query block against one key block.
 
-Pure JAX, runs on any backend; it is the reference the Pallas kernel is checked against.
-Each (query tile, key tile) pair has a class from `parallelism.tiles`. The tile loops run
-only over the pairs that are not SKIP (`_computed_first`), so a skipped pair costs not even
-a loop iteration; a `lax.cond` picks the unmasked or the masked update. (Computing a MASKED
-pair as 2 x 2 quarters, skipping one, measured no faster on CPU, forward or backward: the
-split and the smaller matmuls cost what the skipped quarter saves.) Classes are decided from
-min/max over the whole local batch, never vmapped, because a vmapped cond would turn into a
-select that computes both branches.
+Pure JAX, runs on any backend; it is the reference every other kernel is checked against
+(the contract is in `parallelism.kernels`). Which tile pairs it computes comes from the
+static schedule (`parallelism.schedule`): for each query tile (forward) or key tile
+(backward), the runs of UNMASKED tiles are plain loops with no mask, then the MASKED
+tiles apply their precomputed elementwise mask. SKIP tiles are never visited, and nothing
+is classified at run time: the only traced inputs to the loop bounds are the block pair's
+row of the schedule's tables. (Computing a MASKED pair as 2 x 2 quarters, skipping one,
+measured no faster on CPU: the split and the smaller matmuls cost what the skipped quarter
+saves.) Segment ids, when given, are the one run-time mask, applied to every computed tile.
 
-Shapes: q `[B, Tq, Hq, D]`, k/v `[B, Tk, Hkv, D]`, token_index/segment_ids `[B, T]`; the
-token axis is axis 1 of every argument and result. The loops slice each tile out of these
-token-major arrays and transpose only the tile head-major (`[B, Hkv, G, t, D]` for q,
-`[B, Hkv, t, D]` for k/v), so every matmul is a plain batched one and no whole-block copy is
-made (a token-major tile is one contiguous run of memory per row). GQA keeps K/V un-repeated: q head
-h = kv_head * G + g (the pairing of `jnp.repeat(k, G, axis=2)`). Matmuls take the input
-dtype (bf16 ok) and accumulate in float32. Log-sum-exp is the natural log, float32, shape
-`[B, Tq, Hq]`; a query that sees no key gets output 0 and lse -inf, never NaN.
+Shapes: q `[B, Tq, Hq, D]`, k/v `[B, Tk, Hkv, D]`, segment ids `[B, T]`; the token axis is
+axis 1 of every argument and result. The loops slice each tile out of these token-major
+arrays and transpose only the tile head-major (`[B, Hkv, G, t, D]` for q, `[B, Hkv, t, D]`
+for k/v), so every matmul is a plain batched one and no whole-block copy is made. GQA keeps
+K/V un-repeated: q head h = kv_head * G + g (the pairing of `jnp.repeat(k, G, axis=2)`).
+Matmuls take the input dtype (bf16 ok) and accumulate in float32. Log-sum-exp is the
+natural log, float32, `[B, Tq, Hq]`; a query that sees no key gets output 0 and lse -inf.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from parallelism import tiles
+from parallelism.schedule import RingSchedule, TileLists
 
 _F32 = jnp.float32
 _Q_AXIS = 3  # the token axis of head-major query-side tiles, [B, Hkv, G, t, ...]
@@ -56,54 +54,47 @@ def _q_token_major(x_BKGT):
   return x.reshape(x.shape[0], x.shape[1], x.shape[2] * x.shape[3], *x.shape[4:])
 
 
-def _query_tile(per_head, q_index_BT, q_seg_BT, i, num_kv: int, tile: int):
-  """Query tile `i`: each [B, T, Hq, ...] array of `per_head` head-major, [B, Hkv, G, t, ...],
-  then the index and segment ids, [B, t]."""
-  return (*(_q_head_major(_tile_of(x, i, tile), num_kv) for x in per_head),
-          _tile_of(q_index_BT, i, tile), _tile_of(q_seg_BT, i, tile))
+def _key_tile(k_BTKD, v_BTKD, j, tile: int):
+  """Key tile `j`: k and v head-major, [B, Hkv, t, D]."""
+  return tuple(jnp.swapaxes(_tile_of(x, j, tile), 1, 2) for x in (k_BTKD, v_BTKD))
 
 
-def _key_tile(k_BTKD, v_BTKD, k_index_BT, k_seg_BT, j, tile: int):
-  """Key tile `j`: k and v head-major, [B, Hkv, t, D], then the index and segment ids."""
-  return (*(jnp.swapaxes(_tile_of(x, j, tile), 1, 2) for x in (k_BTKD, v_BTKD)),
-          _tile_of(k_index_BT, j, tile), _tile_of(k_seg_BT, j, tile))
+def pair_rows(lists: TileLists, pair) -> TileLists:
+  """One block pair's rows of the schedule's tile lists, as (constant) JAX arrays."""
+  return TileLists(*(jnp.asarray(table)[pair] for table in lists))
 
 
-def _mask(q_index_Bt, q_seg_Bt, k_index_Bt, k_seg_Bt):
-  """Visibility [B, tq, tk]."""
-  return tiles.visible(q_index_Bt[:, :, None], q_seg_Bt[:, :, None], k_index_Bt[:, None, :],
-                       k_seg_Bt[:, None, :])
+def visibility(mask_tt, q_seg_Bt, k_seg_Bt):
+  """What a tile pair's queries see, [B or 1, tq, tk]; None when they see every key."""
+  same = None if q_seg_Bt is None else q_seg_Bt[:, :, None] == k_seg_Bt[:, None, :]
+  if mask_tt is None:
+    return same
+  return mask_tt[None] if same is None else same & mask_tt[None]
 
 
-def _classes(q_index, q_seg, k_index, k_seg, tile: int):
-  """Class of every (query tile, key tile) pair, [num_q_tiles, num_k_tiles] int32; a JAX
-  array even for NumPy inputs, since the loops index it with traced tile numbers."""
-  return jnp.asarray(tiles.classify_all(tiles.summarize_tiles(q_index, q_seg, tile),
-                                        tiles.summarize_tiles(k_index, k_seg, tile)))
+def over_tiles(lists: TileLists, row, visit, carry):
+  """Runs `visit(inner_tile, carry, mask)` over the tiles of one row of the schedule: the
+  runs of UNMASKED tiles (mask None), then each MASKED tile with its mask id."""
+  def run(r, carry):
+    return lax.fori_loop(lists.runs[row, r, 0], lists.runs[row, r, 1],
+                         lambda j, c: visit(j, c, None), carry)
+
+  carry = lax.fori_loop(0, lists.num_runs[row], run, carry)
+  return lax.fori_loop(
+      0, lists.num_masked[row],
+      lambda n, c: visit(lists.masked[row, n], c, lists.mask_id[row, n]), carry)
 
 
-def _computed_first(classes_N):
-  """(positions of the non-SKIP tiles in order, then the SKIP ones; how many are non-SKIP).
-
-  The tile loops run only over the first `count` positions; the order does not assume
-  sorted token indices.
-  """
-  skip_N = classes_N == tiles.SKIP
-  return jnp.argsort(skip_N, stable=True), jnp.sum(~skip_N)
-
-
-def _fwd_update(carry, q_xs, k_xs, *, scale: float, masked: bool):
+def _fwd_update(carry, q_BKGtD, k_BKtD, v_BKtD, visible, *, scale: float):
   """One online-softmax step of a query tile on a key tile; carry is (m, l, acc).
 
   m is the running max of the UNSCALED scores; the scale goes into the exponent, which
   saves a pass over the scores (scale > 0, so the max commutes with it).
   """
   m_BKGt, l_BKGt, acc_BKGtD = carry
-  q_BKGtD, q_idx_Bt, q_seg_Bt = q_xs
-  k_BKtD, v_BKtD, k_idx_Bt, k_seg_Bt = k_xs
   s = jnp.einsum("bhgqd,bhkd->bhgqk", q_BKGtD, k_BKtD, preferred_element_type=_F32)
-  if masked:
-    s = jnp.where(_mask(q_idx_Bt, q_seg_Bt, k_idx_Bt, k_seg_Bt)[:, None, None], s, -jnp.inf)
+  if visible is not None:
+    s = jnp.where(visible[:, None, None], s, -jnp.inf)
   m_new = jnp.maximum(m_BKGt, s.max(axis=-1))
   # A row with nothing visible yet keeps m = -inf; shift by 0 so exp gives 0, not NaN.
   m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
@@ -115,30 +106,29 @@ def _fwd_update(carry, q_xs, k_xs, *, scale: float, masked: bool):
   return m_new, l_new, alpha[..., None] * acc_BKGtD + pv
 
 
-def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_index_BT, q_seg_BT, k_index_BT, k_seg_BT, *,
+def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSchedule, pair,
               tile: int) -> tuple[jax.Array, jax.Array]:
   """Attention of a query block on a key block: (out [B,Tq,Hq,D] f32, lse [B,Tq,Hq] f32)."""
-  head_dim = q_BTHD.shape[3]
   num_kv = k_BTKD.shape[2]
-  scale = head_dim ** -0.5
-  classes_NqNk = _classes(q_index_BT, q_seg_BT, k_index_BT, k_seg_BT, tile)
-  unmasked = functools.partial(_fwd_update, scale=scale, masked=False)
-  masked = functools.partial(_fwd_update, scale=scale, masked=True)
+  scale = q_BTHD.shape[3] ** -0.5
+  plan = schedule.tiles(tile)
+  lists, masks = pair_rows(plan.by_query, pair), jnp.asarray(plan.masks)
+  segments = q_seg_BT is not None
 
   def q_tile_body(i, results):
-    q_xs = _query_tile((q_BTHD,), q_index_BT, q_seg_BT, i, num_kv, tile)
-    classes_N = classes_NqNk[i]
-    order_N, count = _computed_first(classes_N)
+    q_BKGtD = _q_head_major(_tile_of(q_BTHD, i, tile), num_kv)
+    q_seg_Bt = _tile_of(q_seg_BT, i, tile) if segments else None
 
-    def k_tile_body(n, carry):
-      j = order_N[n]
-      k_xs = _key_tile(k_BTKD, v_BTKD, k_index_BT, k_seg_BT, j, tile)
-      return lax.cond(classes_N[j] == tiles.MASKED, masked, unmasked, carry, q_xs, k_xs)
+    def visit(j, carry, mask_id):
+      k_BKtD, v_BKtD = _key_tile(k_BTKD, v_BTKD, j, tile)
+      visible = visibility(None if mask_id is None else masks[mask_id], q_seg_Bt,
+                           _tile_of(k_seg_BT, j, tile) if segments else None)
+      return _fwd_update(carry, q_BKGtD, k_BKtD, v_BKtD, visible, scale=scale)
 
-    rows_BKGt = q_xs[0].shape[:-1]
+    rows_BKGt = q_BKGtD.shape[:-1]
     init = (jnp.full(rows_BKGt, -jnp.inf, _F32), jnp.zeros(rows_BKGt, _F32),
-            jnp.zeros(q_xs[0].shape, _F32))
-    m, l, acc = lax.fori_loop(0, count, k_tile_body, init)
+            jnp.zeros(q_BKGtD.shape, _F32))
+    m, l, acc = over_tiles(lists, i, visit, init)
     seen = l > 0
     lse_BKGt = jnp.where(seen, m * scale + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
     out_BKGtD = acc / jnp.where(seen, l, 1.0)[..., None]
@@ -148,10 +138,10 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_index_BT, q_seg_BT, k_index_BT, k_seg_BT
 
   # Every query tile is overwritten.
   results = (jnp.zeros(q_BTHD.shape, _F32), jnp.zeros(q_BTHD.shape[:3], _F32))
-  return lax.fori_loop(0, classes_NqNk.shape[0], q_tile_body, results)
+  return lax.fori_loop(0, q_BTHD.shape[1] // tile, q_tile_body, results)
 
 
-def _bwd_update(carry, q_xs, k_xs, *, scale: float, masked: bool):
+def _bwd_update(carry, q_xs, k_xs, visible_T, *, scale: float):
   """Gradients of one query tile x key tile; carry is (dk, dv) of the key tile and dq of
   the query tile, transposed ([B, Hkv, D, G, tq]), all float32.
 
@@ -163,12 +153,11 @@ def _bwd_update(carry, q_xs, k_xs, *, scale: float, masked: bool):
   t / D times less data than a score tile.
   """
   dk_BKtD, dv_BKtD, dq_BKDGt = carry
-  q_BKGtD, do_BKGtD, lse_BKGt, delta_BKGt, q_idx_Bt, q_seg_Bt = q_xs
-  k_BKtD, v_BKtD, k_BKDt, k_idx_Bt, k_seg_Bt = k_xs
+  q_BKGtD, do_BKGtD, lse_BKGt, delta_BKGt = q_xs
+  k_BKtD, v_BKtD, k_BKDt = k_xs
   s_T = jnp.einsum("bhkd,bhgqd->bhkgq", k_BKtD, q_BKGtD, preferred_element_type=_F32)
   p_T = jnp.exp(s_T * scale - lse_BKGt[:, :, None])
-  if masked:
-    visible_T = jnp.swapaxes(_mask(q_idx_Bt, q_seg_Bt, k_idx_Bt, k_seg_Bt), 1, 2)
+  if visible_T is not None:
     p_T = jnp.where(visible_T[:, None, :, None, :], p_T, 0.0)
   dv_BKtD = dv_BKtD + jnp.einsum("bhkgq,bhgqd->bhkd", p_T.astype(do_BKGtD.dtype), do_BKGtD,
                                  preferred_element_type=_F32)
@@ -181,48 +170,49 @@ def _bwd_update(carry, q_xs, k_xs, *, scale: float, masked: bool):
   return dk_BKtD, dv_BKtD, dq_BKDGt
 
 
-def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_index_BT, q_seg_BT,
-              k_index_BT, k_seg_BT, *, tile: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k_seg_BT, *,
+              schedule: RingSchedule, pair, tile: int) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Gradient contributions (dq, dk, dv, all float32) of one query block x key block.
 
   `lse_BTH` is the GLOBAL log-sum-exp of the queries (merged over all key blocks) and
   `delta_BTH = sum(dout * out, -1)` with the global output, so each block's
   probabilities are recomputed exactly as the forward's final softmax.
   """
-  head_dim = q_BTHD.shape[3]
   num_kv = k_BTKD.shape[2]
-  scale = head_dim ** -0.5
-  classes_NqNk = _classes(q_index_BT, q_seg_BT, k_index_BT, k_seg_BT, tile)
+  scale = q_BTHD.shape[3] ** -0.5
+  plan = schedule.tiles(tile)
+  lists, masks = pair_rows(plan.by_key, pair), jnp.asarray(plan.masks)
+  segments = q_seg_BT is not None
   # lse -inf (a query that sees nothing) -> +inf so exp(s - lse) is 0 rather than NaN.
   lse_safe = jnp.where(jnp.isfinite(lse_BTH), lse_BTH, jnp.inf).astype(_F32)
   per_head = (q_BTHD, dout_BTHD, lse_safe, delta_BTH.astype(_F32))
-  unmasked = functools.partial(_bwd_update, scale=scale, masked=False)
-  masked = functools.partial(_bwd_update, scale=scale, masked=True)
 
   def k_tile_body(j, grads):
-    k_BKtD, v_BKtD, k_idx_Bt, k_seg_Bt = _key_tile(k_BTKD, v_BTKD, k_index_BT, k_seg_BT, j, tile)
-    k_xs = (k_BKtD, v_BKtD, jnp.swapaxes(k_BKtD, 2, 3), k_idx_Bt, k_seg_Bt)
-    classes_N = classes_NqNk[:, j]
-    order_N, count = _computed_first(classes_N)
+    k_BKtD, v_BKtD = _key_tile(k_BTKD, v_BTKD, j, tile)
+    k_xs = (k_BKtD, v_BKtD, jnp.swapaxes(k_BKtD, 2, 3))
+    k_seg_Bt = _tile_of(k_seg_BT, j, tile) if segments else None
 
-    def q_tile_body(n, carry):
-      i = order_N[n]
+    def visit(i, carry, mask_id):
       dk, dv, dq_BTHD = carry
       dq_BKDGt = jnp.moveaxis(_q_head_major(_tile_of(dq_BTHD, i, tile), num_kv), 4, 2)
-      q_xs = _query_tile(per_head, q_index_BT, q_seg_BT, i, num_kv, tile)
-      dk, dv, dq_BKDGt = lax.cond(classes_N[i] == tiles.MASKED, masked, unmasked,
-                                  (dk, dv, dq_BKDGt), q_xs, k_xs)
+      q_xs = tuple(_q_head_major(_tile_of(x, i, tile), num_kv) for x in per_head)
+      visible = visibility(None if mask_id is None else masks[mask_id],
+                           _tile_of(q_seg_BT, i, tile) if segments else None, k_seg_Bt)
+      dk, dv, dq_BKDGt = _bwd_update(
+          (dk, dv, dq_BKDGt), q_xs, k_xs, None if visible is None else jnp.swapaxes(visible, 1, 2),
+          scale=scale)
       # In place in the loop carry: only computed tiles touch dq.
       dq_BKGtD = jnp.moveaxis(dq_BKDGt, 2, 4)
       return dk, dv, _with_tile(dq_BTHD, i, tile, _q_token_major(dq_BKGtD))
 
     dq_BTHD, dk_BTKD, dv_BTKD = grads
-    init = (jnp.zeros(k_xs[0].shape, _F32), jnp.zeros(k_xs[1].shape, _F32), dq_BTHD)
-    dk, dv, dq_BTHD = lax.fori_loop(0, count, q_tile_body, init)
+    init = (jnp.zeros(k_BKtD.shape, _F32), jnp.zeros(v_BKtD.shape, _F32), dq_BTHD)
+    dk, dv, dq_BTHD = over_tiles(lists, j, visit, init)
     return (dq_BTHD, _with_tile(dk_BTKD, j, tile, jnp.swapaxes(dk, 1, 2)),
             _with_tile(dv_BTKD, j, tile, jnp.swapaxes(dv, 1, 2)))
 
   # dq accumulates over key tiles; each dk/dv tile is written once.
   grads = (jnp.zeros(q_BTHD.shape, _F32), jnp.zeros(k_BTKD.shape, _F32),
            jnp.zeros(v_BTKD.shape, _F32))
-  return lax.fori_loop(0, classes_NqNk.shape[1], k_tile_body, grads)
+  return lax.fori_loop(0, k_BTKD.shape[1] // tile, k_tile_body, grads)
+

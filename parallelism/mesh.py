@@ -54,7 +54,7 @@ def check_rules(rules: Rules) -> None:
     if name in seen:
       raise ValueError(f"mesh.rules maps logical axis '{name}' more than once")
     seen.add(name)
-    for axis in _as_tuple(target):
+    for axis in as_axes(target):
       if axis not in MESH_AXES:
         raise ValueError(f"mesh.rules maps '{name}' to unknown mesh axis '{axis}'")
 
@@ -65,7 +65,7 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules) -> P:
   spec, used = [], []
   for name in names:
     target = table.get(name) if name is not None else None
-    axes = _as_tuple(target)
+    axes = as_axes(target)
     for axis in axes:
       if axis in used:
         raise ValueError(f"logical axes {tuple(names)} collide: mesh axis '{axis}' is used "
@@ -84,7 +84,8 @@ def batch_shards(mesh: Mesh) -> int:
   return int(np.prod([mesh.shape[axis] for axis in BATCH_AXES]))
 
 
-def _as_tuple(target) -> tuple[str, ...]:
+def as_axes(target) -> tuple[str, ...]:
+  """A rules-table target (None, an axis name or a sequence of names) as a tuple of axes."""
   if target is None:
     return ()
   return (target,) if isinstance(target, str) else tuple(target)

@@ -1,37 +1,54 @@
 """Exact causal attention over a sequence sharded on one mesh axis, by a ring of K/V blocks.
 
-Each device keeps its query block and passes its K/V block (with the keys' token_index
-and segment_ids, packed into one buffer) around the `axis` ring with `lax.ppermute`; after
-N steps every query block has met every key block. The next transfer is issued before the
-current block is computed so communication can overlap compute. Partial (out, lse) pairs
-merge by the stable log-sum-exp rule. Which tiles are computed is decided from the indices
-alone (`parallelism.tiles`), so the same code is ring, striped or zigzag attention
-depending only on how the data pipeline permuted the sequence (see DESIGN.md).
+Each device keeps its query block and passes its K/V block (and the keys' segment ids when
+documents are packed, in one buffer) around the ring with `lax.ppermute`; after N steps
+every query block has met every key block. The next transfer is issued before the current
+block is computed so communication can overlap compute. Partial (out, lse) pairs merge by
+the stable log-sum-exp rule.
+
+What each device computes at each step is the layout's static schedule
+(`parallelism.schedule`), built on the host once per compile: the ring looks up its block
+pair in a small table by device and step, skips the kernel for a pair with nothing to
+compute, and hands the pair to the block kernel (`parallelism.kernels`), which reads the
+pair's tile lists. No token index is traced, travels or is compared at run time.
+
+The shard_map's specs come from the same rules table as the activations around the call
+(logical names `activation_batch`, `activation_seq`, `activation_heads`,
+`activation_kv_heads`), so a change of `mesh.rules` moves both together and adds no reshard.
+`activation_seq` names the ring's mesh axis.
 
 The gradient is a `jax.custom_vjp`: the forward saves its inputs plus the global output
-and lse; the backward is a second ring pass that recomputes each block's probabilities
-from them. A device keeps the dK/dV of its own block; the accumulators of the others
-travel with their K/V block and, after N - 1 hops, arrive back at the device that owns it.
+and lse, named `attention_out` and `attention_lse` for remat policies; the backward is a
+second ring pass that recomputes each block's probabilities from them. A device keeps the
+dK/dV of its own block; the accumulators of the others travel with their K/V block and,
+after N - 1 hops, arrive back at the device that owns it.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from parallelism import kernel_pallas, kernel_xla
+from parallelism import kernels
+from parallelism.layouts import check_seq_len
+from parallelism.mesh import Rules, as_axes, logical_to_spec
+from parallelism.schedule import RingSchedule, ring_schedule
 
-KERNELS = ("xla", "pallas")
-# name -> (block forward, block backward); both share the signatures of kernel_xla.
-_BLOCK_KERNELS = {"xla": (kernel_xla.block_fwd, kernel_xla.block_bwd),
-                  "pallas": (kernel_pallas.block_fwd, kernel_pallas.block_bwd)}
+Q_NAMES = ("activation_batch", "activation_seq", "activation_heads", None)
+KV_NAMES = ("activation_batch", "activation_seq", "activation_kv_heads", None)
+SEGMENT_NAMES = ("activation_batch", "activation_seq")
+# Without a rules table: the sequence over the `sequence` axis, everything else replicated.
+DEFAULT_RULES = (("activation_seq", "sequence"),)
+# What the backward needs from the forward; a remat policy that saves these by name keeps
+# the backward from running the ring forward again.
+SAVED_NAMES = ("attention_out", "attention_lse")
 
 
 def _merge(out_a_BTHD, lse_a_BTH, out_b_BTHD, lse_b_BTH):
@@ -49,12 +66,11 @@ def _merge(out_a_BTHD, lse_a_BTH, out_b_BTHD, lse_b_BTH):
 
 
 def _pack(*arrays):
-  """Arrays as one flat byte buffer, so a K/V block and its indices move in one transfer.
+  """Arrays as one flat byte buffer, so a K/V block (and its segment ids) moves in one transfer.
 
   Each transfer is a rendezvous of both neighbours (on CPU also a round trip through the
-  collectives library, measured 2.5 ms for K/V alone and 4.0 ms with the indices as a second
-  array). Bytes are moved, never converted, so the trip is exact for every dtype of one
-  byte or more.
+  collectives library, measured 2.5 ms for K/V alone and 4.0 ms with a second array).
+  Bytes are moved, never converted, so the trip is exact for every dtype of one byte or more.
   """
   return jnp.concatenate([lax.bitcast_convert_type(x, jnp.uint8).reshape(-1) for x in arrays])
 
@@ -74,102 +90,148 @@ def _unpack(buffer, like):
 def _around_ring(own, start, visit, *, axis: str, num_shards: int):
   """The ring schedule both passes share; returns the last carry.
 
-  Step 0 is `start(*own)` on the device's own block (k, v, index, segment; its keys carry
-  its queries' indices), giving the first carry. Steps 1..N-1 are `visit(carry, *block)` on
-  the block that arrived, the one that started on device d - s. Each step first issues the
-  transfer of the block it holds, so the compute can overlap it; the last needs none.
+  Step 0 is `start(*own)` on the device's own block (k, v and, when packed, segment ids),
+  giving the first carry. Steps s = 1..N-1 are `visit(carry, s, *block)` on the block that
+  arrived, the one that started on device d - s. Each step first issues the transfer of the
+  block it holds, so the compute can overlap it; the last needs none.
   """
   if num_shards == 1:
     return start(*own)
   perm = [(i, (i + 1) % num_shards) for i in range(num_shards)]
 
-  def step(state, send: bool):
+  def step(s, state, send: bool):
     carry, kv_bytes = state
     kv_bytes_next = lax.ppermute(kv_bytes, axis, perm) if send else kv_bytes
-    return visit(carry, *_unpack(kv_bytes, own)), kv_bytes_next
+    return visit(carry, s, *_unpack(kv_bytes, own)), kv_bytes_next
 
   state = (start(*own), lax.ppermute(_pack(*own), axis, perm))
-  state = lax.fori_loop(1, num_shards - 1, lambda _, s: step(s, True), state)
-  return step(state, False)[0]
+  state = lax.fori_loop(1, num_shards - 1, lambda s, st: step(s, st, True), state)
+  return step(num_shards - 1, state, False)[0]
 
 
-def _ring_fwd_pass(q_BTHD, k_BTKD, v_BTKD, index_BT, seg_BT, *, axis: str, num_shards: int,
+class RingDevice:
+  """One device of the ring: its block pair at each step, looked up in the schedule's table
+  by device index, and one step of each pass on it. `device` is traced inside the ring
+  (`lax.axis_index`) or a Python int (scripts/bench_attention.py times the steps one by one)."""
+
+  def __init__(self, schedule: RingSchedule, device, kernel: str, tile: int):
+    self.schedule, self.tile, self.kernel = schedule, tile, kernels.get(kernel)
+    self.pair_S = jnp.asarray(schedule.pair)[device]
+    self.empty_S = jnp.asarray(schedule.empty)[device]
+
+  def forward_step(self, step, out_lse, q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT):
+    """The (out, lse) of the queries on this step's K/V block, merged into `out_lse`; at
+    step 0 (`out_lse` None) the own block's result starts the pair. A block pair with
+    nothing visible skips the kernel and the merge."""
+    attend = lambda: self.kernel.fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT,
+                                     schedule=self.schedule, pair=self.pair_S[step],
+                                     tile=self.tile)
+    if out_lse is None:
+      return attend()  # a query always sees itself: the own block is never empty
+    return lax.cond(self.empty_S[step], lambda: out_lse, lambda: _merge(*out_lse, *attend()))
+
+  def backward_step(self, step, dq_dkv, q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH,
+                    q_seg_BT, k_seg_BT):
+    """At step 0 (`dq_dkv` None) the own block's (dq, dk, dv); after it, (dq, dK/dV
+    accumulator [2, B, T, Hkv, D]) with this step's block's contributions added."""
+    grads = lambda: self.kernel.bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH,
+                                    q_seg_BT, k_seg_BT, schedule=self.schedule,
+                                    pair=self.pair_S[step], tile=self.tile)
+    if dq_dkv is None:
+      return grads()
+
+    def add():
+      dq_b, dk_b, dv_b = grads()
+      return dq_dkv[0] + dq_b, dq_dkv[1] + jnp.stack([dk_b, dv_b])
+
+    return lax.cond(self.empty_S[step], lambda: dq_dkv, add)
+
+
+def _blocks(k_BTKD, v_BTKD, seg_BT):
+  """What travels the ring: K/V, and the keys' segment ids only when documents are packed."""
+  return (k_BTKD, v_BTKD) if seg_BT is None else (k_BTKD, v_BTKD, seg_BT)
+
+
+def _device(axis: str, num_shards: int):
+  return lax.axis_index(axis) if num_shards > 1 else 0
+
+
+def _ring_fwd_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, *, axis: str, schedule: RingSchedule,
                    tile: int, kernel: str):
   """Per-device forward ring: returns (out f32 [B,T,Hq,D], lse f32 [B,T,Hq])."""
-  block_fwd = functools.partial(_BLOCK_KERNELS[kernel][0], tile=tile)
-  attend = lambda k_b, v_b, k_index_BT, k_seg_BT: block_fwd(
-      q_BTHD, k_b, v_b, index_BT, seg_BT, k_index_BT, k_seg_BT)
-  # Step 0's result starts the (out, lse) pair, so no merge with an empty one.
-  return _around_ring((k_BTKD, v_BTKD, index_BT, seg_BT), attend,
-                      lambda out_lse, *block: _merge(*out_lse, *attend(*block)),
-                      axis=axis, num_shards=num_shards)
+  ring = RingDevice(schedule, _device(axis, schedule.num_shards), kernel, tile)
+  step = lambda s, out_lse, k_b, v_b, *seg_b: ring.forward_step(
+      s, out_lse, q_BTHD, k_b, v_b, seg_BT, seg_b[0] if seg_b else None)
+  with jax.named_scope("ring_forward"):  # how tests find its collectives in compiled HLO
+    return _around_ring(_blocks(k_BTKD, v_BTKD, seg_BT), functools.partial(step, 0, None),
+                        lambda carry, s, *block: step(s, carry, *block), axis=axis,
+                        num_shards=schedule.num_shards)
 
 
-def _ring_bwd_pass(q_BTHD, k_BTKD, v_BTKD, index_BT, seg_BT, out_BTHD, lse_BTH, dout_BTHD, *,
-                   axis: str, num_shards: int, tile: int, kernel: str):
+def _ring_bwd_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, dout_BTHD, *, axis: str,
+                   schedule: RingSchedule, tile: int, kernel: str):
   """Per-device backward ring: returns (dq, dk, dv) in float32."""
+  num_shards = schedule.num_shards
   perm = [(i, (i + 1) % num_shards) for i in range(num_shards)]
-  block_bwd = functools.partial(_BLOCK_KERNELS[kernel][1], tile=tile)
+  ring = RingDevice(schedule, _device(axis, num_shards), kernel, tile)
   delta_BTH = jnp.sum(dout_BTHD.astype(jnp.float32) * out_BTHD.astype(jnp.float32), axis=-1)
-  grads = lambda k_b, v_b, k_index_BT, k_seg_BT: block_bwd(
-      q_BTHD, k_b, v_b, dout_BTHD, lse_BTH, delta_BTH, index_BT, seg_BT, k_index_BT, k_seg_BT)
+  step = lambda s, carry, k_b, v_b, *seg_b: ring.backward_step(
+      s, carry, q_BTHD, k_b, v_b, dout_BTHD, lse_BTH, delta_BTH, seg_BT,
+      seg_b[0] if seg_b else None)
 
   def start(*own):
     # The own block's dK/dV stay here; the accumulator that travels (with the block this
     # device sees next) starts empty, so the others make N - 1 hops, not N.
-    dq_BTHD, dk_BTKD, dv_BTKD = grads(*own)
-    return dq_BTHD, dk_BTKD, dv_BTKD, jnp.zeros((2, *k_BTKD.shape), jnp.float32)
+    return (*step(0, None, *own), jnp.zeros((2, *k_BTKD.shape), jnp.float32))
 
-  def visit(carry, *block):
+  def visit(carry, s, *block):
     dq_BTHD, dk_BTKD, dv_BTKD, dkv_2BTKD = carry
-    dq_b, dk_b, dv_b = grads(*block)
+    dq_BTHD, dkv_2BTKD = step(s, (dq_BTHD, dkv_2BTKD), *block)
     # The accumulator follows its K/V block, one hop after each step; after the last step
     # that hop takes it home to the block's owner.
-    dkv_2BTKD = lax.ppermute(dkv_2BTKD + jnp.stack([dk_b, dv_b]), axis, perm)
-    return dq_BTHD + dq_b, dk_BTKD, dv_BTKD, dkv_2BTKD
+    return dq_BTHD, dk_BTKD, dv_BTKD, lax.ppermute(dkv_2BTKD, axis, perm)
 
   dq_BTHD, dk_BTKD, dv_BTKD, dkv_2BTKD = _around_ring(
-      (k_BTKD, v_BTKD, index_BT, seg_BT), start, visit, axis=axis, num_shards=num_shards)
+      _blocks(k_BTKD, v_BTKD, seg_BT), start, visit, axis=axis, num_shards=num_shards)
   return dq_BTHD, dk_BTKD + dkv_2BTKD[0], dv_BTKD + dkv_2BTKD[1]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _ring(q_BTHD, k_BTKD, v_BTKD, index_BT, seg_BT, axis, num_shards, tile, kernel):
-  out_BTHD, _ = _ring_fwd_pass(q_BTHD, k_BTKD, v_BTKD, index_BT, seg_BT, axis=axis,
-                               num_shards=num_shards, tile=tile, kernel=kernel)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _ring(q_BTHD, k_BTKD, v_BTKD, seg_BT, axis, schedule, tile, kernel):
+  out_BTHD, _ = _ring_fwd_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, axis=axis, schedule=schedule,
+                               tile=tile, kernel=kernel)
   return out_BTHD.astype(q_BTHD.dtype)
 
 
-def _ring_vjp_fwd(q_BTHD, k_BTKD, v_BTKD, index_BT, seg_BT, axis, num_shards, tile, kernel):
-  out_BTHD, lse_BTH = _ring_fwd_pass(q_BTHD, k_BTKD, v_BTKD, index_BT, seg_BT, axis=axis,
-                                     num_shards=num_shards, tile=tile, kernel=kernel)
+def _ring_vjp_fwd(q_BTHD, k_BTKD, v_BTKD, seg_BT, axis, schedule, tile, kernel):
+  out_BTHD, lse_BTH = _ring_fwd_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, axis=axis,
+                                     schedule=schedule, tile=tile, kernel=kernel)
   # The output is saved in q's dtype (what the caller holds anyway); lse stays float32.
-  out_BTHD = out_BTHD.astype(q_BTHD.dtype)
-  return out_BTHD, (q_BTHD, k_BTKD, v_BTKD, index_BT, seg_BT, out_BTHD, lse_BTH)
+  out_BTHD = checkpoint_name(out_BTHD.astype(q_BTHD.dtype), SAVED_NAMES[0])
+  lse_BTH = checkpoint_name(lse_BTH, SAVED_NAMES[1])
+  return out_BTHD, (q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH)
 
 
-def _ring_vjp_bwd(axis, num_shards, tile, kernel, residuals, dout_BTHD):
-  q_BTHD, k_BTKD, v_BTKD, index_BT, seg_BT, out_BTHD, lse_BTH = residuals
-  dq, dk, dv = _ring_bwd_pass(q_BTHD, k_BTKD, v_BTKD, index_BT, seg_BT, out_BTHD, lse_BTH,
-                              dout_BTHD, axis=axis, num_shards=num_shards, tile=tile,
-                              kernel=kernel)
-  # Integer indices get no cotangent.
-  return dq.astype(q_BTHD.dtype), dk.astype(k_BTKD.dtype), dv.astype(v_BTKD.dtype), None, None
+def _ring_vjp_bwd(axis, schedule, tile, kernel, residuals, dout_BTHD):
+  q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH = residuals
+  dq, dk, dv = _ring_bwd_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, dout_BTHD,
+                              axis=axis, schedule=schedule, tile=tile, kernel=kernel)
+  # Integer segment ids get no cotangent.
+  return dq.astype(q_BTHD.dtype), dk.astype(k_BTKD.dtype), dv.astype(v_BTKD.dtype), None
 
 
 _ring.defvjp(_ring_vjp_fwd, _ring_vjp_bwd)
 
 
-def _check_shapes(q_BSHD, k_BSKD, v_BSKD, token_index_BS, segment_ids_BS) -> None:
+def _check_shapes(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS) -> None:
   batch, seq_len, num_heads, head_dim = q_BSHD.shape
   num_kv = k_BSKD.shape[2]
   if (k_BSKD.shape != v_BSKD.shape or k_BSKD.shape[:2] != (batch, seq_len)
       or k_BSKD.shape[3] != head_dim):
     raise ValueError(f"k {k_BSKD.shape} and v {v_BSKD.shape} must be [B, S, Hkv, D] "
                      f"matching q {q_BSHD.shape}")
-  for name, x in (("token_index", token_index_BS), ("segment_ids", segment_ids_BS)):
-    if x is not None and x.shape != (batch, seq_len):
-      raise ValueError(f"{name} {x.shape} must be [B, S] = {(batch, seq_len)}")
+  if segment_ids_BS is not None and segment_ids_BS.shape != (batch, seq_len):
+    raise ValueError(f"segment_ids {segment_ids_BS.shape} must be [B, S] = {(batch, seq_len)}")
   if num_heads % num_kv:
     raise ValueError(f"query heads ({num_heads}) must be divisible by kv heads ({num_kv})")
 
@@ -191,88 +253,87 @@ def _tile_for(seq_len: int, num_shards: int, tile_size: int, axis: str) -> int:
   return tile
 
 
-def _specs(mesh, shape_BSHD, num_kv: int, axis: str, batch_axes: Sequence[str],
-           head_axis: str | None) -> tuple[P, P]:
-  """PartitionSpecs of the [B,S,H,D] and [B,S] arguments; checks they divide evenly."""
-  batch, _, num_heads, _ = shape_BSHD
-  batch_names = tuple(name for name in batch_axes if name in mesh.axis_names)
-  batch_shards = math.prod(mesh.shape[name] for name in batch_names)
-  if batch % batch_shards:
-    raise ValueError(f"batch {batch} must be divisible by the batch mesh axes "
-                     f"{batch_names} (size {batch_shards})")
-  head_name = head_axis if head_axis and head_axis in mesh.axis_names else None
-  if head_name and (num_heads % mesh.shape[head_name] or num_kv % mesh.shape[head_name]):
-    raise ValueError(f"query heads ({num_heads}) and kv heads ({num_kv}) must be divisible "
-                     f"by the '{head_name}' mesh axis size {mesh.shape[head_name]}")
-  batch_spec = batch_names if batch_names else None
-  return P(batch_spec, axis, head_name, None), P(batch_spec, axis)
+def operand_specs(mesh, rules: Rules, q_shape, num_kv: int) -> tuple[P, P, P]:
+  """PartitionSpecs of q/out, k/v and segment ids from the rules table (mesh axes the mesh
+  lacks are dropped); checks that the ring axis is one axis and that everything divides."""
+  specs = [_on_mesh(logical_to_spec(names, rules), mesh)
+           for names in (Q_NAMES, KV_NAMES, SEGMENT_NAMES)]
+  q_spec, kv_spec, _ = specs
+  if q_spec[2] != kv_spec[2]:
+    raise ValueError(f"mesh.rules must shard activation_heads and activation_kv_heads over the "
+                     f"same mesh axes (got {q_spec[2]} and {kv_spec[2]}): each device's query "
+                     f"heads must find their kv heads on it")
+  batch, _, num_heads, _ = q_shape
+  for what, size, axes in (("batch", batch, q_spec[0]), ("query heads", num_heads, q_spec[2]),
+                           ("kv heads", num_kv, q_spec[2])):
+    shards = math.prod(mesh.shape[a] for a in as_axes(axes))
+    if size % shards:
+      raise ValueError(f"{what} ({size}) must be divisible by the mesh axes {as_axes(axes)} "
+                       f"they shard over (size {shards})")
+  return tuple(specs)
 
 
-def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, token_index: jax.Array,
-                   segment_ids: jax.Array | None = None, *, mesh=None, axis: str = "sequence",
-                   kernel: str = "xla", tile_size: int = 512,
-                   batch_axes: Sequence[str] = ("data", "fsdp"),
-                   head_axis: str | None = "tensor") -> jax.Array:
-  """Causal attention, exact, of q [B,S,Hq,D] on k/v [B,S,Hkv,D] sharded along S over `axis`.
+def _on_mesh(spec: P, mesh) -> P:
+  """`spec` without the mesh axes `mesh` does not have."""
+  kept = [tuple(a for a in as_axes(entry) if a in mesh.axis_names) for entry in spec]
+  return P(*(None if not axes else axes[0] if len(axes) == 1 else axes for axes in kept))
 
-  Query i sees key j iff token_index[j] <= token_index[i] and segment ids match
-  (`segment_ids=None`: one segment). Works for any layout of S. `mesh=None` uses the mesh
-  set by `jax.set_mesh`, or, when none is set, computes locally as one block. Batch shards
-  over those of `batch_axes` in the mesh and heads over `head_axis` if present.
-  `tile_size` is clipped to the per-device block. Returns out [B,S,Hq,D] in q's dtype.
+
+def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None,
+                   *, layout: str, mesh=None, rules: Rules | None = None, kernel: str = "xla",
+                   tile_size: int = 512) -> jax.Array:
+  """Causal attention, exact, of q [B,S,Hq,D] on k/v [B,S,Hkv,D] sharded along S in `layout`.
+
+  The sequence axis holds the tokens in the order of `layout` (`parallelism.layouts`) over
+  the mesh axis that `rules` maps `activation_seq` to; query i sees key j iff j's original
+  position is not after i's and their segment ids match (`segment_ids=None`: one document
+  per row). Batch and heads shard as `rules` map `activation_batch` and
+  `activation_heads`/`activation_kv_heads` (no rules: `DEFAULT_RULES`). `mesh=None` uses the mesh set by `jax.set_mesh`,
+  or, when none is set, computes locally as one block. `tile_size` is clipped to the
+  per-device block. Returns out [B,S,Hq,D] in q's dtype.
   """
-  if kernel not in KERNELS:
-    raise ValueError(f"unknown attention kernel '{kernel}'; choose one of {KERNELS}")
+  kernels.get(kernel)  # an unknown name fails here, before any tracing
+  rules = rules or DEFAULT_RULES
+  _check_shapes(q, k, v, segment_ids)
+  segment_ids = None if segment_ids is None else segment_ids.astype(jnp.int32)
   context_mesh = mesh is None
   mesh = jax.sharding.get_abstract_mesh() if context_mesh else mesh
+  seq_len = q.shape[1]
   if context_mesh and mesh.empty:
     # No mesh anywhere (a single-device script, model.init outside a mesh): one block, local.
-    _check_shapes(q, k, v, token_index, segment_ids)
-    tile = _tile_for(q.shape[1], 1, tile_size, axis)
-    segment_ids = jnp.zeros(q.shape[:2], jnp.int32) if segment_ids is None else segment_ids
-    q, token_index, segment_ids = _tie_to_queries(q, token_index, segment_ids)
-    return _ring(q, k, v, token_index, segment_ids, axis, 1, tile, kernel)
+    check_seq_len(seq_len, layout, 1)
+    return _ring(q, k, v, segment_ids, "sequence", ring_schedule(layout, seq_len, 1),
+                 _tile_for(seq_len, 1, tile_size, "sequence"), kernel)
+  q_spec, kv_spec, seg_spec = operand_specs(mesh, rules, q.shape, k.shape[2])
+  seq_axes = as_axes(dict(rules).get("activation_seq"))
+  if len(seq_axes) != 1:
+    raise ValueError(f"mesh.rules must map activation_seq to one mesh axis, the ring's "
+                     f"(got {seq_axes})")
+  axis = seq_axes[0]
   if axis not in mesh.axis_names:
     raise ValueError(f"mesh axes {tuple(mesh.axis_names)} have no sequence axis '{axis}' "
                      "(pass mesh=..., or set one with jax.set_mesh)")
-  _check_shapes(q, k, v, token_index, segment_ids)
-  batch, seq_len = q.shape[:2]
   num_shards = mesh.shape[axis]
+  check_seq_len(seq_len, layout, num_shards, name="sequence length")
   tile = _tile_for(seq_len, num_shards, tile_size, axis)
-  heads_spec, index_spec = _specs(mesh, q.shape, k.shape[2], axis, batch_axes, head_axis)
-  if segment_ids is None:
-    segment_ids = jnp.zeros((batch, seq_len), jnp.int32)
+  schedule = ring_schedule(layout, seq_len, num_shards)
 
-  # check_vma=False: the kernels' branches and loop carries start from replicated constants
-  # (the skip branch returns its carry as is) while the computed ones are device-varying; every
-  # argument is sharded over `axis`, so the check adds nothing.
+  args, specs = (q, k, v), (q_spec, kv_spec, kv_spec)
+  if segment_ids is not None:
+    args, specs = args + (segment_ids,), specs + (seg_spec,)
+  # check_vma=False: the kernels' loop carries and skip branches start from replicated
+  # constants while the computed ones are device-varying; every argument is sharded over
+  # `axis`, so the check adds nothing.
   sharded = jax.shard_map(
-      lambda *args: _ring(*args, axis, num_shards, tile, kernel),
-      mesh=None if context_mesh else mesh, out_specs=heads_spec, check_vma=False,
-      in_specs=(heads_spec, heads_spec, heads_spec, index_spec, index_spec))
-  q, token_index, segment_ids = _tie_to_queries(q, token_index, segment_ids)
-  args = (q, k, v, token_index, segment_ids)
+      lambda q, k, v, seg=None: _ring(q, k, v, seg, axis, schedule, tile, kernel),
+      mesh=None if context_mesh else mesh, in_specs=specs, out_specs=q_spec, check_vma=False)
   if not any(t == AxisType.Explicit for t in mesh.axis_types):
     return sharded(*args)
   # Explicit-sharding meshes make shard_map demand inputs already laid out as in_specs;
   # the output goes back to q's sharding so the caller sees the type it passed in.
-  specs = (heads_spec, heads_spec, heads_spec, index_spec, index_spec)
-  q_spec = jax.typeof(q).sharding.spec
+  out_spec = jax.typeof(q).sharding.spec
   args = tuple(jax.reshard(x, _sharding(mesh, spec)) for x, spec in zip(args, specs))
-  return jax.reshard(sharded(*args), _sharding(mesh, q_spec))
-
-
-def _tie_to_queries(q, token_index, segment_ids):
-  """Makes the indices depend on q, as int32.
-
-  In a model the indices are the same for every layer, so inside the (differentiated) layer
-  scan JAX sees them as loop-invariant and hoists everything computed from them alone -- the
-  masks and tile classes of every ring step and tile pair -- out of the loops, stacked: an
-  (N - 1) * B * H * T^2 buffer per device, quadratic in the sequence. The barrier ties them
-  to q, which changes every layer, so they are recomputed per tile as the kernels intend.
-  """
-  return lax.optimization_barrier(
-      (q, token_index.astype(jnp.int32), segment_ids.astype(jnp.int32)))
+  return jax.reshard(sharded(*args), _sharding(mesh, out_spec))
 
 
 def _sharding(mesh, spec: P):

@@ -4,10 +4,9 @@
   python scripts/bench_attention.py --part count
 
 Part 1 counts, without running any attention, the tiles each device executes at each
-ring step, by calling `parallelism.tiles` (the rule the kernels use) on the indices that
-device holds at that step. The ring synchronises every step, so the time is set by the
-critical path: sum over steps of the busiest device. Theory for long blocks:
-ring / striped = (N - 1/2) / (N / 2).
+ring step: the static schedule the kernels run (`parallelism.schedule`). The ring
+synchronises every step, so the time is set by the critical path: sum over steps of the
+busiest device. Theory for long blocks: ring / striped = (N - 1/2) / (N / 2).
 
 Part 2 times ring_attention forward and forward+backward on 2 CPU devices, each in its own
 process with its own core (`taskset`), joined by `jax.distributed` on loopback so the ring's
@@ -22,13 +21,17 @@ keep the quieter core. A control re-runs the same with both processes on one cor
 ratios there should be near 1.0 -- the speed-up comes from load balance, not from doing
 less work.
 
-Part 3 times the same critical path block by block: each (query block, K/V block) pair a
-device computes in the part 2 setup, forward and backward kernels alone on one core, summed
-over ring steps as the busiest device per step. No transfers and no waiting at a rendezvous,
-so it shows the kernels' balance without the harness's noise; part 2 is what a run gets.
+Part 3 times the same critical path step by step: each ring step of each device in the
+part 2 setup, forward and backward, through the ring's own step functions
+(`RingDevice.forward_step` / `backward_step`: the schedule lookup, the skip of an empty
+block pair, the kernel and the merge), alone on one core, summed over ring steps as the
+busiest device per step. No transfers and no waiting at a rendezvous, so it shows the
+kernels' balance without the harness's noise; part 2 is what a run gets. It also reports
+what a skipped (empty) block pair costs next to a full one: ring's device 0 at step 1.
 
-Expected: part 1 ratios ~1.85 at N=8; part 2 striped/ring >= 1.4 forward on 2 idle cores;
-part 3 near the tile-level theory for N=2 (1.44 with masked tiles at full cost). With 2
+Expected: part 1 ratios ~1.85 at N=8; part 2 striped/ring >= 1.35 on 2 idle cores; part 3
+near the tile-level theory for N=2 (1.44 with masked tiles at full cost); an empty block
+pair <= 2% of a full one. With 2
 devices the per-step maximum is the exact critical path; the maximum of two equally busy
 devices' medians leans a little high, so balanced layouts are slightly understated.
 """
@@ -55,8 +58,8 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from parallelism import tiles  # noqa: E402
-from parallelism.layouts import LAYOUTS, permutation  # noqa: E402
+from parallelism.layouts import LAYOUTS  # noqa: E402
+from parallelism.schedule import critical_path, ring_schedule  # noqa: E402
 
 CALLS_PER_RUN = 3  # part 2: back-to-back calls per timed run
 # Parts 2 and 3: the issue's CPU setup (S from --seq_len, batch 1).
@@ -65,30 +68,13 @@ RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
                        "results", "bench_attention.jsonl")
 
 
-def held_block(device: int, step: int, num_shards: int) -> int:
-  """At ring step s, device d holds the K/V block that started on device d - s."""
-  return (device - step) % num_shards
-
-
-def critical_path(work_SN) -> float:
-  """The ring synchronises every step: the sum over steps of the busiest device's work."""
-  return float(np.asarray(work_SN).max(axis=1).sum())
-
-
 def count_tiles(layout: str, num_shards: int, block_len: int, tile: int) -> dict:
-  """Executed (non-skipped) tiles per device per ring step, by the kernels' own rule."""
-  index_ND = permutation(layout, num_shards * block_len, num_shards).reshape(num_shards, 1, -1)
-  segment = np.zeros((1, block_len), np.int32)
-  summary = [tiles.summarize_tiles(index_ND[d], segment, tile) for d in range(num_shards)]
-  executed_SN = np.zeros((num_shards, num_shards), np.int64)
-  masked_SN = np.zeros((num_shards, num_shards), np.int64)
-  for step in range(num_shards):
-    for d in range(num_shards):
-      classes = tiles.classify_all(summary[d], summary[held_block(d, step, num_shards)])
-      executed_SN[step, d] = np.count_nonzero(classes != tiles.SKIP)
-      masked_SN[step, d] = np.count_nonzero(classes == tiles.MASKED)
+  """Executed (non-skipped) tiles per device per ring step, from the static schedule."""
+  schedule = ring_schedule(layout, num_shards * block_len, num_shards)
+  executed_SN = schedule.computed_tiles(tile)
   return dict(critical_path=int(critical_path(executed_SN)), total=int(executed_SN.sum()),
-              masked_total=int(masked_SN.sum()), per_step_max=executed_SN.max(axis=1).tolist())
+              masked_total=int(schedule.masked_tiles(tile).sum()),
+              per_step_max=executed_SN.max(axis=1).tolist())
 
 
 def part_count(block_len: int = 32768, tile: int = 512) -> list[dict]:
@@ -110,36 +96,43 @@ def part_count(block_len: int = 32768, tile: int = 512) -> list[dict]:
 
 
 def block_medians(seq_len: int, repeats: int) -> dict[str, float]:
-  """Median seconds of each (layout, pass, step, device) block pair's kernel call (part 3).
+  """Median seconds of each (layout, pass, step, device) ring step (part 3).
 
   Runs in a child pinned to one core (`taskset`), so XLA's own threads stay on it too.
+  Device and step are traced arguments, as inside the ring.
   """
   import jax
   import jax.numpy as jnp
 
-  from parallelism import kernel_xla
+  from parallelism.ring_attention import RingDevice
 
   num_shards, tile = TIMED_DEVICES, TIMED_TILE
   block_len = seq_len // num_shards
   shape = (1, block_len, TIMED_HEADS, TIMED_HEAD_DIM)
   rng = np.random.default_rng(0)
   q, k, v, dout = (jnp.asarray(rng.standard_normal(shape, np.float32)) for _ in range(4))
-  segment = jnp.zeros((1, block_len), jnp.int32)
-  fwd = jax.jit(lambda q_index, k_index, q, k, v: kernel_xla.block_fwd(
-      q, k, v, q_index, segment, k_index, segment, tile=tile))
-  bwd = jax.jit(lambda lse, delta, q_index, k_index, q, k, v, dout: kernel_xla.block_bwd(
-      q, k, v, dout, lse, delta, q_index, segment, k_index, segment, tile=tile))
+  def steps(schedule):
+    """The ring's forward and backward step on `schedule`, jitted, device and step traced."""
+    device = lambda d: RingDevice(schedule, d, "xla", tile)
+    fwd = jax.jit(lambda d, s, carry, q, k, v: device(d).forward_step(
+        s, carry, q, k, v, None, None))
+    bwd = jax.jit(lambda d, s, carry, lse, delta, q, k, v, dout: device(d).backward_step(
+        s, carry, q, k, v, dout, lse, delta, None, None))
+    return fwd, bwd
+
   runs = {}
   for layout in LAYOUTS:
-    index_ND = jnp.asarray(permutation(layout, seq_len, num_shards).reshape(num_shards, 1, -1),
-                           jnp.int32)
-    for step in range(num_shards):
-      for d in range(num_shards):
-        q_index, k_index = index_ND[d], index_ND[held_block(d, step, num_shards)]
-        out, lse = fwd(q_index, k_index, q, k, v)
-        delta = jnp.sum(out * dout, axis=-1)
-        runs[f"{layout}/fwd/{step}/{d}"] = functools.partial(fwd, q_index, k_index, q, k, v)
-        runs[f"{layout}/bwd/{step}/{d}"] = functools.partial(bwd, lse, delta, q_index, k_index,
+    fwd, bwd = steps(ring_schedule(layout, seq_len, num_shards))
+    for d in range(num_shards):
+      d_ = jnp.int32(d)
+      out, lse = fwd(d_, jnp.int32(0), None, q, k, v)  # a device's own block: step 0
+      delta = jnp.sum(out * dout, axis=-1)
+      carries = {"fwd": (out, lse), "bwd": (out, jnp.zeros((2, *k.shape), jnp.float32))}
+      for step in range(num_shards):
+        s_ = jnp.int32(step)
+        fwd_carry, bwd_carry = (None, None) if step == 0 else (carries["fwd"], carries["bwd"])
+        runs[f"{layout}/fwd/{step}/{d}"] = functools.partial(fwd, d_, s_, fwd_carry, q, k, v)
+        runs[f"{layout}/bwd/{step}/{d}"] = functools.partial(bwd, d_, s_, bwd_carry, lse, delta,
                                                              q, k, v, dout)
   seconds = {key: [] for key in runs}
   for rep in range(repeats + 1):  # rep 0 compiles and warms up
@@ -178,6 +171,16 @@ def part_compute(seq_len: int, repeats: int) -> list[dict]:
           + f" {speedup['fwd']:>12.3f} {speedup['fwd_bwd']:>12.3f}")
     rows.append(dict(part="compute", layout=layout, seq_len=seq_len, num_shards=num_shards,
                      tile=tile, repeats=repeats, critical_s=times, speedup=speedup))
+  # Ring at step 1: device 0 holds the later block 1 (empty pair, skipped), device 1 the
+  # earlier block 0 (full pair).
+  skipped = {what: median[f"ring/{what}/1/0"] / median[f"ring/{what}/1/1"]
+             for what in ("fwd", "bwd")}
+  print(f"an empty block pair costs {skipped['fwd']:.2%} (fwd) and {skipped['bwd']:.2%} (bwd) "
+        f"of a full one (goal <= 2%)")
+  rows.append(dict(part="compute_skipped_block", seq_len=seq_len, tile=tile,
+                   empty_over_full=skipped,
+                   empty_s={w: median[f"ring/{w}/1/0"] for w in ("fwd", "bwd")},
+                   full_s={w: median[f"ring/{w}/1/1"] for w in ("fwd", "bwd")}))
   return rows
 
 
@@ -205,15 +208,10 @@ def part_time(seq_len: int, repeats: int, coordinator: str, process_id: int) -> 
                    for _ in range(4))
 
   def make(layout):
-    index = put(permutation(layout, seq_len, TIMED_DEVICES)[None].astype(np.int32),
-                P(None, "sequence"))
-    # A global array cannot be closed over across processes: pass the indices in.
-    attend = lambda q, k, v, index: ring_attention(q, k, v, index, mesh=mesh, tile_size=tile)
+    attend = lambda q, k, v: ring_attention(q, k, v, layout=layout, mesh=mesh, tile_size=tile)
     fwd = jax.jit(attend)
-    fwd_bwd = jax.jit(lambda q, k, v, dout, index: jax.vjp(
-        lambda q, k, v: attend(q, k, v, index), q, k, v)[1](dout))
-    return {"fwd": lambda: fwd(q, k, v, index),
-            "fwd_bwd": lambda: fwd_bwd(q, k, v, dout, index)}
+    fwd_bwd = jax.jit(lambda q, k, v, dout: jax.vjp(attend, q, k, v)[1](dout))
+    return {"fwd": lambda: fwd(q, k, v), "fwd_bwd": lambda: fwd_bwd(q, k, v, dout)}
 
   runs = {layout: make(layout) for layout in LAYOUTS}
   times = {f"{layout}/{what}": [] for layout in LAYOUTS for what in ("fwd", "fwd_bwd")}
@@ -326,8 +324,8 @@ def main() -> None:
           f"2 CPU devices in 2 processes, median of {two_cores['runs']} runs on 2 cores "
           f"(both core orders) and of {one_core['runs']} on 1")
     print(f"load before: {load_before}\nload after:  {load_after}")
-    print("speedup = ring time / layout time (goal on 2 cores: striped fwd >= 1.4, "
-          "fwd+bwd >= 1.3; control ~1.0)")
+    print("speedup = ring time / layout time (goal on 2 cores: striped fwd and fwd+bwd "
+          ">= 1.35; control ~1.0)")
     print_timing("2 cores (one per device and process, both orders pooled)", two_cores)
     print_timing("control: both processes pinned to 1 core (taskset -c 0)", one_core)
     for cores, timings in (("2", two_cores), ("1 (taskset -c 0)", one_core)):

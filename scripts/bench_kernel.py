@@ -8,18 +8,18 @@ Parts (each appends JSON lines to results/bench_kernel.jsonl):
   striped and zigzag block pairs with GQA and packed segments: max relative errors.
 - sweep: a few tile / warp / stage settings on one causal block (S=--sweep_seq_len); the
   fastest forward and backward settings are used below.
-- cudnn: one causal block (token_index = arange, one segment), bf16, B=1, 32 heads,
+- cudnn: one causal block (a ring of one device, no segment ids), bf16, B=1, 32 heads,
   head_dim 128: ours vs `jax.nn.dot_product_attention(implementation='cudnn',
   is_causal=True)`, TFLOP/s forward and forward+backward and the ratio, plus the relative
   error of our output and gradients against cuDNN's on the same inputs. FLOPs: forward
   4*B*H*S^2*D/2 (causal half), forward+backward 3.5x that (FlashAttention's count: the
   backward's five matmuls, QK^T recomputed), the same for both sides.
 - ring: the N-device ring emulated on one GPU. For each layout, ring step s and device d,
-  the query block of d and the key block that started on d - s (indices from
-  `parallelism.layouts.permutation`) go through our block kernel. The kernel's work is
-  fixed by the class matrix of its tile pairs (`tiles.classify_all` at the kernel's tile
-  sizes), so each distinct (forward, dK/dV, dQ) class triple is timed once and reused for
-  every pair with the same triple. A step costs max(busiest device, link time), because
+  the query block of d and the key block that started on d - s (the layout's static
+  schedule, `parallelism.schedule`) go through our block kernel. The kernel's work is
+  fixed by the class matrix of its tile pairs at its tile sizes, so each distinct
+  (forward, dK/dV, dQ) class triple is timed once and reused for every pair with the same
+  triple. A step costs max(busiest device, link time), because
   `ring_attention` issues the transfer before computing: forward sends K/V (bf16), the
   backward sends K/V and the float32 dK/dV accumulators, over one link of `--bandwidth`
   bytes/s per direction. Critical path = sum over steps. Reported as ideal / critical path
@@ -50,8 +50,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from parallelism import kernel_pallas, kernel_xla, tiles  # noqa: E402
-from parallelism.layouts import LAYOUTS, permutation  # noqa: E402
+from parallelism import kernel_pallas, kernel_xla  # noqa: E402
+from parallelism.layouts import LAYOUTS  # noqa: E402
+from parallelism.schedule import ring_schedule  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                        "results", "bench_kernel.jsonl")
@@ -96,13 +97,19 @@ def normals(key, shapes, dtype):
   return [jax.random.normal(k, s, F32).astype(dtype) for k, s in zip(keys, shapes)]
 
 
-def fwd_bwd(block_fwd, block_bwd):
-  """Forward then backward of one block, as ring_attention's custom_vjp runs them."""
-  def run(q, k, v, dout, qi, qs, ki, ks):
-    out, lse = block_fwd(q, k, v, qi, qs, ki, ks, tile=TILE)
+def fwd_bwd(block_fwd, block_bwd, schedule):
+  """Forward then backward of one block pair, as ring_attention's custom_vjp runs them."""
+  def run(q, k, v, dout, pair, qs=None, ks=None):
+    at = dict(schedule=schedule, pair=pair, tile=TILE)
+    out, lse = block_fwd(q, k, v, qs, ks, **at)
     delta = jnp.sum(out * dout.astype(F32), axis=-1)
-    return block_bwd(q, k, v, dout, lse, delta, qi, qs, ki, ks, tile=TILE), out, lse
+    return block_bwd(q, k, v, dout, lse, delta, qs, ks, **at), out, lse
   return run
+
+
+def causal_block(seq_len: int):
+  """A ring of one device: its only block pair is one causal block."""
+  return ring_schedule("ring", seq_len, 1), jnp.int32(0)
 
 
 def part_check() -> None:
@@ -113,18 +120,19 @@ def part_check() -> None:
   seg = np.zeros((2, n * c), np.int32)
   seg[1, 1500:] = 1
   seg[1, 3000:] = 2  # packed row: three documents
-  ours = jax.jit(fwd_bwd(kernel_pallas.block_fwd, kernel_pallas.block_bwd))
-  ref = jax.jit(fwd_bwd(kernel_xla.block_fwd, kernel_xla.block_bwd))
   print("\ncheck: pallas (Triton, f32) vs xla kernel, max rel error over pairs")
   for layout in LAYOUTS:
-    perm = permutation(layout, n * c, n)
+    schedule = ring_schedule(layout, n * c, n)
+    ours = jax.jit(fwd_bwd(kernel_pallas.block_fwd, kernel_pallas.block_bwd, schedule))
+    ref = jax.jit(fwd_bwd(kernel_xla.block_fwd, kernel_xla.block_bwd, schedule))
     worst = {}
     for dq_dev, dk_dev in ((2, 1), (1, 2), (2, 2), (3, 0)):
-      qi, ki = (np.stack([perm[x * c:(x + 1) * c]] * 2) for x in (dq_dev, dk_dev))
-      qs, ks = (np.take_along_axis(seg, i, axis=1) for i in (qi, ki))
+      pair = jnp.int32(schedule.pair[dq_dev, (dq_dev - dk_dev) % n])
+      qs, ks = (np.take_along_axis(seg, np.stack([schedule.order[x]] * 2), axis=1)
+                for x in (dq_dev, dk_dev))
       with jax.default_matmul_precision("highest"):
-        (g_ref, o_ref, l_ref) = ref(q, k, v, dout, qi, qs, ki, ks)
-      (g, o, lse) = ours(q, k, v, dout, qi, qs, ki, ks)
+        (g_ref, o_ref, l_ref) = ref(q, k, v, dout, pair, qs, ks)
+      (g, o, lse) = ours(q, k, v, dout, pair, qs, ks)
       seen = np.isfinite(np.asarray(l_ref))
       assert (np.isfinite(np.asarray(lse)) == seen).all(), "lse -inf pattern differs"
       errs = dict(out=rel_err(o, o_ref),
@@ -141,9 +149,7 @@ def _causal_fwd_flops(seq_len: int, heads: int = 32, d: int = 128) -> float:
 
 
 def _causal_inputs(seq_len: int, heads: int = 32, d: int = 128, seed: int = 0):
-  q, k, v, dout = normals(jax.random.key(seed), [(1, seq_len, heads, d)] * 4, BF16)
-  index = jnp.arange(seq_len, dtype=jnp.int32)[None]
-  return q, k, v, dout, index, jnp.zeros_like(index)
+  return normals(jax.random.key(seed), [(1, seq_len, heads, d)] * 4, BF16)
 
 
 def _ours(config):
@@ -167,22 +173,27 @@ def part_sweep(seq_len: int) -> kernel_pallas.KernelConfig:
               dict(dkv_k=64, dkv_q=128, dq_q=128, dq_k=64, bwd_warps=8, bwd_stages=2),
               dict(dkv_k=64, dkv_q=32, dq_q=64, dq_k=32, bwd_warps=4, bwd_stages=2),
               dict(dkv_k=128, dkv_q=64, dq_q=128, dq_k=64, bwd_warps=8, bwd_stages=2)]
-  q, k, v, dout, index, seg = _causal_inputs(seq_len)
+  q, k, v, dout = _causal_inputs(seq_len)
+  schedule, pair = causal_block(seq_len)
+  at = dict(schedule=schedule, tile=TILE)
   fwd_flops = _causal_fwd_flops(seq_len)
   best = {"fwd": (None, np.inf), "bwd": (None, np.inf)}
-  out, lse = jax.jit(functools.partial(kernel_pallas.block_fwd, tile=TILE))(
-      q, k, v, index, seg, index, seg)
+  out, lse = jax.jit(functools.partial(kernel_pallas.block_fwd, **at))(
+      q, k, v, None, None, pair=pair)
   delta = jnp.sum(out * dout.astype(F32), axis=-1)
   print(f"\nsweep at S={seq_len}, 32 heads: TFLOP/s (bwd counted as 2.5x fwd FLOPs)")
   for what, options, flops in (("fwd", fwd_opts, fwd_flops), ("bwd", bwd_opts, 2.5 * fwd_flops)):
     for opts in options:
       cfg = dataclasses.replace(kernel_pallas.DEFAULT_CONFIG, **opts)
       if what == "fwd":
-        fn = jax.jit(functools.partial(kernel_pallas.block_fwd, tile=TILE, config=cfg))
-        args = (q, k, v, index, seg, index, seg)
+        fn = jax.jit(lambda *a, pair, cfg=cfg: kernel_pallas.block_fwd(
+            *a, None, None, pair=pair, config=cfg, **at))
+        args = (q, k, v)
       else:
-        fn = jax.jit(functools.partial(kernel_pallas.block_bwd, tile=TILE, config=cfg))
-        args = (q, k, v, dout, lse, delta, index, seg, index, seg)
+        fn = jax.jit(lambda *a, pair, cfg=cfg: kernel_pallas.block_bwd(
+            *a, None, None, pair=pair, config=cfg, **at))
+        args = (q, k, v, dout, lse, delta)
+      fn = functools.partial(fn, pair=pair)
       try:
         t = median_time(fn, *args, repeats=5)
       except Exception as e:  # a setting Triton cannot compile (shared memory, registers)
@@ -197,8 +208,6 @@ def part_sweep(seq_len: int) -> kernel_pallas.KernelConfig:
 
 def part_cudnn(config, seq_lens) -> None:
   fwd, bwd = _ours(config)
-  ours_f = jax.jit(lambda q, k, v, i, s: fwd(q, k, v, i, s, i, s, tile=TILE))
-  ours_fb = jax.jit(fwd_bwd(fwd, bwd))
   attend = functools.partial(jax.nn.dot_product_attention, is_causal=True,
                              implementation="cudnn")
   cudnn_f = jax.jit(attend)
@@ -207,14 +216,18 @@ def part_cudnn(config, seq_lens) -> None:
   print(f"{'S':>6} {'ours fwd':>9} {'cudnn fwd':>9} {'ratio':>6} {'ours f+b':>9} {'cudnn f+b':>9}"
         f" {'ratio':>6}  rel err vs cudnn (out, dq, dk, dv)")
   for seq_len in seq_lens:
-    q, k, v, dout, index, seg = _causal_inputs(seq_len, seed=seq_len)
+    q, k, v, dout = _causal_inputs(seq_len, seed=seq_len)
+    schedule, pair = causal_block(seq_len)
+    ours_f = jax.jit(lambda q, k, v, pair: fwd(q, k, v, None, None, schedule=schedule,
+                                               pair=pair, tile=TILE))
+    ours_fb = jax.jit(fwd_bwd(fwd, bwd, schedule))
     fwd_flops = _causal_fwd_flops(seq_len)
-    (dq, dk, dv), out, _ = ours_fb(q, k, v, dout, index, seg, index, seg)
+    (dq, dk, dv), out, _ = ours_fb(q, k, v, dout, pair)
     ref_out = cudnn_f(q, k, v)
     ref_dq, ref_dk, ref_dv = cudnn_fb(q, k, v, dout)
     errs = [rel_err(out, ref_out), rel_err(dq, ref_dq), rel_err(dk, ref_dk), rel_err(dv, ref_dv)]
-    times = [median_time(ours_f, q, k, v, index, seg), median_time(cudnn_f, q, k, v),
-             median_time(ours_fb, q, k, v, dout, index, seg, index, seg),
+    times = [median_time(ours_f, q, k, v, pair), median_time(cudnn_f, q, k, v),
+             median_time(ours_fb, q, k, v, dout, pair),
              median_time(cudnn_fb, q, k, v, dout)]
     tf = [fwd_flops / times[0], fwd_flops / times[1], 3.5 * fwd_flops / times[2],
           3.5 * fwd_flops / times[3]]
@@ -247,49 +260,49 @@ def _jax_pallas_reference(q, k, v, dout, fwd_flops):
     return None
 
 
-def _class_key(qi, ki, config) -> bytes:
+def _class_key(schedule, pair: int, config) -> bytes:
   """The kernel's work on a block pair: its class matrices at the three calls' tile sizes."""
-  seg = np.zeros_like(qi)
-  key = []
-  for bq, bk in ((config.fwd_q, config.fwd_k), (config.dkv_q, config.dkv_k),
-                 (config.dq_q, config.dq_k)):
-    key.append(tiles.classify_all(tiles.summarize_tiles(qi, seg, min(bq, TILE)),
-                                  tiles.summarize_tiles(ki, seg, min(bk, TILE))).tobytes())
-  return b"|".join(key)
+  sizes = ((config.fwd_q, config.fwd_k), (config.dkv_q, config.dkv_k), (config.dq_q, config.dq_k))
+  return b"|".join(schedule.tiles(min(bq, TILE), min(bk, TILE)).classes[pair].tobytes()
+                   for bq, bk in sizes)
 
 
 def part_ring(config, blocks, num_shards: int, heads: int, bandwidth: float) -> None:
   fwd, bwd = _ours(config)
-  run_f = jax.jit(lambda q, k, v, qi, qs, ki, ks: fwd(q, k, v, qi, qs, ki, ks, tile=TILE))
-  run_b = jax.jit(lambda *a: bwd(*a, tile=TILE))
   print(f"\nring emulation: N={num_shards}, {heads} heads (= kv heads), head_dim 128, bf16, "
         f"link {bandwidth / 1e9:.0f} GB/s per direction; fraction = N x t(causal) / critical")
   print(f"{'block':>6} {'layout':>8} {'classes':>7} {'fwd':>6} {'f+b':>6} {'fwd nocomm':>10} "
         f"{'f+b nocomm':>10} {'ring/this f+b':>13}")
   for c in blocks:
     q, k, v, dout = normals(jax.random.key(c), [(1, c, heads, 128)] * 4, BF16)
-    seg = jnp.zeros((1, c), jnp.int32)
-    causal = jnp.arange(c, dtype=jnp.int32)[None]
-    _, lse = run_f(q, k, v, causal, seg, causal, seg)  # finite lse for every query
-    delta = jax.random.normal(jax.random.key(7), lse.shape, F32)
     cache: dict[bytes, tuple[float, float]] = {}
 
-    def pair_time(qi, ki):
-      key = _class_key(qi, ki, config)
+    def pair_time(schedule, pair: int):
+      if schedule.shapes[pair] == "empty":
+        return 0.0, 0.0  # the ring skips the kernel on a block pair with nothing visible
+      key = _class_key(schedule, pair, config)
       if key not in cache:
-        qi_j, ki_j = jnp.asarray(qi), jnp.asarray(ki)
-        cache[key] = (median_time(run_f, q, k, v, qi_j, seg, ki_j, seg, repeats=5),
-                      median_time(run_b, q, k, v, dout, lse, delta, qi_j, seg, ki_j, seg,
-                                  repeats=5))
+        at = dict(schedule=schedule, tile=TILE)
+        run_f = jax.jit(lambda q, k, v, pair: fwd(q, k, v, None, None, pair=pair, **at))
+        run_b = jax.jit(lambda q, k, v, dout, lse, delta, pair: bwd(
+            q, k, v, dout, lse, delta, None, None, pair=pair, **at))
+        pair = jnp.int32(pair)
+        # A causal block's lse: finite for every query, as a ring's global lse is.
+        _, lse = jax.jit(lambda q, k, v: fwd(q, k, v, None, None, pair=jnp.int32(0),
+                                              schedule=ring_schedule("ring", c, 1),
+                                              tile=TILE))(q, k, v)
+        delta = jax.random.normal(jax.random.key(7), lse.shape, F32)
+        cache[key] = (median_time(run_f, q, k, v, pair, repeats=5),
+                      median_time(run_b, q, k, v, dout, lse, delta, pair, repeats=5))
       return cache[key]
 
-    t_causal = pair_time(np.asarray(causal), np.asarray(causal))
+    t_causal = pair_time(*causal_block(c))
     kv_s = 2 * c * heads * 128 * 2 / bandwidth
     dkv_s = 2 * c * heads * 128 * 4 / bandwidth
     paths = {}
     for layout in LAYOUTS:
-      perm = permutation(layout, num_shards * c, num_shards).reshape(num_shards, 1, c)
-      t_SD = np.array([[pair_time(perm[d], perm[(d - s) % num_shards]) for d in range(num_shards)]
+      schedule = ring_schedule(layout, num_shards * c, num_shards)
+      t_SD = np.array([[pair_time(schedule, schedule.pair[d, s]) for d in range(num_shards)]
                        for s in range(num_shards)])  # [step, device, (fwd, bwd)]
       busiest_S2 = t_SD.max(axis=1)
       last = np.arange(num_shards) == num_shards - 1

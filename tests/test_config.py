@@ -87,3 +87,16 @@ def test_cli_reports_bad_overrides_in_one_line(tmp_path, override, expected):
   last_line = result.stderr.strip().splitlines()[-1]
   assert last_line.startswith("error:") and expected in last_line
   assert not workdir.exists()  # Stopped before any work: nothing written, nothing allocated.
+
+
+@pytest.mark.parametrize("rule", [("activation_seq", "fsdp"), ("activation_kv_heads", None)])
+def test_rules_the_ring_cannot_use_are_refused(rule):
+  """The ring runs on the axis the data layout was permuted for, with each device's query
+  heads next to their kv heads; rules that break either stop the run in one line."""
+  config = _load("tiny_cpu")
+  config.model.attention = "striped"
+  config.mesh.rules = tuple(rule if name == rule[0] else (name, target)
+                            for name, target in config.mesh.rules)
+  with pytest.raises(ConfigError, match=rf"mesh.rules maps .*{rule[0]}") as error:
+    check_config(config, num_devices=8)
+  assert "\n" not in str(error.value)

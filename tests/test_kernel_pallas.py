@@ -1,10 +1,9 @@
 """The Pallas block kernel (interpret mode on CPU) against the xla kernel and dense attention.
 
-Block pairs come from real layouts: device `dq`'s query block against the key block of
-device `dk` in ring, striped and zigzag order (`parallelism.layouts.permutation`), plus an
-order no layout produces (tile-sized chunks shuffled: non-monotone indices, so SKIP and
-UNMASKED tiles interleave and the kernel's per-tile edge loops run, not only its
-branch-free middle loop).
+Block pairs come from the static schedules of real layouts: device `dq`'s query block
+against the key block of device `dk` in ring, striped and zigzag order, plus an order no
+layout produces (tile-sized chunks shuffled: non-monotone indices, so SKIP and UNMASKED
+tiles interleave and a row's UNMASKED tiles form several runs).
 Row 1 of every batch is packed with three documents whose boundaries fall inside tiles, so
 some of its queries see no key of some blocks (out 0, lse -inf) next to ones that do.
 
@@ -20,10 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import export
 
 from parallelism import kernel_pallas, kernel_xla, tiles
-from parallelism.layouts import LAYOUTS, permutation, permute, unpermute
+from parallelism.layouts import LAYOUTS, permute, unpermute
 from parallelism.ring_attention import ring_attention
+from parallelism.schedule import ring_schedule, schedule_of_order
 
 _F32_TOL = dict(atol=1e-5, rtol=1e-5)
 N, BLOCK, HEADS, HEAD_DIM, TILE = 4, 64, 4, 16, 16
@@ -37,32 +38,33 @@ def _segments(index_BT):
   return seg
 
 
-def _order(layout: str) -> np.ndarray:
+def _schedule(layout: str):
   if layout == "shuffled":
     chunks = np.arange(N * BLOCK, dtype=np.int32).reshape(-1, TILE)
-    return np.random.default_rng(0).permutation(chunks).reshape(-1)
-  return permutation(layout, N * BLOCK, N)
+    return schedule_of_order(np.random.default_rng(0).permutation(chunks).reshape(-1), N)
+  return ring_schedule(layout, N * BLOCK, N)
 
 
-def _block_indices(layout: str, dq: int, dk: int):
-  order = _order(layout)
-  q_index, k_index = (np.stack([order[d * BLOCK:(d + 1) * BLOCK]] * 2) for d in (dq, dk))
-  return q_index, _segments(q_index), k_index, _segments(k_index)
+def _block_pair(layout: str, dq: int, dk: int):
+  """(schedule, pair id, query segment ids, key segment ids) of device dq's query block on
+  the key block of device dk."""
+  schedule = _schedule(layout)
+  pair = schedule.pair[dq, (dq - dk) % N]  # the step at which dq holds dk's block
+  q_seg, k_seg = (_segments(np.stack([schedule.order[d]] * 2)) for d in (dq, dk))
+  return schedule, pair, q_seg, k_seg
 
 
-def _fwd_bwd(kernel):
+def _fwd_bwd(kernel, schedule):
   """Forward, then the backward given that forward's lse and delta as the global ones."""
   @jax.jit
-  def run(q, k, v, dout, q_index, q_seg, k_index, k_seg):
-    out, lse = kernel.block_fwd(q, k, v, q_index, q_seg, k_index, k_seg, tile=TILE)
+  def run(q, k, v, dout, pair, q_seg, k_seg):
+    attend = functools.partial(kernel.block_fwd, schedule=schedule, pair=pair, tile=TILE)
+    out, lse = attend(q, k, v, q_seg, k_seg)
     delta = jnp.sum(out * dout, axis=-1)
-    grads = kernel.block_bwd(q, k, v, dout, lse, delta, q_index, q_seg, k_index, k_seg,
-                             tile=TILE)
+    grads = kernel.block_bwd(q, k, v, dout, lse, delta, q_seg, k_seg, schedule=schedule,
+                             pair=pair, tile=TILE)
     return out, lse, grads
   return run
-
-
-_PALLAS, _XLA = _fwd_bwd(kernel_pallas), _fwd_bwd(kernel_xla)
 
 
 @pytest.mark.parametrize("group", [1, 2, 4])  # GQA ratio Hq / Hkv
@@ -73,10 +75,14 @@ def test_block_matches_xla(group):
   k, v = (rng.standard_normal(kv_shape, np.float32) for _ in range(2))
   seen_some = partly_seen = 0
   for layout in (*LAYOUTS, "shuffled"):
+    schedule = _schedule(layout)
+    pallas, xla = _fwd_bwd(kernel_pallas, schedule), _fwd_bwd(kernel_xla, schedule)
     for dq, dk in PAIRS:
-      idx = _block_indices(layout, dq, dk)
-      out, lse, grads = _PALLAS(q, k, v, dout, *idx)
-      want_out, want_lse, want_grads = _XLA(q, k, v, dout, *idx)
+      _, pair, q_seg, k_seg = _block_pair(layout, dq, dk)
+      # Packed rows exercise the segment mask; one layout also runs without segment ids.
+      segs = (None, None) if layout == "ring" else (q_seg, k_seg)
+      out, lse, grads = pallas(q, k, v, dout, pair, *segs)
+      want_out, want_lse, want_grads = xla(q, k, v, dout, pair, *segs)
       where = f"{layout} q block {dq} k block {dk}"
       lse, want_lse = np.asarray(lse), np.asarray(want_lse)
       unseen = np.isneginf(want_lse)
@@ -93,21 +99,19 @@ def test_block_matches_xla(group):
 
 
 def test_cases_cover_every_tile_class():
-  """The pairs above exercise SKIP, UNMASKED and MASKED tiles (at the kernel's tiles, TILE
-  here), and rows where a SKIP tile lies between live ones and UNMASKED tiles form more
-  than one run, which only the per-tile edge loops handle."""
+  """The pairs above exercise SKIP, UNMASKED and MASKED tiles at the kernels' finest tiles
+  (TILE here), rows where a SKIP tile lies between live ones, and rows whose UNMASKED tiles
+  form more than one run."""
   found, skip_inside, split_runs = set(), False, False
   for layout in (*LAYOUTS, "shuffled"):
     for dq, dk in PAIRS:
-      q_index, q_seg, k_index, k_seg = _block_indices(layout, dq, dk)
-      classes = tiles.classify_all(tiles.summarize_tiles(q_index[1:], q_seg[1:], TILE),
-                                   tiles.summarize_tiles(k_index[1:], k_seg[1:], TILE))
-      found |= set(np.unique(classes).tolist())
-      for row in classes:
+      schedule, pair, _, _ = _block_pair(layout, dq, dk)
+      plan = schedule.tiles(TILE)
+      found |= set(np.unique(plan.classes[pair]).tolist())
+      for row in plan.classes[pair]:
         live = np.flatnonzero(row != tiles.SKIP)
         skip_inside |= live.size > 0 and (live[-1] - live[0] + 1) > live.size
-        starts = np.diff(np.r_[0, (row == tiles.UNMASKED).astype(int)]) == 1
-        split_runs |= starts.sum() > 1
+      split_runs |= (plan.by_query.num_runs[pair] > 1).any()
   assert found == {tiles.SKIP, tiles.UNMASKED, tiles.MASKED}
   assert skip_inside and split_runs
 
@@ -115,15 +119,39 @@ def test_cases_cover_every_tile_class():
 def test_wholly_future_block_gives_zeros():
   rng = np.random.default_rng(7)
   q, k, v = (rng.standard_normal((1, 32, 2, 8), np.float32) for _ in range(3))
-  index = np.arange(32, dtype=np.int32)[None]
-  seg = np.zeros_like(index)
-  out, lse = kernel_pallas.block_fwd(q, k, v, index, seg, index + 100, seg, tile=8)
+  schedule = ring_schedule("ring", 64, 2)
+  pair = schedule.pair[0, 1]  # device 0's queries on device 1's keys: all in the future
+  out, lse = kernel_pallas.block_fwd(q, k, v, None, None, schedule=schedule, pair=pair, tile=8)
   np.testing.assert_array_equal(np.asarray(out), 0.0)
   assert np.all(np.isneginf(np.asarray(lse)))
-  grads = kernel_pallas.block_bwd(q, k, v, q, lse, jnp.zeros(lse.shape), index, seg,
-                                  index + 100, seg, tile=8)
+  grads = kernel_pallas.block_bwd(q, k, v, q, lse, jnp.zeros(lse.shape), None, None,
+                                  schedule=schedule, pair=pair, tile=8)
   for g in grads:
     np.testing.assert_array_equal(np.asarray(g), 0.0)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_kernels_lower_to_triton_for_cuda(monkeypatch, packed):
+  """The Pallas kernels lower to Triton for a CUDA target (cross-lowering, no GPU needed):
+  what interpret mode cannot catch, a construct Triton's lowering rejects, fails here."""
+  monkeypatch.setattr(kernel_pallas, "_interpret", lambda: False)
+  schedule = ring_schedule("striped", 1024, 4)
+  q = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+  seg = jax.ShapeDtypeStruct((1, 256), jnp.int32)
+
+  def fwd_bwd(q, k, v, seg, pair):
+    seg = seg if packed else None
+    attend = dict(schedule=schedule, pair=pair, tile=256)
+    out, lse = kernel_pallas.block_fwd(q, k, v, seg, seg, **attend)
+    delta = jnp.sum(out, axis=-1)
+    return kernel_pallas.block_bwd(q, k, v, q, lse, delta, seg, seg, **attend)
+
+  exported = export.export(
+      jax.jit(fwd_bwd), platforms=["cuda"],
+      disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+          q, kv, kv, seg, jax.ShapeDtypeStruct((), jnp.int32))
+  assert exported.mlir_module().count("__gpu$xla.gpu.triton") == 3  # fwd, dK/dV, dQ
 
 
 def _dense(q, k, v, index, seg):
@@ -150,7 +178,7 @@ def test_ring_attention_pallas_matches_dense(layout):
 
   @jax.jit
   def run(q, k, v, dout):
-    attend = lambda q, k, v: ring_attention(q, k, v, perm(index), perm(seg), mesh=mesh,
+    attend = lambda q, k, v: ring_attention(q, k, v, perm(seg), layout=layout, mesh=mesh,
                                             kernel="pallas", tile_size=8)
     out, vjp = jax.vjp(attend, q, k, v)
     return (out, *vjp(dout))

@@ -65,6 +65,16 @@ def test_meshes_give_the_same_losses(tmp_path, tiny_config, reference_losses, at
   np.testing.assert_allclose(_losses(tmp_path), reference_losses[:10], rtol=1e-5)
 
 
+def test_other_rules_give_the_same_losses(tmp_path, tiny_config, reference_losses):
+  """Heads not over `tensor` and batch over `data` only: the ring's shard_map follows the
+  rules table like the activations around it, and training is unchanged."""
+  config = _config(tiny_config, "striped", (1, 2, 2, 2))
+  other = {"activation_batch": "data", "activation_heads": None, "activation_kv_heads": None}
+  config.mesh.rules = tuple((name, other.get(name, target)) for name, target in config.mesh.rules)
+  train(config, str(tmp_path))
+  np.testing.assert_allclose(_losses(tmp_path), reference_losses[:10], rtol=1e-5)
+
+
 @pytest.mark.parametrize("attention", ["dense", "ring", "zigzag"])
 def test_layouts_train_to_the_same_losses(tmp_path, tiny_config, reference_losses, attention):
   train(_config(tiny_config, attention, **{"train.steps": 20}), str(tmp_path))

@@ -17,9 +17,11 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 
-from parallelism import kernel_xla, tiles
+from configs import base as base_config
+from parallelism import kernel_xla
 from parallelism.layouts import LAYOUTS, permute, unpermute
 from parallelism.ring_attention import _merge, _pack, _unpack, ring_attention
+from parallelism.schedule import ring_schedule, schedule_of_order
 
 _F32_TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -61,15 +63,18 @@ def reference(q, k, v, dout, index, seg):
   return (out, *vjp(dout))
 
 
-def ring_in_layout(layout, mesh, q, k, v, dout, index, seg, **kwargs):
-  """Runs ring_attention (jitted) on permuted inputs; returns out, dq, dk, dv unpermuted."""
+def ring_in_layout(layout, mesh, q, k, v, dout, index, seg, packed=True, **kwargs):
+  """Runs ring_attention (jitted) on permuted inputs; returns out, dq, dk, dv unpermuted.
+
+  `packed=False` passes no segment ids (one document per row; `seg` must be all one id).
+  """
   n = mesh.shape["sequence"]
   perm = functools.partial(permute, layout=layout, num_shards=n)
-  index_p, seg_p = perm(index), perm(seg)
+  seg_p = perm(seg) if packed else None
 
   @jax.jit
   def run(q, k, v, dout):
-    out, vjp = jax.vjp(lambda q, k, v: ring_attention(q, k, v, index_p, seg_p, mesh=mesh,
+    out, vjp = jax.vjp(lambda q, k, v: ring_attention(q, k, v, seg_p, layout=layout, mesh=mesh,
                                                       **kwargs), q, k, v)
     return (out, *vjp(dout))
 
@@ -92,7 +97,7 @@ def seq_mesh(n, *extra):
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
 def test_matches_dense(layout, n):
   inputs = make_inputs(seq_len=128)
-  got = ring_in_layout(layout, seq_mesh(n, "data"), *inputs, tile_size=8)
+  got = ring_in_layout(layout, seq_mesh(n, "data"), *inputs, packed=False, tile_size=8)
   assert_close(got, reference(*inputs), **_F32_TOL)
 
 
@@ -107,7 +112,7 @@ def test_three_devices(layout):
 @pytest.mark.parametrize("group", [1, 2, 4])
 def test_gqa_ratios(group):
   inputs = make_inputs(num_heads=4, num_kv=4 // group, seq_len=64, head_dim=32)
-  got = ring_in_layout("striped", seq_mesh(4), *inputs, tile_size=8)
+  got = ring_in_layout("striped", seq_mesh(4), *inputs, packed=False, tile_size=8)
   assert_close(got, reference(*inputs), **_F32_TOL)
 
 
@@ -133,28 +138,32 @@ def test_tile_sizes(tile_size):
 def test_data_and_sequence_mesh(axis_type):
   mesh = jax.make_mesh((2, 4), ("data", "sequence"), axis_types=(axis_type,) * 2)
   inputs = make_inputs(batch=2, seq_len=64, seed=3)
-  got = ring_in_layout("striped", mesh, *inputs, tile_size=8)
+  rules = (("activation_batch", "data"), ("activation_seq", "sequence"))
+  got = ring_in_layout("striped", mesh, *inputs, tile_size=8, rules=rules)
   assert_close(got, reference(*inputs), **_F32_TOL)
 
 
 def test_heads_sharded_over_tensor():
   mesh = jax.make_mesh((2, 2, 2), ("data", "sequence", "tensor"))
   inputs = make_inputs(batch=2, seq_len=64, num_heads=4, num_kv=2, seed=4)
-  got = ring_in_layout("zigzag", mesh, *inputs, tile_size=8)
+  rules = (("activation_batch", "data"), ("activation_seq", "sequence"),
+           ("activation_heads", "tensor"), ("activation_kv_heads", "tensor"))
+  got = ring_in_layout("zigzag", mesh, *inputs, tile_size=8, rules=rules)
   assert_close(got, reference(*inputs), **_F32_TOL)
 
 
 def test_bf16_under_context_mesh():
-  """As the model calls it: mesh from jax.set_mesh, bf16 inputs, inside jit."""
+  """As the model calls it: mesh from jax.set_mesh, the config's rules, bf16, inside jit."""
   q, k, v, dout, index, seg = make_inputs(seq_len=128, seed=5)
   n, layout = 4, "striped"
   perm = functools.partial(permute, layout=layout, num_shards=n)
   bf16 = lambda x: jnp.asarray(perm(x), jnp.bfloat16)
+  rules = base_config.get_config().mesh.rules
 
   @jax.jit
   def run(q, k, v, dout):
-    out, vjp = jax.vjp(lambda q, k, v: ring_attention(q, k, v, perm(index), tile_size=16),
-                       q, k, v)
+    out, vjp = jax.vjp(lambda q, k, v: ring_attention(q, k, v, layout=layout, rules=rules,
+                                                      tile_size=16), q, k, v)
     return (out, *vjp(dout))
 
   mesh = jax.make_mesh((1, 1, n, 2), ("data", "fsdp", "sequence", "tensor"))  # trainer's axes
@@ -172,11 +181,15 @@ def test_block_kernel_rows_that_see_nothing():
   q = rng.standard_normal((1, 16, 2, 8), np.float32)
   k = rng.standard_normal((1, 16, 2, 8), np.float32)
   v = rng.standard_normal((1, 16, 2, 8), np.float32)
-  q_index = np.arange(16, dtype=np.int32)[None]
+  # Two blocks of 16: the queries hold original tokens 0-7 and 16-23, the keys 8-15 and
+  # 24-31. Queries 0-7 see none of these keys; queries 16-23 see keys 8-15.
+  block = lambda first: np.r_[first:first + 8, first + 16:first + 24]
+  schedule = schedule_of_order(np.r_[block(0), block(8)], 2)
+  pair = schedule.pair[0, 1]  # device 0 holds block 1 at step 1
+  assert schedule.shapes[pair] == "general"
+  q_index, k_index = (schedule.order[b][None] for b in (0, 1))
   seg = np.zeros((1, 16), np.int32)
-  # Keys 8..23: queries 0..7 see nothing, queries 8..15 see keys 8..q.
-  k_index = q_index + 8
-  out, lse = kernel_xla.block_fwd(q, k, v, q_index, seg, k_index, seg, tile=4)
+  out, lse = kernel_xla.block_fwd(q, k, v, None, None, schedule=schedule, pair=pair, tile=4)
   assert np.isfinite(np.asarray(out)).all()
   np.testing.assert_array_equal(np.asarray(out)[:, :8], 0.0)
   assert np.all(np.asarray(lse)[:, :8] == -np.inf)
@@ -184,8 +197,13 @@ def test_block_kernel_rows_that_see_nothing():
   ref = dense_attention(q, k, v, q_index, seg, k_index, seg)
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **_F32_TOL)
 
-  # A key block wholly in the future: every tile skipped, nothing visible.
-  out_f, lse_f = kernel_xla.block_fwd(q, k, v, q_index, seg, q_index + 100, seg, tile=4)
+  # A key block wholly in the future: the ring skips it, and the kernel, given it anyway,
+  # visits no tile and sees nothing.
+  future = ring_schedule("ring", 32, 2)
+  empty_pair = future.pair[0, 1]
+  assert future.shapes[empty_pair] == "empty" and future.empty[0, 1]
+  out_f, lse_f = kernel_xla.block_fwd(q, k, v, None, None, schedule=future, pair=empty_pair,
+                                      tile=4)
   np.testing.assert_array_equal(np.asarray(out_f), 0.0)
   assert np.all(np.asarray(lse_f) == -np.inf)
   merged, merged_lse = _merge(out_f, lse_f, out_f, lse_f)
@@ -196,8 +214,8 @@ def test_block_kernel_rows_that_see_nothing():
 
   # With one block its lse is the global one, so block_bwd is the whole gradient.
   dout = rng.standard_normal(q.shape, np.float32)
-  grads = kernel_xla.block_bwd(q, k, v, dout, lse, jnp.sum(out * dout, axis=-1), q_index, seg,
-                               k_index, seg, tile=4)
+  grads = kernel_xla.block_bwd(q, k, v, dout, lse, jnp.sum(out * dout, axis=-1), None, None,
+                               schedule=schedule, pair=pair, tile=4)
   _, vjp = jax.vjp(lambda q, k, v: dense_attention(q, k, v, q_index, seg, k_index, seg), q, k, v)
   for got, want in zip(grads, vjp(dout)):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), **_F32_TOL)
@@ -205,8 +223,8 @@ def test_block_kernel_rows_that_see_nothing():
 
 
 def test_ring_hop_buffer_moves_bits_exactly():
-  """K/V and indices travel as one byte buffer; every bit comes back (NaN payloads, bf16,
-  one-byte dtypes), in the shapes and dtypes of the templates it is unpacked against."""
+  """K/V and segment ids travel as one byte buffer; every bit comes back (NaN payloads,
+  bf16, one-byte dtypes), in the shapes and dtypes of the templates it is unpacked against."""
   rng = np.random.default_rng(7)
   bits = rng.integers(0, 2**16, (2, 6, 3, 4), dtype=np.uint16)
   k = jax.lax.bitcast_convert_type(jnp.asarray(bits), jnp.bfloat16)  # NaNs and denormals too
@@ -226,45 +244,39 @@ def test_ring_hop_buffer_moves_bits_exactly():
                                   np.asarray(jax.lax.bitcast_convert_type(want, jnp.uint8)))
 
 
-def test_tile_rule_skips_striped_upper_triangle():
-  """Striped keeps the block's diagonal tiles masked and skips the upper triangle."""
-  n, seq_len, tile = 4, 256, 8
-  index = permute(np.arange(seq_len)[None], "striped", n).reshape(n, 1, -1)
-  seg = np.zeros((1, seq_len // n), np.int32)
-  q_sum = tiles.summarize_tiles(index[0], seg, tile)
-  k_sum = tiles.summarize_tiles(index[1], seg, tile)  # a later device's keys
-  classes = tiles.classify_all(q_sum, k_sum)
-  num_tiles = seq_len // n // tile
-  np.testing.assert_array_equal(classes[np.triu_indices(num_tiles, 1)], tiles.SKIP)
-  np.testing.assert_array_equal(np.diag(classes), tiles.MASKED)
-  np.testing.assert_array_equal(classes[np.tril_indices(num_tiles, -1)], tiles.UNMASKED)
-  # The traced path agrees with the NumPy path.
-  traced = tiles.classify_all(*(tiles.TileSummary(*map(jnp.asarray, s)) for s in (q_sum, k_sum)))
-  np.testing.assert_array_equal(np.asarray(traced), classes)
-
-
 def test_no_mesh_computes_locally():
   """Without any mesh (e.g. model.init outside one) the whole sequence is one local block."""
   inputs = make_inputs(seq_len=64, seed=7)
   q, k, v, dout, index, seg = inputs
-  out, vjp = jax.vjp(lambda q, k, v: ring_attention(q, k, v, index, seg, tile_size=16), q, k, v)
+  out, vjp = jax.vjp(lambda q, k, v: ring_attention(q, k, v, seg, layout="zigzag",
+                                                    tile_size=16), q, k, v)
   assert_close([out, *vjp(dout)], reference(*inputs), **_F32_TOL)
 
 
 def test_errors_are_clear():
-  q, k, v, _, index, _ = make_inputs(seq_len=96)
+  q, k, v, _, _, _ = make_inputs(seq_len=96)
+  attend = functools.partial(ring_attention, layout="striped")
   with pytest.raises(ValueError, match=r"96 must be divisible by sequence shards x tile"):
-    ring_attention(q, k, v, index, mesh=seq_mesh(4), tile_size=16)  # block 24, tile 16
+    attend(q, k, v, mesh=seq_mesh(4), tile_size=16)  # block 24, tile 16
+  with pytest.raises(ValueError, match=r"sequence length=40 must be divisible by 16"):
+    ring_attention(q[:, :40], k[:, :40], v[:, :40], layout="zigzag", mesh=seq_mesh(8))
   with pytest.raises(ValueError, match=r"query heads \(4\) must be divisible by kv heads \(3\)"):
-    ring_attention(q, k[:, :, :1].repeat(3, 2), v[:, :, :1].repeat(3, 2), index,
-                   mesh=seq_mesh(4))
+    attend(q, k[:, :, :1].repeat(3, 2), v[:, :, :1].repeat(3, 2), mesh=seq_mesh(4))
   data_only = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
   with pytest.raises(ValueError, match="no sequence axis 'sequence'"):
-    ring_attention(q, k, v, index, mesh=data_only)
+    attend(q, k, v, mesh=data_only)
   with jax.set_mesh(data_only), pytest.raises(ValueError, match="no sequence axis"):
-    ring_attention(q, k, v, index)
-  with pytest.raises(ValueError, match="must be divisible by the 'tensor' mesh axis"):
-    ring_attention(q, k[:, :, :1], v[:, :, :1], index,
-                   mesh=jax.make_mesh((2, 2), ("sequence", "tensor"), devices=jax.devices()[:4]))
+    attend(q, k, v)
+  tensor_rules = (("activation_seq", "sequence"), ("activation_heads", "tensor"),
+                  ("activation_kv_heads", "tensor"))
+  with pytest.raises(ValueError, match=r"kv heads \(1\) must be divisible by the mesh axes"):
+    attend(q, k[:, :, :1], v[:, :, :1], rules=tensor_rules,
+           mesh=jax.make_mesh((2, 2), ("sequence", "tensor"), devices=jax.devices()[:4]))
+  with pytest.raises(ValueError, match="activation_heads and activation_kv_heads over the same"):
+    attend(q, k, v, rules=tensor_rules[:2],
+           mesh=jax.make_mesh((2, 2), ("sequence", "tensor"), devices=jax.devices()[:4]))
+  with pytest.raises(ValueError, match="must map activation_seq to one mesh axis"):
+    attend(q, k, v, rules=(("activation_seq", ("sequence", "tensor")),),
+           mesh=jax.make_mesh((2, 2), ("sequence", "tensor"), devices=jax.devices()[:4]))
   with pytest.raises(ValueError, match="unknown attention kernel 'cuda'"):
-    ring_attention(q, k, v, index, mesh=seq_mesh(4), kernel="cuda")
+    attend(q, k, v, mesh=seq_mesh(4), kernel="cuda")

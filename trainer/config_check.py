@@ -96,6 +96,16 @@ def _check_mesh(config: ml_collections.ConfigDict, num_devices: int, head_size: 
   except ValueError as e:
     raise ConfigError(str(e)) from None
   if m.attention != "dense":
+    rules = dict(config.mesh.rules)
+    seq_axes = parallelism.mesh.as_axes(rules.get("activation_seq"))
+    _require(seq_axes == ("sequence",),
+             f"mesh.rules maps activation_seq to {seq_axes or 'nothing'}; model.attention="
+             f"'{m.attention}' needs it on ('sequence',), the ring the data is laid out for")
+    heads, kv_heads = (parallelism.mesh.as_axes(rules.get(name)) for name in ("activation_heads",
+                                                            "activation_kv_heads"))
+    _require(heads == kv_heads,
+             f"mesh.rules maps activation_heads to {heads} but activation_kv_heads to "
+             f"{kv_heads}; ring attention needs both on the same mesh axes")
     # The kernels' own clipping, so a config that passes here cannot fail in the ring.
     tile = parallelism.block_tile(seq_len, sequence, m.attention_tile)
     _require(seq_len % (sequence * tile) == 0,

@@ -1,0 +1,55 @@
+"""The block-kernel contract and the registry of kernels that keep it.
+
+A block kernel computes attention of one device's query block on one K/V block: the pair
+that the static schedule (`parallelism.schedule`) assigns to that device at that ring step.
+The ring (`parallelism.ring_attention`) merges the partial results and drives the backward.
+
+    block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule, pair, tile)
+        -> (out_BTHD, lse_BTH)
+    block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k_seg_BT, *,
+              schedule, pair, tile)
+        -> (dq_BTHD, dk_BTKD, dv_BTKD)
+
+- q `[B, Tq, Hq, D]`, k/v `[B, Tk, Hkv, D]` with Hq % Hkv == 0 (q head h reads kv head
+  h // (Hq / Hkv)); operands in the compute dtype (bf16 or float32).
+- `schedule` is the host-built `RingSchedule` (static, hashable), `pair` a traced int32
+  scalar: the distinct block pair to compute (`schedule.pair[device, step]`). A kernel reads
+  the tile metadata it needs at its own tile sizes (`schedule.tiles(tq, tk)`), or the
+  pair's mask shape (`schedule.shapes`, e.g. to call a library kernel with a causal flag).
+  `tile` is the attention tile of the config, already clipped to the block; a kernel may
+  use finer tiles, never coarser ones.
+- Segment ids `[B, T]` int32, or None for one document per row: with them, query i sees key
+  j only if their ids match, on top of the schedule's mask.
+- Forward returns the block's output and its natural-log log-sum-exp, both float32; a query
+  that sees no key of the block gets output 0 and lse -inf, never NaN.
+- Backward takes the GLOBAL (merged over all key blocks) lse and `delta = sum(dout * out,
+  -1)` of the global output, float32, recomputes the block's probabilities from them, and
+  returns this block's contributions to dq, dk, dv in float32.
+
+`xla` is the reference, in plain JAX on any backend; `pallas` is fused (Triton on GPUs,
+interpret mode on CPU for tests). A new kernel is one module with these two functions and
+one line below.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+from parallelism import kernel_pallas, kernel_xla
+
+
+class BlockKernel(NamedTuple):
+  fwd: Callable
+  bwd: Callable
+
+
+KERNELS = {
+    "xla": BlockKernel(kernel_xla.block_fwd, kernel_xla.block_bwd),
+    "pallas": BlockKernel(kernel_pallas.block_fwd, kernel_pallas.block_bwd),
+}
+
+
+def get(name: str) -> BlockKernel:
+  if name not in KERNELS:
+    raise ValueError(f"unknown attention kernel '{name}'; choose one of {tuple(KERNELS)}")
+  return KERNELS[name]

@@ -1,0 +1,260 @@
+"""The static ring schedule: what every device computes at every ring step, built on the host.
+
+    python -m parallelism --layout striped --seq_len 32768 --shards 8 [--tile 512]
+
+prints it and its critical path. A token's `token_index` is fixed by (layout, seq_len,
+ring size), so which keys each query sees at each ring step is known before tracing. This
+module works it out once with NumPy, by the one rule of `parallelism.tiles`:
+
+- At ring step s, device d holds its own query block and the K/V block that started on
+  device d - s (`held_block`). Many (device, step) block pairs see the same pattern (striped
+  has two, ring three), so the schedule keeps the distinct pairs and a table
+  `pair[device, step]` into them; kernels and the ring index that table at run time.
+- Each distinct pair has a mask shape a library kernel can use: `empty`, `full`, `causal`
+  (key j visible to query i iff j <= i, by position in the blocks), `strictly_causal`
+  (j < i) or `general`.
+- At a kernel's tile sizes, `RingSchedule.tiles(tile_q, tile_k)` gives block-sparse
+  metadata (as TPU splash attention's MaskInfo): the class of every tile pair, per query
+  tile the runs of UNMASKED key tiles and the list of MASKED ones with the id of their
+  elementwise mask (the distinct masks are stored once), and the same per key tile for the
+  dK/dV loops. SKIP tiles appear nowhere, so kernels never classify a tile at run time.
+
+Packed documents are not part of the schedule: segment ids differ per batch and stay an
+elementwise mask inside the kernels. The schedule is cached per (layout, seq_len, shards)
+and per tile size, so it is built once per compile, not per layer or step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import numpy as np
+
+from parallelism import tiles
+from parallelism.layouts import LAYOUTS, permutation
+
+MASK_SHAPES = ("empty", "full", "causal", "strictly_causal", "general")
+
+
+def held_block(device: int, step: int, num_shards: int) -> int:
+  """At ring step s, device d holds the K/V block that started on device d - s."""
+  return (device - step) % num_shards
+
+
+class TileLists(NamedTuple):
+  """Block-sparse metadata of each distinct pair, one row per tile of the outer side.
+
+  Arrays are [pairs, outer tiles, ...] int32, padded past their counts: `runs` holds
+  (first, stop) of each run of consecutive UNMASKED inner tiles, `masked` the MASKED inner
+  tiles in order and `mask_id` their masks (rows of `TilePlan.masks`).
+  """
+  runs: np.ndarray  # [P, n, R, 2]
+  num_runs: np.ndarray  # [P, n]
+  masked: np.ndarray  # [P, n, M]
+  mask_id: np.ndarray  # [P, n, M]
+  num_masked: np.ndarray  # [P, n]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TilePlan:
+  """The schedule at one tile granularity (query tiles of `tile_q`, key tiles of `tile_k`)."""
+  tile_q: int
+  tile_k: int
+  classes: np.ndarray  # [P, nq, nk] int8: tiles.SKIP / UNMASKED / MASKED
+  by_query: TileLists  # outer = query tiles, inner = key tiles (forward, dQ)
+  by_key: TileLists  # outer = key tiles, inner = query tiles (dK/dV)
+  masks: np.ndarray  # [U, tile_q, tile_k] bool: the distinct masks of MASKED tiles
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RingSchedule:
+  """Who computes what, for every device and ring step. Hashable by identity (a static
+  argument to jit and custom_vjp); `ring_schedule` caches one per configuration."""
+  layout: str
+  seq_len: int
+  num_shards: int
+  order: np.ndarray  # [N, T]: original token index at each position of each device's block
+  pair: np.ndarray  # [N devices, N steps] int32: the distinct block pair computed there
+  pair_blocks: tuple[tuple[int, int], ...]  # a (query block, key block) of each distinct pair
+  shapes: tuple[str, ...]  # the mask shape of each distinct pair, one of MASK_SHAPES
+  _plans: dict = dataclasses.field(default_factory=dict, repr=False)
+
+  @property
+  def block_len(self) -> int:
+    return self.seq_len // self.num_shards
+
+  @property
+  def empty(self) -> np.ndarray:
+    """[N devices, N steps] bool: nothing to compute (the ring skips the kernel)."""
+    return np.asarray([s == "empty" for s in self.shapes])[self.pair]
+
+  def tiles(self, tile_q: int, tile_k: int | None = None) -> TilePlan:
+    """Block-sparse metadata at these tile sizes (built on first use, then cached)."""
+    key = (tile_q, tile_q if tile_k is None else tile_k)
+    if key not in self._plans:
+      self._plans[key] = _tile_plan(self.order, self.pair_blocks, *key)
+    return self._plans[key]
+
+  def computed_tiles(self, tile: int) -> np.ndarray:
+    """[N steps, N devices]: tile pairs each device computes (not SKIP) at each step."""
+    per_pair = (self.tiles(tile).classes != tiles.SKIP).sum(axis=(1, 2))
+    return per_pair[self.pair].T
+
+  def masked_tiles(self, tile: int) -> np.ndarray:
+    """[N steps, N devices]: of those, the ones computed with the elementwise mask."""
+    per_pair = (self.tiles(tile).classes == tiles.MASKED).sum(axis=(1, 2))
+    return per_pair[self.pair].T
+
+
+def critical_path(work_SN) -> float:
+  """The ring synchronises every step: the sum over steps of the busiest device's work."""
+  return float(np.asarray(work_SN).max(axis=1).sum())
+
+
+@functools.lru_cache(maxsize=32)
+def ring_schedule(layout: str, seq_len: int, num_shards: int) -> RingSchedule:
+  """The schedule of a named layout (`parallelism.layouts`)."""
+  return schedule_of_order(permutation(layout, seq_len, num_shards), num_shards, layout)
+
+
+def schedule_of_order(order_S: np.ndarray, num_shards: int, name: str = "custom") -> RingSchedule:
+  """The schedule of any order of the sequence (`order_S[p]`: original index at position p)."""
+  order_S = np.asarray(order_S)
+  seq_len = order_S.shape[0]
+  if seq_len % num_shards:
+    raise ValueError(f"sequence length {seq_len} must be divisible by {num_shards} shards")
+  order_NT = order_S.reshape(num_shards, -1).astype(np.int64)
+  # Which keys a query sees depends only on the keys' sorted order and on how many keys
+  # lie at or before each query, so that pair of arrays identifies a block pair's mask
+  # without building it ([T, T] would not fit at a million tokens).
+  key_order = [np.argsort(k_T, kind="stable") for k_T in order_NT]
+  distinct: dict[bytes, int] = {}
+  pair_blocks, shapes = [], []
+  pair = np.zeros((num_shards, num_shards), np.int32)
+  for device in range(num_shards):
+    for step in range(num_shards):
+      kb = held_block(device, step, num_shards)
+      seen = np.searchsorted(order_NT[kb][key_order[kb]], order_NT[device], side="right")
+      key = key_order[kb].tobytes() + seen.tobytes()
+      if key not in distinct:
+        distinct[key] = len(pair_blocks)
+        pair_blocks.append((device, kb))
+        shapes.append(_mask_shape(seen, key_order[kb]))
+      pair[device, step] = distinct[key]
+  for array in (order_NT, pair):
+    array.setflags(write=False)
+  return RingSchedule(name, seq_len, num_shards, order_NT, pair, tuple(pair_blocks),
+                      tuple(shapes))
+
+
+def _mask_shape(seen_T: np.ndarray, key_order_T: np.ndarray) -> str:
+  """The block pair's mask as a library kernel names it, from the count of keys each query
+  sees (`seen_T`) and the keys' sorted order."""
+  num_keys = key_order_T.shape[0]
+  if not seen_T.any():
+    return "empty"
+  if (seen_T == num_keys).all():
+    return "full"
+  position = np.arange(num_keys)
+  if seen_T.shape[0] == num_keys and (key_order_T == position).all():
+    if (seen_T == position + 1).all():
+      return "causal"
+    if (seen_T == position).all():
+      return "strictly_causal"
+  return "general"
+
+
+def _tile_plan(order_NT: np.ndarray, pair_blocks, tile_q: int, tile_k: int) -> TilePlan:
+  block_len = order_NT.shape[1]
+  for name, tile in (("query", tile_q), ("key", tile_k)):
+    if tile <= 0 or block_len % tile:
+      raise ValueError(f"block length {block_len} is not divisible by the {name} tile {tile}")
+  classes, mask_ids, masks = [], [], {}
+  for q_block, k_block in pair_blocks:
+    q_T, k_T = order_NT[q_block], order_NT[k_block]
+    classes_QK = tiles.classify_all(q_T, k_T, tile_q, tile_k)
+    ids_QK = np.full(classes_QK.shape, -1, np.int32)
+    for i, j in zip(*np.nonzero(classes_QK == tiles.MASKED)):
+      mask = tiles.visible(q_T[i * tile_q:(i + 1) * tile_q, None],
+                           k_T[None, j * tile_k:(j + 1) * tile_k])
+      ids_QK[i, j] = masks.setdefault(np.packbits(mask).tobytes(), len(masks))
+    classes.append(classes_QK)
+    mask_ids.append(ids_QK)
+  classes_PQK, ids_PQK = np.stack(classes), np.stack(mask_ids)
+  unique = np.zeros((max(len(masks), 1), tile_q, tile_k), bool)  # never an empty array
+  for packed, index in masks.items():
+    unique[index] = np.unpackbits(np.frombuffer(packed, np.uint8),
+                                  count=tile_q * tile_k).reshape(tile_q, tile_k)
+  return TilePlan(tile_q, tile_k, classes_PQK, _tile_lists(classes_PQK, ids_PQK),
+                  _tile_lists(classes_PQK.swapaxes(1, 2), ids_PQK.swapaxes(1, 2)), unique)
+
+
+def _tile_lists(classes_PON: np.ndarray, ids_PON: np.ndarray) -> TileLists:
+  """Runs of UNMASKED and lists of MASKED inner tiles for every outer tile of every pair."""
+  num_pairs, num_outer, num_inner = classes_PON.shape
+  unmasked = np.pad(classes_PON == tiles.UNMASKED, [(0, 0), (0, 0), (1, 1)]).astype(np.int8)
+  edges = np.diff(unmasked, axis=2)
+  starts, stops = np.nonzero(edges == 1), np.nonzero(edges == -1)
+  runs_per_row = np.count_nonzero(edges == 1, axis=2)
+  masked = np.nonzero(classes_PON == tiles.MASKED)
+  masked_per_row = np.count_nonzero(classes_PON == tiles.MASKED, axis=2)
+
+  def padded(rows, per_row, values, trailing=()):
+    """Scatter `values` (in row order) into [P, n, max count, *trailing], zero-padded."""
+    out = np.zeros((num_pairs, num_outer, max(int(per_row.max(initial=0)), 1), *trailing),
+                   np.int32)
+    first = np.cumsum(per_row.reshape(-1)) - per_row.reshape(-1)
+    flat_row = rows[0] * num_outer + rows[1]
+    out[rows[0], rows[1], np.arange(flat_row.size) - first[flat_row]] = values
+    return out
+
+  # np.nonzero lists entries row by row, inner index ascending: runs and lists are in order.
+  runs = padded(starts, runs_per_row, np.stack([starts[2], stops[2]], axis=-1), (2,))
+  return TileLists(runs, runs_per_row.astype(np.int32), padded(masked, masked_per_row, masked[2]),
+                   padded(masked, masked_per_row, ids_PON[masked]),
+                   masked_per_row.astype(np.int32))
+
+
+def describe(schedule: RingSchedule, tile: int) -> str:
+  """A readable account: distinct pairs, the step x device table, the critical path."""
+  n = schedule.num_shards
+  computed_SN = schedule.computed_tiles(tile)
+  masked_SN = schedule.masked_tiles(tile)
+  per_block = (schedule.block_len // tile) ** 2
+  lines = [f"{schedule.layout}: {schedule.seq_len} tokens on {n} devices, blocks of "
+           f"{schedule.block_len}, tiles of {tile} ({per_block} tile pairs per block pair)",
+           "", "distinct block pairs (query block, key block), each with its mask shape and "
+           "tiles computed (of them masked):"]
+  plan = schedule.tiles(tile)
+  for p, (blocks, shape) in enumerate(zip(schedule.pair_blocks, schedule.shapes)):
+    computed = int((plan.classes[p] != tiles.SKIP).sum())
+    masked = int((plan.classes[p] == tiles.MASKED).sum())
+    lines.append(f"  {p}: {blocks} {shape:<16} {computed:>8} ({masked})")
+  lines += ["", "step x device: distinct pair / tiles computed"]
+  lines.append("step " + "".join(f"{f'dev {d}':>14}" for d in range(n)) + f"{'busiest':>10}")
+  for s in range(n):
+    cells = "".join(f"{f'{schedule.pair[d, s]} / {computed_SN[s, d]}':>14}" for d in range(n))
+    lines.append(f"{s:>4} {cells}{computed_SN[s].max():>10}")
+  total, critical = int(computed_SN.sum()), critical_path(computed_SN)
+  lines += ["", f"critical path: {critical:.0f} tiles (sum over steps of the busiest device); "
+                f"all devices compute {total} ({int(masked_SN.sum())} masked); balance "
+                f"{total / (n * critical):.3f} (1.0 = every device busy at every step)"]
+  return "\n".join(lines)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(prog="python -m parallelism",
+                                   description=__doc__.splitlines()[0])
+  parser.add_argument("--layout", choices=LAYOUTS, default="striped")
+  parser.add_argument("--seq_len", type=int, default=32768)
+  parser.add_argument("--shards", type=int, default=8)
+  parser.add_argument("--tile", type=int, default=512, help="clipped to the block")
+  args = parser.parse_args()
+  try:
+    schedule = ring_schedule(args.layout, args.seq_len, args.shards)
+    print(describe(schedule, min(args.tile, schedule.block_len)))
+  except ValueError as error:
+    raise SystemExit(f"error: {error}") from None
