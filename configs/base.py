@@ -28,7 +28,7 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
   config.model.tie_embeddings = False  # Share the input embedding with the output projection.
   config.model.init_std = 0.02  # Std of the normal initialiser of every matrix.
   config.model.attention = "dense"  # One of dense, ring, striped, zigzag.
-  config.model.kernel = "xla"  # Per-block attention kernel for ring layouts: xla or pallas.
+  config.model.kernel = "xla"  # Block kernel of ring layouts (parallelism/kernels.py): xla or pallas.
   config.model.attention_tile = 512  # Query/key tile of the blockwise kernels (tile skipping).
   config.model.dtype = "bfloat16"  # Compute dtype of activations and matmuls.
   config.model.param_dtype = "float32"  # Dtype of parameters (master weights).
@@ -39,7 +39,8 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
   config.mesh.sequence = 1  # Ring size: devices the sequence is split over.
   config.mesh.tensor = 1  # Tensor parallelism over heads and MLP width.
   # Logical axis name -> mesh axes. Parameters use the plain names, activations the
-  # `activation_*` ones; a mesh axis may appear once per array (checked at start-up).
+  # `activation_*` ones; a mesh axis may appear once per array (checked at start-up). Ring
+  # attention shards its operands by the same names; activation_seq is its ring.
   config.mesh.rules = (
       ("layers", None),
       ("embed", ("fsdp", "sequence")),  # ZeRO-3 over the ring too: 7B fits 8 devices.
@@ -89,7 +90,9 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
   config.train.b1 = 0.9  # AdamW beta1.
   config.train.b2 = 0.95  # AdamW beta2.
   config.train.grad_clip = 1.0  # Global-norm clipping threshold; 0 disables.
-  config.train.remat = "none"  # Activation checkpointing: none, full, save_dots, save_attention.
+  # Activation checkpointing: none, full, save_dots, or save_attention (keeps attention's
+  # output and lse, so the backward does not run the ring forward again).
+  config.train.remat = "none"
   config.train.on_nonfinite = "stop"  # NaN/Inf loss or gradient: stop, or skip the update.
   config.train.log_every = 10  # Steps between metric lines.
   config.train.eval_every = 50  # Steps between evals; 0 disables.

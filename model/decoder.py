@@ -37,7 +37,7 @@ def _remat_policy(name: str):
       # The attention output and the ring's lse: all its backward needs besides q, k, v,
       # which the block recomputes with its projections, not with another ring pass.
       "save_attention": jax.checkpoint_policies.save_only_these_names(
-          "attention_out", *parallelism.SAVED_NAMES),
+          *parallelism.SAVED_NAMES),
   }[name]
 
 

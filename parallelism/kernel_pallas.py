@@ -31,8 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from parallelism.kernel_xla import over_tiles
-from parallelism.schedule import RingSchedule, TileLists
+from parallelism.schedule import RingSchedule, TileLists, over_tiles
 
 _F32 = jnp.float32
 _LOG2E = math.log2(math.e)

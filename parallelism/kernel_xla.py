@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from parallelism.schedule import RingSchedule, TileLists
+from parallelism.schedule import RingSchedule, TileLists, over_tiles
 
 _F32 = jnp.float32
 _Q_AXIS = 3  # the token axis of head-major query-side tiles, [B, Hkv, G, t, ...]
@@ -70,19 +70,6 @@ def visibility(mask_tt, q_seg_Bt, k_seg_Bt):
   if mask_tt is None:
     return same
   return mask_tt[None] if same is None else same & mask_tt[None]
-
-
-def over_tiles(lists: TileLists, row, visit, carry):
-  """Runs `visit(inner_tile, carry, mask)` over the tiles of one row of the schedule: the
-  runs of UNMASKED tiles (mask None), then each MASKED tile with its mask id."""
-  def run(r, carry):
-    return lax.fori_loop(lists.runs[row, r, 0], lists.runs[row, r, 1],
-                         lambda j, c: visit(j, c, None), carry)
-
-  carry = lax.fori_loop(0, lists.num_runs[row], run, carry)
-  return lax.fori_loop(
-      0, lists.num_masked[row],
-      lambda n, c: visit(lists.masked[row, n], c, lists.mask_id[row, n]), carry)
 
 
 def _fwd_update(carry, q_BKGtD, k_BKtD, v_BKtD, visible, *, scale: float):

@@ -13,9 +13,12 @@ The ring (`parallelism.ring_attention`) merges the partial results and drives th
 - q `[B, Tq, Hq, D]`, k/v `[B, Tk, Hkv, D]` with Hq % Hkv == 0 (q head h reads kv head
   h // (Hq / Hkv)); operands in the compute dtype (bf16 or float32).
 - `schedule` is the host-built `RingSchedule` (static, hashable), `pair` a traced int32
-  scalar: the distinct block pair to compute (`schedule.pair[device, step]`). A kernel reads
-  the tile metadata it needs at its own tile sizes (`schedule.tiles(tq, tk)`), or the
-  pair's mask shape (`schedule.shapes`, e.g. to call a library kernel with a causal flag).
+  scalar: the distinct block pair to compute (`schedule.pair[device, step]`, which differs
+  between devices). A kernel reads the tile metadata it needs at its own tile sizes
+  (`schedule.tiles(tq, tk)`, indexed by `pair`). A kernel that needs a static mask (a
+  library kernel with a causal flag) branches once per call with
+  `lax.switch(pair, [one function per distinct pair])`, each knowing its pair's mask shape
+  (`schedule.shapes[p]`: empty, full, causal, strictly_causal or general).
   `tile` is the attention tile of the config, already clipped to the block; a kernel may
   use finer tiles, never coarser ones.
 - Segment ids `[B, T]` int32, or None for one document per row: with them, query i sees key

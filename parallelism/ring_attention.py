@@ -17,17 +17,20 @@ The shard_map's specs come from the same rules table as the activations around t
 `activation_kv_heads`), so a change of `mesh.rules` moves both together and adds no reshard.
 `activation_seq` names the ring's mesh axis.
 
-The gradient is a `jax.custom_vjp`: the forward saves its inputs plus the global output
-and lse, named `attention_out` and `attention_lse` for remat policies; the backward is a
-second ring pass that recomputes each block's probabilities from them. A device keeps the
+The gradient is a `jax.custom_vjp` around the sharded passes: the forward saves its inputs
+plus the global output and lse, named `attention_out` and `attention_lse` for remat
+policies; the backward is a second ring pass (its own shard_map) that recomputes each
+block's probabilities from them. A device keeps the
 dK/dV of its own block; the accumulators of the others travel with their K/V block and,
 after N - 1 hops, arrive back at the device that owns it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -88,7 +91,7 @@ def _unpack(buffer, like):
 
 
 def _around_ring(own, start, visit, *, axis: str, num_shards: int):
-  """The ring schedule both passes share; returns the last carry.
+  """The ring's step loop, the same for both passes; returns the last carry.
 
   Step 0 is `start(*own)` on the device's own block (k, v and, when packed, segment ids),
   giving the first carry. Steps s = 1..N-1 are `visit(carry, s, *block)` on the block that
@@ -112,23 +115,31 @@ def _around_ring(own, start, visit, *, axis: str, num_shards: int):
 class RingDevice:
   """One device of the ring: its block pair at each step, looked up in the schedule's table
   by device index, and one step of each pass on it. `device` is traced inside the ring
-  (`lax.axis_index`) or a Python int (scripts/bench_attention.py times the steps one by one)."""
+  (`lax.axis_index`); scripts/bench_attention.py passes it as a jitted argument to time
+  the steps one by one."""
 
   def __init__(self, schedule: RingSchedule, device, kernel: str, tile: int):
     self.schedule, self.tile, self.kernel = schedule, tile, kernels.get(kernel)
     self.pair_S = jnp.asarray(schedule.pair)[device]
     self.empty_S = jnp.asarray(schedule.empty)[device]
 
+  def _unless_empty(self, step, carry, compute):
+    """`compute()`, or `carry` where this step's block pair has nothing visible. Only
+    layouts with such pairs (ring) pay for the conditional; striped and zigzag have none."""
+    if not self.schedule.empty.any():
+      return compute()
+    return lax.cond(self.empty_S[step], lambda: carry, compute)
+
   def forward_step(self, step, out_lse, q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT):
     """The (out, lse) of the queries on this step's K/V block, merged into `out_lse`; at
-    step 0 (`out_lse` None) the own block's result starts the pair. A block pair with
-    nothing visible skips the kernel and the merge."""
+    step 0 (`out_lse` None) the own block's (out, lse). A block pair with nothing visible
+    skips the kernel and the merge."""
     attend = lambda: self.kernel.fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT,
                                      schedule=self.schedule, pair=self.pair_S[step],
                                      tile=self.tile)
     if out_lse is None:
       return attend()  # a query always sees itself: the own block is never empty
-    return lax.cond(self.empty_S[step], lambda: out_lse, lambda: _merge(*out_lse, *attend()))
+    return self._unless_empty(step, out_lse, lambda: _merge(*out_lse, *attend()))
 
   def backward_step(self, step, dq_dkv, q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH,
                     q_seg_BT, k_seg_BT):
@@ -144,7 +155,7 @@ class RingDevice:
       dq_b, dk_b, dv_b = grads()
       return dq_dkv[0] + dq_b, dq_dkv[1] + jnp.stack([dk_b, dv_b])
 
-    return lax.cond(self.empty_S[step], lambda: dq_dkv, add)
+    return self._unless_empty(step, dq_dkv, add)
 
 
 def _blocks(k_BTKD, v_BTKD, seg_BT):
@@ -196,31 +207,85 @@ def _ring_bwd_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, dout_BTHD,
   return dq_BTHD, dk_BTKD + dkv_2BTKD[0], dv_BTKD + dkv_2BTKD[1]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _ring(q_BTHD, k_BTKD, v_BTKD, seg_BT, axis, schedule, tile, kernel):
-  out_BTHD, _ = _ring_fwd_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, axis=axis, schedule=schedule,
-                               tile=tile, kernel=kernel)
-  return out_BTHD.astype(q_BTHD.dtype)
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+  """How one call runs its passes: the static schedule and, on a mesh, the shard_map specs
+  (q and out, k and v, segment ids) over which each device runs its ring. Static (hashed
+  into the trace) so it can be a non-differentiable argument of the custom_vjp."""
+  schedule: RingSchedule
+  axis: str
+  tile: int
+  kernel: str
+  mesh: Any = None  # None: the context mesh when `specs` are given
+  specs: tuple[P, P, P] | None = None  # None: no mesh, one local block
+
+  def _on_devices(self, per_device, in_specs, out_specs):
+    if self.specs is None:
+      return per_device
+    # check_vma=False: the kernels' loop carries and skip branches start from replicated
+    # constants while the computed ones are device-varying. The shard_map is never
+    # transposed (the custom_vjp around it supplies the backward), so replicated operands
+    # cost no all-reduce of their cotangents.
+    return jax.shard_map(per_device, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)
+
+  def forward(self, q_BSHD, k_BSKD, v_BSKD, seg_BS):
+    """(out in q's dtype, lse float32 [B, S, Hq]), global arrays."""
+    q_spec, kv_spec, seg_spec = self.specs or (None,) * 3
+    lse_spec = None if q_spec is None else P(*q_spec[:3])
+
+    def per_device(q, k, v, *seg):
+      out, lse = _ring_fwd_pass(q, k, v, seg[0] if seg else None, **self._pass_args())
+      return out.astype(q.dtype), lse
+
+    run = self._on_devices(per_device, (q_spec, kv_spec, kv_spec) + _if(seg_BS, seg_spec),
+                           (q_spec, lse_spec))
+    return run(q_BSHD, k_BSKD, v_BSKD, *_if(seg_BS, seg_BS))
+
+  def backward(self, q_BSHD, k_BSKD, v_BSKD, seg_BS, out_BSHD, lse_BSH, dout_BSHD):
+    """(dq, dk, dv) in the dtypes of q, k, v, global arrays."""
+    q_spec, kv_spec, seg_spec = self.specs or (None,) * 3
+    lse_spec = None if q_spec is None else P(*q_spec[:3])
+
+    def per_device(q, k, v, out, lse, dout, *seg):
+      dq, dk, dv = _ring_bwd_pass(q, k, v, seg[0] if seg else None, out, lse, dout,
+                                  **self._pass_args())
+      return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+    run = self._on_devices(
+        per_device, (q_spec, kv_spec, kv_spec, q_spec, lse_spec, q_spec) + _if(seg_BS, seg_spec),
+        (q_spec, kv_spec, kv_spec))
+    return run(q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BSH, dout_BSHD, *_if(seg_BS, seg_BS))
+
+  def _pass_args(self) -> dict:
+    return dict(axis=self.axis, schedule=self.schedule, tile=self.tile, kernel=self.kernel)
 
 
-def _ring_vjp_fwd(q_BTHD, k_BTKD, v_BTKD, seg_BT, axis, schedule, tile, kernel):
-  out_BTHD, lse_BTH = _ring_fwd_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, axis=axis,
-                                     schedule=schedule, tile=tile, kernel=kernel)
-  # The output is saved in q's dtype (what the caller holds anyway); lse stays float32.
-  out_BTHD = checkpoint_name(out_BTHD.astype(q_BTHD.dtype), SAVED_NAMES[0])
-  lse_BTH = checkpoint_name(lse_BTH, SAVED_NAMES[1])
-  return out_BTHD, (q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH)
+def _if(segment_ids, value) -> tuple:
+  """(value,) when documents are packed (segment ids given), else ()."""
+  return () if segment_ids is None else (value,)
 
 
-def _ring_vjp_bwd(axis, schedule, tile, kernel, residuals, dout_BTHD):
-  q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH = residuals
-  dq, dk, dv = _ring_bwd_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, dout_BTHD,
-                              axis=axis, schedule=schedule, tile=tile, kernel=kernel)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention(q_BSHD, k_BSKD, v_BSKD, seg_BS, ring: _Ring):
+  return ring.forward(q_BSHD, k_BSKD, v_BSKD, seg_BS)[0]
+
+
+def _attention_fwd(q_BSHD, k_BSKD, v_BSKD, seg_BS, ring: _Ring):
+  out_BSHD, lse_BSH = ring.forward(q_BSHD, k_BSKD, v_BSKD, seg_BS)
+  # Named so that a remat policy can keep them (SAVED_NAMES); the output is saved in q's
+  # dtype (what the caller holds anyway), lse in float32.
+  out_BSHD = checkpoint_name(out_BSHD, SAVED_NAMES[0])
+  lse_BSH = checkpoint_name(lse_BSH, SAVED_NAMES[1])
+  return out_BSHD, (q_BSHD, k_BSKD, v_BSKD, seg_BS, out_BSHD, lse_BSH)
+
+
+def _attention_bwd(ring: _Ring, residuals, dout_BSHD):
   # Integer segment ids get no cotangent.
-  return dq.astype(q_BTHD.dtype), dk.astype(k_BTKD.dtype), dv.astype(v_BTKD.dtype), None
+  return (*ring.backward(*residuals, dout_BSHD), None)
 
 
-_ring.defvjp(_ring_vjp_fwd, _ring_vjp_bwd)
+_attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def _check_shapes(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS) -> None:
@@ -253,9 +318,21 @@ def _tile_for(seq_len: int, num_shards: int, tile_size: int, axis: str) -> int:
   return tile
 
 
+def _ring_axis(mesh, rules: Rules) -> str:
+  """The mesh axis the rules put `activation_seq` on: the ring."""
+  seq_axes = as_axes(dict(rules).get("activation_seq"))
+  if len(seq_axes) != 1:
+    raise ValueError(f"mesh.rules must map activation_seq to one mesh axis, the ring's "
+                     f"(got {seq_axes})")
+  if seq_axes[0] not in mesh.axis_names:
+    raise ValueError(f"mesh axes {tuple(mesh.axis_names)} have no sequence axis "
+                     f"'{seq_axes[0]}' (pass mesh=..., or set one with jax.set_mesh)")
+  return seq_axes[0]
+
+
 def operand_specs(mesh, rules: Rules, q_shape, num_kv: int) -> tuple[P, P, P]:
   """PartitionSpecs of q/out, k/v and segment ids from the rules table (mesh axes the mesh
-  lacks are dropped); checks that the ring axis is one axis and that everything divides."""
+  lacks are dropped); checks that the heads pair up and that everything divides."""
   specs = [_on_mesh(logical_to_spec(names, rules), mesh)
            for names in (Q_NAMES, KV_NAMES, SEGMENT_NAMES)]
   q_spec, kv_spec, _ = specs
@@ -288,9 +365,10 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
   the mesh axis that `rules` maps `activation_seq` to; query i sees key j iff j's original
   position is not after i's and their segment ids match (`segment_ids=None`: one document
   per row). Batch and heads shard as `rules` map `activation_batch` and
-  `activation_heads`/`activation_kv_heads` (no rules: `DEFAULT_RULES`). `mesh=None` uses the mesh set by `jax.set_mesh`,
-  or, when none is set, computes locally as one block. `tile_size` is clipped to the
-  per-device block. Returns out [B,S,Hq,D] in q's dtype.
+  `activation_heads`/`activation_kv_heads` (no rules: `DEFAULT_RULES`). `mesh=None` uses
+  the mesh set by `jax.set_mesh`, or, when none is set, computes locally as one block.
+  Without a mesh the row must be in its original order (a ring of one holds it unpermuted).
+  `tile_size` is clipped to the per-device block. Returns out [B,S,Hq,D] in q's dtype.
   """
   kernels.get(kernel)  # an unknown name fails here, before any tracing
   rules = rules or DEFAULT_RULES
@@ -302,38 +380,27 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
   if context_mesh and mesh.empty:
     # No mesh anywhere (a single-device script, model.init outside a mesh): one block, local.
     check_seq_len(seq_len, layout, 1)
-    return _ring(q, k, v, segment_ids, "sequence", ring_schedule(layout, seq_len, 1),
+    ring = _Ring(ring_schedule(layout, seq_len, 1), "sequence",
                  _tile_for(seq_len, 1, tile_size, "sequence"), kernel)
-  q_spec, kv_spec, seg_spec = operand_specs(mesh, rules, q.shape, k.shape[2])
-  seq_axes = as_axes(dict(rules).get("activation_seq"))
-  if len(seq_axes) != 1:
-    raise ValueError(f"mesh.rules must map activation_seq to one mesh axis, the ring's "
-                     f"(got {seq_axes})")
-  axis = seq_axes[0]
-  if axis not in mesh.axis_names:
-    raise ValueError(f"mesh axes {tuple(mesh.axis_names)} have no sequence axis '{axis}' "
-                     "(pass mesh=..., or set one with jax.set_mesh)")
+    return _attention(q, k, v, segment_ids, ring)
+  axis = _ring_axis(mesh, rules)
+  specs = operand_specs(mesh, rules, q.shape, k.shape[2])
   num_shards = mesh.shape[axis]
   check_seq_len(seq_len, layout, num_shards, name="sequence length")
-  tile = _tile_for(seq_len, num_shards, tile_size, axis)
-  schedule = ring_schedule(layout, seq_len, num_shards)
-
-  args, specs = (q, k, v), (q_spec, kv_spec, kv_spec)
-  if segment_ids is not None:
-    args, specs = args + (segment_ids,), specs + (seg_spec,)
-  # check_vma=False: the kernels' loop carries and skip branches start from replicated
-  # constants while the computed ones are device-varying; every argument is sharded over
-  # `axis`, so the check adds nothing.
-  sharded = jax.shard_map(
-      lambda q, k, v, seg=None: _ring(q, k, v, seg, axis, schedule, tile, kernel),
-      mesh=None if context_mesh else mesh, in_specs=specs, out_specs=q_spec, check_vma=False)
+  ring = _Ring(ring_schedule(layout, seq_len, num_shards), axis,
+               _tile_for(seq_len, num_shards, tile_size, axis), kernel,
+               None if context_mesh else mesh, specs)
   if not any(t == AxisType.Explicit for t in mesh.axis_types):
-    return sharded(*args)
+    return _attention(q, k, v, segment_ids, ring)
   # Explicit-sharding meshes make shard_map demand inputs already laid out as in_specs;
   # the output goes back to q's sharding so the caller sees the type it passed in.
   out_spec = jax.typeof(q).sharding.spec
-  args = tuple(jax.reshard(x, _sharding(mesh, spec)) for x, spec in zip(args, specs))
-  return jax.reshard(sharded(*args), _sharding(mesh, out_spec))
+  q_spec, kv_spec, seg_spec = specs
+  q, k, v = (jax.reshard(x, _sharding(mesh, spec))
+             for x, spec in ((q, q_spec), (k, kv_spec), (v, kv_spec)))
+  if segment_ids is not None:
+    segment_ids = jax.reshard(segment_ids, _sharding(mesh, seg_spec))
+  return jax.reshard(_attention(q, k, v, segment_ids, ring), _sharding(mesh, out_spec))
 
 
 def _sharding(mesh, spec: P):

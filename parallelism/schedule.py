@@ -32,6 +32,7 @@ import functools
 from typing import NamedTuple
 
 import numpy as np
+from jax import lax
 
 from parallelism import tiles
 from parallelism.layouts import LAYOUTS, permutation
@@ -188,8 +189,11 @@ def _tile_plan(order_NT: np.ndarray, pair_blocks, tile_q: int, tile_k: int) -> T
   for packed, index in masks.items():
     unique[index] = np.unpackbits(np.frombuffer(packed, np.uint8),
                                   count=tile_q * tile_k).reshape(tile_q, tile_k)
-  return TilePlan(tile_q, tile_k, classes_PQK, _tile_lists(classes_PQK, ids_PQK),
+  plan = TilePlan(tile_q, tile_k, classes_PQK, _tile_lists(classes_PQK, ids_PQK),
                   _tile_lists(classes_PQK.swapaxes(1, 2), ids_PQK.swapaxes(1, 2)), unique)
+  for array in (plan.classes, plan.masks, *plan.by_query, *plan.by_key):
+    array.setflags(write=False)  # cached and shared by every compile that asks for it
+  return plan
 
 
 def _tile_lists(classes_PON: np.ndarray, ids_PON: np.ndarray) -> TileLists:
@@ -216,6 +220,20 @@ def _tile_lists(classes_PON: np.ndarray, ids_PON: np.ndarray) -> TileLists:
   return TileLists(runs, runs_per_row.astype(np.int32), padded(masked, masked_per_row, masked[2]),
                    padded(masked, masked_per_row, ids_PON[masked]),
                    masked_per_row.astype(np.int32))
+
+
+def over_tiles(lists: TileLists, row, visit, carry):
+  """How every kernel walks one row of a pair's tile lists (JAX arrays or Pallas refs):
+  `visit(inner_tile, carry, None)` over the runs of UNMASKED tiles, then
+  `visit(inner_tile, carry, mask_id)` over the MASKED tiles; returns the carry."""
+  def run(r, carry):
+    return lax.fori_loop(lists.runs[row, r, 0], lists.runs[row, r, 1],
+                         lambda j, c: visit(j, c, None), carry)
+
+  carry = lax.fori_loop(0, lists.num_runs[row], run, carry)
+  return lax.fori_loop(
+      0, lists.num_masked[row],
+      lambda n, c: visit(lists.masked[row, n], c, lists.mask_id[row, n]), carry)
 
 
 def describe(schedule: RingSchedule, tile: int) -> str:
@@ -258,3 +276,7 @@ def main() -> None:
     print(describe(schedule, min(args.tile, schedule.block_len)))
   except ValueError as error:
     raise SystemExit(f"error: {error}") from None
+
+
+if __name__ == "__main__":
+  main()  # also `python -m parallelism`, which Python runs without a RuntimeWarning

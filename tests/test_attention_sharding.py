@@ -34,7 +34,7 @@ def _collectives(hlo: str) -> dict[str, list[str]]:
   found = {kind: [] for kind in _COLLECTIVES}
   for line in hlo.splitlines():
     for kind in _COLLECTIVES:
-      if re.search(rf"= \S+ {kind}(-start)?\(", line):
+      if re.search(rf"\s{kind}(-start)?\(", line):  # tuple-typed results have spaces
         found[kind].append(line)
   return found
 
@@ -103,3 +103,26 @@ def test_save_attention_runs_the_ring_forward_once():
     for got, want in zip(jax.tree.leaves(grads[remat]), jax.tree.leaves(grads["none"])):
       np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6,
                                  err_msg=remat)
+
+
+def test_the_model_hands_its_rules_to_the_ring(monkeypatch):
+  """The decoder's attention passes the rules table its activations are pinned by, so the
+  ring's specs and the activations around it cannot disagree."""
+  import parallelism
+  seen = []
+
+  def spy(*args, **kwargs):
+    seen.append(kwargs["rules"])
+    return ring_attention(*args, **kwargs)
+
+  monkeypatch.setattr(parallelism, "ring_attention", spy)
+  model = Decoder(ModelConfig(num_layers=1, d_model=32, num_heads=2, num_kv_heads=2, d_ff=32,
+                              vocab_size=16, attention="striped", attention_tile=8,
+                              dtype="float32"))
+  tokens = jnp.zeros((2, 64), jnp.int32)
+  index = permute(jnp.broadcast_to(jnp.arange(64, dtype=jnp.int32), (2, 64)), "striped", 2)
+  mesh = jax.make_mesh((1, 2, 2, 2), ("data", "fsdp", "sequence", "tensor"),
+                       axis_types=(AxisType.Auto,) * 4)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(_OTHER_RULES):
+    jax.eval_shape(model.init, jax.random.key(0), tokens, index, index, jnp.zeros_like(index))
+  assert seen and all(tuple(rules) == _OTHER_RULES for rules in seen)

@@ -54,21 +54,25 @@ def _block_pair(layout: str, dq: int, dk: int):
   return schedule, pair, q_seg, k_seg
 
 
-def _fwd_bwd(kernel, schedule):
+def _fwd_bwd(kernel, schedule, **config):
   """Forward, then the backward given that forward's lse and delta as the global ones."""
   @jax.jit
   def run(q, k, v, dout, pair, q_seg, k_seg):
-    attend = functools.partial(kernel.block_fwd, schedule=schedule, pair=pair, tile=TILE)
-    out, lse = attend(q, k, v, q_seg, k_seg)
+    at = dict(schedule=schedule, pair=pair, tile=TILE, **config)
+    out, lse = kernel.block_fwd(q, k, v, q_seg, k_seg, **at)
     delta = jnp.sum(out * dout, axis=-1)
-    grads = kernel.block_bwd(q, k, v, dout, lse, delta, q_seg, k_seg, schedule=schedule,
-                             pair=pair, tile=TILE)
+    grads = kernel.block_bwd(q, k, v, dout, lse, delta, q_seg, k_seg, **at)
     return out, lse, grads
   return run
 
 
-@pytest.mark.parametrize("group", [1, 2, 4])  # GQA ratio Hq / Hkv
-def test_block_matches_xla(group):
+# Every call with query and key tiles of different sizes (each call's schedule at its own
+# tiles, masks [query tile, key tile] read in each call's orientation).
+_UNEVEN = kernel_pallas.KernelConfig(fwd_q=16, fwd_k=8, dkv_q=16, dkv_k=8, dq_q=8, dq_k=16)
+
+
+@pytest.mark.parametrize("group, config", [(1, None), (2, None), (4, None), (2, _UNEVEN)])
+def test_block_matches_xla(group, config):
   rng = np.random.default_rng(group)
   kv_shape = (2, BLOCK, HEADS // group, HEAD_DIM)
   q, dout = (rng.standard_normal((2, BLOCK, HEADS, HEAD_DIM), np.float32) for _ in range(2))
@@ -76,7 +80,8 @@ def test_block_matches_xla(group):
   seen_some = partly_seen = 0
   for layout in (*LAYOUTS, "shuffled"):
     schedule = _schedule(layout)
-    pallas, xla = _fwd_bwd(kernel_pallas, schedule), _fwd_bwd(kernel_xla, schedule)
+    pallas = _fwd_bwd(kernel_pallas, schedule, **({"config": config} if config else {}))
+    xla = _fwd_bwd(kernel_xla, schedule)
     for dq, dk in PAIRS:
       _, pair, q_seg, k_seg = _block_pair(layout, dq, dk)
       # Packed rows exercise the segment mask; one layout also runs without segment ids.

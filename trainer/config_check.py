@@ -101,8 +101,8 @@ def _check_mesh(config: ml_collections.ConfigDict, num_devices: int, head_size: 
     _require(seq_axes == ("sequence",),
              f"mesh.rules maps activation_seq to {seq_axes or 'nothing'}; model.attention="
              f"'{m.attention}' needs it on ('sequence',), the ring the data is laid out for")
-    heads, kv_heads = (parallelism.mesh.as_axes(rules.get(name)) for name in ("activation_heads",
-                                                            "activation_kv_heads"))
+    heads = parallelism.mesh.as_axes(rules.get("activation_heads"))
+    kv_heads = parallelism.mesh.as_axes(rules.get("activation_kv_heads"))
     _require(heads == kv_heads,
              f"mesh.rules maps activation_heads to {heads} but activation_kv_heads to "
              f"{kv_heads}; ring attention needs both on the same mesh axes")
