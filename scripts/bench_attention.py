@@ -60,6 +60,7 @@ import numpy as np  # noqa: E402
 
 from parallelism.layouts import LAYOUTS  # noqa: E402
 from parallelism.schedule import critical_path, ring_schedule  # noqa: E402
+from parallelism.tiles import SKIP  # noqa: E402
 
 CALLS_PER_RUN = 3  # part 2: back-to-back calls per timed run
 # Parts 2 and 3: the issue's CPU setup (S from --seq_len, batch 1).
@@ -144,6 +145,27 @@ def block_medians(seq_len: int, repeats: int) -> dict[str, float]:
   return {key: statistics.median(ts) for key, ts in seconds.items()}
 
 
+def print_block_breakdown(median: dict[str, float], seq_len: int, num_shards: int) -> None:
+  """Where part 3's time goes: each device's step, its block pair's mask shape and its time.
+
+  Tile counts per pair come from the schedule, so a reader can compare time per computed
+  tile across shapes (a MASKED tile costing more than an UNMASKED one shows up here).
+  """
+  print(f"\n{'layout':>8} {'dev':>3} {'step':>4} {'mask shape':>16} {'tiles':>6} "
+        f"{'fwd ms':>8} {'bwd ms':>8} {'fwd us/tile':>11}")
+  for layout in LAYOUTS:
+    schedule = ring_schedule(layout, seq_len, num_shards)
+    counts = schedule.tiles(TIMED_TILE).classes
+    for d in range(num_shards):
+      for step in range(num_shards):
+        pair = schedule.pair[d, step]
+        tiles = int((counts[pair] != SKIP).sum())
+        fwd, bwd = (median[f"{layout}/{what}/{step}/{d}"] for what in ("fwd", "bwd"))
+        per_tile = f"{fwd / tiles * 1e6:>11.0f}" if tiles else f"{'-':>11}"
+        print(f"{layout:>8} {d:>3} {step:>4} {schedule.shapes[pair]:>16} {tiles:>6} "
+              f"{fwd * 1e3:>8.1f} {bwd * 1e3:>8.1f} {per_tile}")
+
+
 def part_compute(seq_len: int, repeats: int) -> list[dict]:
   """Kernel time on the critical path, block pair by block pair, on one core (part 3)."""
   num_shards, tile = TIMED_DEVICES, TIMED_TILE
@@ -160,6 +182,7 @@ def part_compute(seq_len: int, repeats: int) -> list[dict]:
               for layout in LAYOUTS for what in ("fwd", "bwd")}
   for layout in LAYOUTS:
     critical[f"{layout}/fwd_bwd"] = critical[f"{layout}/fwd"] + critical[f"{layout}/bwd"]
+  print_block_breakdown(median, seq_len, num_shards)
   print(f"\nPart 3: kernels alone on the critical path, S={seq_len}, {num_shards} devices, "
         f"tile {tile}, one core, median of {repeats} per block pair (ms)")
   print(f"{'layout':>8} {'fwd':>8} {'bwd':>8} {'f+b':>8} {'speedup fwd':>12} {'speedup f+b':>12}")
@@ -170,7 +193,9 @@ def part_compute(seq_len: int, repeats: int) -> list[dict]:
     print(f"{layout:>8} " + " ".join(f"{t * 1e3:>8.1f}" for t in times.values())
           + f" {speedup['fwd']:>12.3f} {speedup['fwd_bwd']:>12.3f}")
     rows.append(dict(part="compute", layout=layout, seq_len=seq_len, num_shards=num_shards,
-                     tile=tile, repeats=repeats, critical_s=times, speedup=speedup))
+                     tile=tile, repeats=repeats, critical_s=times, speedup=speedup,
+                     block_s={key.partition("/")[2]: value for key, value in median.items()
+                              if key.startswith(f"{layout}/")}))
   # Ring at step 1: device 0 holds the later block 1 (empty pair, skipped), device 1 the
   # earlier block 0 (full pair).
   skipped = {what: median[f"ring/{what}/1/0"] / median[f"ring/{what}/1/1"]
