@@ -101,7 +101,7 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
   config.checkpoint = ml_collections.ConfigDict()
   config.checkpoint.every_steps = 50  # Steps between checkpoints.
   config.checkpoint.keep = 3  # Newest checkpoints kept.
-  config.checkpoint["async"] = True  # Write checkpoints in the background.
+  config.checkpoint.async_save = True  # Write checkpoints in the background.
 
   config.wandb = ml_collections.ConfigDict()
   config.wandb.project = "long-context"  # W&B project.

@@ -83,7 +83,7 @@ class TextFiles(LocalBuilder):
 
   def _generate_examples(self, train: bool):
     bad: list[str] = []
-    index = 0
+    index = yielded = 0
     for file, document, problem in self._documents():
       if problem:
         bad.append(f"{file}: {problem}")
@@ -96,6 +96,14 @@ class TextFiles(LocalBuilder):
         continue
       yield f"{index:012d}", {"text": document}
       index += 1
+      yielded += 1
+    if not yielded:  # TFDS would stop on an empty split with a bare AssertionError.
+      skipped = f", {len(bad)} bad file(s) or line(s) skipped (first: {bad[0]})" if bad else ""
+      raise DataError(
+          f"data.path={self.builder_config.path} has {index} usable document(s){skipped}; "
+          f"the {'train' if train else 'validation'} split takes "
+          f"{'the rest' if train else f'every {VALIDATION_EVERY}th'}, so at least "
+          f"{VALIDATION_EVERY} documents are needed; add documents")
     if train:
       self._report_bad(bad)
 

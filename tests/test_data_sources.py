@@ -80,6 +80,21 @@ def test_text_files_fail_policy_names_the_file(tmp_path):
     data.prepare(cfg)
 
 
+@pytest.mark.parametrize("good,bad", [(5, 0), (0, 3)])
+def test_text_files_too_few_documents_for_the_splits(tmp_path, good, bad):
+  docs = tmp_path / "docs"
+  docs.mkdir()
+  for i in range(good):
+    (docs / f"book{i}.txt").write_text(f"book {i}")
+  for i in range(bad):
+    (docs / f"bad{i}.txt").write_bytes(b"\xff\xfe not utf-8")
+  cfg = data.DataConfig(dataset="text_files", path=str(docs), data_dir=str(tmp_path / "d"))
+  skipped = r", 3 bad file\(s\) or line\(s\) skipped \(first: .*bad0.txt: not UTF-8" if bad else ""
+  with pytest.raises(data.DataError, match=rf"has {good} usable document\(s\){skipped}.*at "
+                                           rf"least 20 documents are needed"):
+    data.prepare(cfg)
+
+
 @pytest.mark.parametrize("make_dir", [False, True])
 def test_text_files_missing_or_empty_path(tmp_path, make_dir):
   path = tmp_path / "nothing"

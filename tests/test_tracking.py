@@ -299,6 +299,9 @@ def dense_run(tmp_path_factory, shared_data_dir):
   config = _config(**{"train.steps": 3, "train.log_every": 1, "train.eval_every": 0,
                       "data.data_dir": shared_data_dir})
   config.peak_flops_per_device = 1e12
+  # A secret in a config field (unused by the synthetic corpus) must reach no file either:
+  # config.json, the checkpoints' stored config, metrics, W&B.
+  config.data.text_field = FAKE_TOKEN
   with pytest.MonkeyPatch.context() as monkeypatch:
     _plant_secrets(monkeypatch)
     monkeypatch.setenv("WANDB_MODE", "online")

@@ -1,17 +1,57 @@
 """Entry point: `python -m trainer --config configs/tiny_cpu.py [--config.train.steps=20]`."""
 
+import logging as std_logging
 import os
+import signal
 import sys
+
+
+def _stopped_before_training(signum, frame):
+  del frame
+  print(f"stopped by {signal.Signals(signum).name} before the first step; nothing was "
+        f"trained, so nothing was saved or lost", flush=True)
+  # Not SystemExit: raised inside a callback (JAX's gc hook, say) it is printed as ignored
+  # and the run goes on. Until `train` starts, and after it returns, nothing is being written.
+  os._exit(0)  # pylint: disable=protected-access
+
+
+class _OrbaxDroppedWrites:
+  """After a failed save Orbax closes its event loop while TensorStore still completes the
+  other writes; each completion's callback then raises 'Event loop is closed' and Python
+  prints a traceback for it (a hundred or more on a full disk). They are the one failure
+  already reported; print one line for all of them instead."""
+
+  def __init__(self):
+    self.count, self._default = 0, sys.excepthook
+
+  def __call__(self, kind, value, traceback):
+    if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
+      self.count += 1
+      if self.count == 1:
+        print("(writes still in flight when the save failed were dropped: 'Event loop is "
+              "closed' errors from Orbax's closed event loop are not shown)", file=sys.stderr)
+      return
+    self._default(kind, value, traceback)
+
+
+sys.excepthook = _OrbaxDroppedWrites()
+# Before the imports below (seconds of JAX): a signal while they run exits cleanly too.
+# `train` installs its own handlers (stop after the current step) while it runs.
+for _signal in (signal.SIGTERM, signal.SIGINT):
+  signal.signal(_signal, _stopped_before_training)
 
 from absl import app, flags, logging
 import jax
+import ml_collections
 from ml_collections import config_flags
 
 import data
 from trainer import distributed
 from trainer.config_check import ConfigError, check_config
 from trainer.checkpointing import CheckpointError
-from trainer.loop import NonFiniteError, train
+from trainer.loop import NonFiniteError, StoppedBeforeTraining, train
+from trainer.tracking import TrackingError
+from trainer.workdir import WorkdirError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).",
                                           lock_config=True)
@@ -30,14 +70,37 @@ _COORDINATOR = flags.DEFINE_string(
     "SLURM / MPI / TPU pod environments, or single-process).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-host: this process's id.")
+_START_OVER = flags.DEFINE_bool(
+    "start_over_from_step_0", False, "Train from step 0 although the workdir's "
+    "checkpoints_unusable/ holds damaged checkpoints set aside by an earlier run (they are "
+    "kept, and no longer resumed from).")
+
+
+def _config_file(argv: list[str]) -> str:
+  """The file named by --config ('' if none); `file.py:arg` names an argument after it."""
+  for i, arg in enumerate(argv):
+    if arg.startswith("--config="):
+      return arg.partition("=")[2].partition(":")[0]
+    if arg == "--config" and i + 1 < len(argv):
+      return argv[i + 1].partition(":")[0]
+  return ""
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
   # One line naming the bad flag or field, instead of absl's usage dump.
+  # Checked before parsing: ml_collections defers a missing file's error to its first use.
+  path = _config_file(argv)
+  if path and not os.path.isfile(path):
+    sys.exit(f"error: config file {path} does not exist (--config)")
   try:
-    return flags.FLAGS(argv)
+    remaining = flags.FLAGS(argv)
   except flags.Error as error:
     sys.exit(f"error: {error}")
+  except SyntaxError as error:  # Raised while the config file is imported.
+    sys.exit(f"error: syntax error in config file {error.filename}, line {error.lineno}: "
+             f"{error.msg}")
+  except OSError as error:  # The config file failed to load and an override touched it.
+    _exit_config_unloadable(error)
   except (AttributeError, KeyError) as error:
     # config_flags raises these for an override of a field the config does not have; the
     # innermost message is "'name'" plus, sometimes, a did-you-mean line.
@@ -50,12 +113,45 @@ def _parse_flags(argv: list[str]) -> list[str]:
                 and f".{key}." in arg.split("=")[0] + "."]
     where = culprits[0] if culprits else key
     sys.exit(f"error: unknown config field '{key}' in {where}" + (f" ({hint})" if hint else ""))
+  return remaining
+
+
+def _exit_config_unloadable(error: OSError) -> None:
+  """ml_collections' error chain ends in the OS's reason ('[Errno 2] No such file...')."""
+  while error.__cause__ is not None:
+    error = error.__cause__
+  sys.exit(f"error: cannot load --config: {str(error).strip().splitlines()[-1].strip()}")
+
+
+def _config() -> ml_collections.ConfigDict:
+  """The parsed config; a config file that failed to load becomes one line, not a traceback."""
+  try:
+    return _CONFIG.value
+  except OSError as error:
+    _exit_config_unloadable(error)
+
+
+class _OrbaxTracebackOnce(std_logging.Filter):
+  """A failed save makes several Orbax threads log the same error, each with a traceback
+  (four on a full disk). The first keeps its traceback; later ones keep one line."""
+
+  def __init__(self):
+    super().__init__()
+    self.seen = False
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    if record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname:
+      if self.seen:
+        record.exc_info, record.exc_text = None, None
+      self.seen = True
+    return True
 
 
 def main(argv: list[str]) -> None:
   del argv
   logging.set_verbosity(logging.WARNING)  # JAX's INFO lines (absent TPU etc.) are noise here.
-  config = _CONFIG.value
+  logging.get_absl_logger().addFilter(_OrbaxTracebackOnce())
+  config = _config()
   try:
     if _DRY_RUN.value:
       # Imported here: the planner sets up fake CPU devices before JAX's backend starts.
@@ -66,11 +162,17 @@ def main(argv: list[str]) -> None:
     if config.cpu_devices:
       jax.config.update("jax_num_cpu_devices", config.cpu_devices)
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    if jax.process_count() > 1:  # `train` installs no handler then (see loop._StopSignals):
+      signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is an error exit.
     check_config(config, jax.device_count())
     name = os.path.splitext(os.path.basename(config_flags.get_config_filename(
         flags.FLAGS["config"])))[0]
-    train(config, _WORKDIR.value or os.path.join("runs", name))
-  except (ConfigError, data.DataError, CheckpointError, NonFiniteError) as error:
+    train(config, _WORKDIR.value or os.path.join("runs", name),
+          start_over=_START_OVER.value)
+  except StoppedBeforeTraining as stopped:
+    print(stopped, flush=True)
+  except (ConfigError, data.DataError, CheckpointError, NonFiniteError, WorkdirError,
+          TrackingError) as error:
     sys.exit(f"error: {error}")
 
 

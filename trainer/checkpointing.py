@@ -2,27 +2,38 @@
 
 One checkpoint (`<workdir>/checkpoints/<step>/`) holds three items: `state` (parameters,
 optimizer state and step, as sharded arrays), `data` (the data iterator's position, JSON)
-and `meta` (the resolved config, the seed, and a fingerprint of every array). Orbax writes
-into a temporary directory and renames it when committed, so a crash mid-save leaves the
-previous checkpoint as the newest committed one.
+and `meta` (the resolved config, the tokenizer's hash, the seed, and a fingerprint of every
+array and of the data position). Orbax writes into a temporary directory and renames it when
+committed, so a crash mid-save leaves the previous checkpoint as the newest committed one.
 
 Orbax does not checksum array data: a flipped bit restores silently. So each save records
 a fingerprint per array, computed on the devices (no host copy of the state), and each
-restore recomputes and compares them. A checkpoint that fails to restore or to match is
-reported and the previous one is tried; if checkpoints exist but none is usable the run
-stops rather than silently starting from scratch.
+restore recomputes and compares them.
+
+Restoring tells damage from incompatibility:
+- a checkpoint whose files cannot be read or whose data fails its fingerprint is damaged: it
+  is moved to `checkpoints_unusable/` and the previous one is tried;
+- a readable checkpoint of another config (the caller's `check_compatible` refuses its
+  stored config) or of other array shapes is incompatible: the run stops, naming what
+  differs, and nothing is moved.
+A run never starts from scratch while `checkpoints/` or `checkpoints_unusable/` holds
+anything, unless the caller says so (`start_over`).
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 # Position weights 2 * i * M + 1 (M is Knuth's multiplier) are odd, so a position-weighted
 # sum changes under any single flipped bit and under swapped elements.
@@ -31,6 +42,44 @@ _TWICE_MULTIPLIER = np.uint32(2 * 2654435761 % 2**32)
 
 class CheckpointError(RuntimeError):
   """A checkpoint problem the run cannot continue past; the message says what to do."""
+
+
+class _Damaged(CheckpointError):
+  """A checkpoint's own files are unreadable or fail their fingerprints."""
+
+
+# Read failures that say nothing about a checkpoint's files: moving it aside would not help.
+_NOT_DAMAGE_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EMFILE, errno.ENFILE,
+                                errno.ENOMEM})
+
+
+def _not_about_the_files(error: BaseException) -> bool:
+  """Out of memory (host or device), permissions or file descriptors, anywhere in the chain."""
+  while error is not None:
+    if isinstance(error, MemoryError) or (isinstance(error, OSError)
+                                          and error.errno in _NOT_DAMAGE_ERRNOS):
+      return True
+    text = str(error)
+    if "RESOURCE_EXHAUSTED: Out of memory" in text or "Permission denied" in text:
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
+def data_fingerprint(data_state: dict) -> str:
+  """SHA-256 of the data iterator's position, as canonical JSON."""
+  return hashlib.sha256(json.dumps(data_state, sort_keys=True).encode()).hexdigest()
+
+
+def _leaf_name(path) -> str:
+  """'opt_state.1.0.count' for a leaf path, whether it reads attributes, keys or indices."""
+  return ".".join(str(getattr(key, "name", getattr(key, "key", getattr(key, "idx", key))))
+                  for key in path)
+
+
+def _leaf_table(tree) -> dict[str, tuple[tuple[int, ...], str]]:
+  return {_leaf_name(path): (tuple(leaf.shape), str(leaf.dtype))
+          for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 @jax.jit
@@ -71,13 +120,16 @@ class Checkpointer:
     self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
     self.every_steps = every_steps
     self._saving: int | None = None  # The step of the newest save started.
+    self._confirmed: int | None = None  # The newest save `check` has seen committed.
     self._manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=use_async, create=True,
             cleanup_tmp_directories=True,  # Leftovers of a crashed save are removed.
             save_interval_steps=1),  # The loop decides when; see `due`.
-        item_names=("state", "data", "meta"))
+        item_handlers={"state": ocp.StandardCheckpointHandler(),  # Handlers, not names:
+                       "data": ocp.JsonCheckpointHandler(),  # item_metadata reads shapes
+                       "meta": ocp.JsonCheckpointHandler()})  # without a restore.
 
   def due(self, step: int) -> bool:
     return step % self.every_steps == 0
@@ -92,9 +144,26 @@ class Checkpointer:
     if not finite:
       raise CheckpointError(f"refusing to save step {step}: the state holds NaN or Inf")
     self._saving = step
+    meta = {**meta, "step": step, "fingerprints": fingerprints,
+            "data_fingerprint": data_fingerprint(data_state)}
     self._surface_errors(lambda: self._manager.save(step, force=True, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
-        meta=ocp.args.JsonSave({**meta, "step": step, "fingerprints": fingerprints}))))
+        meta=ocp.args.JsonSave(meta))))
+
+  def check(self) -> None:
+    """Raises CheckpointError if the background save has failed; cheap, called every step so
+    a failed save stops the run at once instead of at the next save.
+
+    Single process only: each host would see its save end at its own step, and one host
+    leaving while the others enter the next step's collectives hangs them. With several
+    processes a failure surfaces at the next save, which every host waits for.
+    """
+    if self._saving is None or self._saving == self._confirmed or jax.process_count() > 1:
+      return
+    if self._manager.is_saving_in_progress():
+      return
+    self.wait()  # The save has ended: this returns at once, or raises its error.
+    self._confirmed = self._saving
 
   def wait(self) -> None:
     """Blocks until every save has committed; raises CheckpointError if one failed."""
@@ -125,52 +194,114 @@ class Checkpointer:
   def latest_committed(self) -> int | None:
     return self._manager.latest_step()
 
-  def restore(self, abstract_state) -> tuple[int, Any, dict, dict] | None:
-    """(step, state, data_state, meta) of the newest usable checkpoint, or None if there is none.
+  @property
+  def unusable_directory(self) -> str:
+    return os.path.join(os.path.dirname(self.directory), "checkpoints_unusable")
+
+  def restore(self, abstract_state, check_compatible: Callable[[int, dict], None] | None = None,
+              start_over: bool = False) -> tuple[int, Any, dict, dict] | None:
+    """(step, state, data_state, meta) of the newest usable checkpoint, or None for a new run.
 
     `abstract_state` gives shapes, dtypes and the target shardings, which may differ from
-    those the checkpoint was saved with (Orbax reshards on read).
+    those the checkpoint was saved with (Orbax reshards on read). `check_compatible(step,
+    meta)` raises if the checkpoint's stored config cannot be resumed with this one.
     """
     steps = sorted(self._manager.all_steps(), reverse=True)
     for step in steps:
       try:
-        restored = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
-            meta=ocp.args.JsonRestore()))
-        self._verify(step, restored.state, restored.meta)
-      except Exception as error:  # noqa: BLE001  (any failure means: try the previous one)
-        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        meta = self._read(step, meta=ocp.args.JsonRestore()).meta
+        if check_compatible:
+          check_compatible(step, meta)  # Raises through: a config error, nothing moved.
+        self._check_shapes(step, abstract_state)
+        restored = self._read(step, state=ocp.args.StandardRestore(abstract_state),
+                              data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore())
+        self._verify(step, restored.state, restored.meta, restored.data)
+      except _Damaged as error:
         kept = self._set_aside(step)
-        print(f"checkpoint {self.directory}/{step} is unusable ({reason[:300]}); moved it to "
+        print(f"checkpoint {self.directory}/{step} is unusable ({error}); moved it to "
               f"{kept} and trying an older one", flush=True)
         continue
       return step, restored.state, restored.data, restored.meta
-    if steps:
+    set_aside = sorted(os.listdir(self.unusable_directory)) if os.path.isdir(
+        self.unusable_directory) else []
+    if set_aside and not start_over:
       raise CheckpointError(
-          f"none of the checkpoints {steps} in {self.directory} could be restored; refusing to "
-          f"start from scratch over them (move the directory away to start a new run)")
+          f"no usable checkpoint in {self.directory}, and {self.unusable_directory} holds "
+          f"{len(set_aside)} damaged one(s) ({', '.join(set_aside[:3])}"
+          f"{', ...' if len(set_aside) > 3 else ''}): refusing to start from step 0 without a "
+          f"word; inspect them, then pass --start_over_from_step_0 to train from scratch here")
     return None
+
+  def _read(self, step: int, **items) -> Any:
+    """Restores the named items of one step; a failure to read them is damage, unless it
+    says nothing about the files (permissions, memory, descriptors)."""
+    try:
+      return self._manager.restore(step, args=ocp.args.Composite(**items))
+    except Exception as error:  # noqa: BLE001  (Orbax and tensorstore raise many kinds)
+      reason = (str(error).splitlines() or [type(error).__name__])[0][:300]
+      if _not_about_the_files(error):
+        raise CheckpointError(
+            f"cannot read checkpoint {self.directory}/{step} ({reason}); this is not damage "
+            f"to it, so nothing was moved; fix the cause and run again") from error
+      raise _Damaged(reason) from error
+
+  def _check_shapes(self, step: int, abstract_state) -> None:
+    """Stops (nothing moved) when the checkpoint's arrays are not this config's state."""
+    try:
+      saved = _leaf_table(self._manager.item_metadata(step)["state"])
+    except Exception as error:  # noqa: BLE001
+      raise _Damaged(f"its array metadata is unreadable: {str(error)[:200]}") from error
+    if not saved:  # Orbax returns nothing, not an error, when the metadata file is gone.
+      raise _Damaged("its array metadata is missing")
+    wanted = _leaf_table(abstract_state)
+    if saved == wanted:
+      return
+    missing, extra = sorted(wanted.keys() - saved.keys()), sorted(saved.keys() - wanted.keys())
+    reshaped = sorted(name for name in wanted.keys() & saved.keys()
+                      if wanted[name] != saved[name])
+    what = (f"{reshaped[0]} is {saved[reshaped[0]]} there and {wanted[reshaped[0]]} here"
+            if reshaped else f"this config's state has {len(missing)} array(s) it lacks "
+            f"({', '.join(missing[:2]) or 'none'}) and lacks {len(extra)} it has "
+            f"({', '.join(extra[:2]) or 'none'})")
+    raise CheckpointError(
+        f"checkpoint {self.directory}/{step} holds another config's state ({what}): a config "
+        f"change, not damage, so nothing was moved; resume with the checkpoint's config or "
+        f"use a new --workdir")
 
   def _set_aside(self, step: int) -> str:
     """Moves a damaged checkpoint out of Orbax's way (a later save reuses its step), keeping it
-    for inspection rather than deleting anything."""
-    target = os.path.join(os.path.dirname(self.directory), "checkpoints_unusable",
-                          f"{step}-{int(time.time())}")
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    os.rename(os.path.join(self.directory, str(step)), target)
+    for inspection rather than deleting anything. Process 0 moves it; all wait for that."""
+    target = os.path.join(self.unusable_directory, f"{step}-{int(time.time())}")
+    if jax.process_index() == 0:
+      try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.rename(os.path.join(self.directory, str(step)), target)
+      except OSError as error:
+        raise CheckpointError(f"checkpoint {self.directory}/{step} is damaged and cannot be "
+                              f"moved aside to {target}: {error.strerror or error}") from error
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"checkpoint {step} set aside")
     self._manager.reload()
     return target
 
   @staticmethod
-  def _verify(step: int, state, meta: dict) -> None:
-    actual, _ = _fingerprint_table(state)
+  def _verify(step: int, state, meta: dict, data_state: dict | None = None) -> None:
+    """Raises _Damaged when the restored arrays or data position fail their fingerprints."""
+    try:
+      actual, _ = _fingerprint_table(state)
+    except Exception as error:  # noqa: BLE001  (an XLA error, e.g. out of device memory)
+      raise CheckpointError(f"cannot fingerprint the restored step {step} to verify it "
+                            f"({str(error).splitlines()[0][:200]}); nothing was moved") from error
     expected = meta.get("fingerprints", {})
     if set(actual) != set(expected):
-      raise CheckpointError(f"step {step}: arrays differ from the recorded fingerprints")
+      raise _Damaged(f"step {step}: arrays differ from the recorded fingerprints")
     damaged = [name for name, value in actual.items() if value != expected[name]]
     if damaged:
-      raise CheckpointError(f"step {step}: data of {damaged[0]} does not match its fingerprint"
-                            f"{f' (and {len(damaged) - 1} more)' if len(damaged) > 1 else ''}")
+      raise _Damaged(f"step {step}: data of {damaged[0]} does not match its fingerprint"
+                     f"{f' (and {len(damaged) - 1} more)' if len(damaged) > 1 else ''}")
+    recorded = meta.get("data_fingerprint")  # Absent in checkpoints of older versions.
+    if data_state is not None and recorded and data_fingerprint(data_state) != recorded:
+      raise _Damaged(f"step {step}: the data position does not match its fingerprint")
 
   def close(self) -> None:
     self._manager.close()

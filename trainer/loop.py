@@ -7,7 +7,7 @@ queued work and never waits for the host's logging.
 from __future__ import annotations
 
 import functools
-import os
+import json
 import signal
 import statistics
 import time
@@ -25,7 +25,9 @@ from model import Decoder, ModelConfig
 from trainer import flops
 from trainer.checkpointing import CheckpointError, Checkpointer
 from trainer.optimizer import make_optimizer, make_schedule
-from trainer.resume import compare_configs, config_path, load_stored_config
+from trainer import workdir as workdir_lock
+from trainer.resume import (checkpoint_meta, compatibility_check, config_dict,
+                            config_path)
 from trainer.state import TrainState, abstract_state, init_state, shardings_of
 from trainer.step import distance_buckets, eval_step, jit_train_step
 from trainer.tracking import device_memory_bytes, make_trackers
@@ -43,57 +45,78 @@ def data_config(config: ml_collections.ConfigDict) -> data.DataConfig:
   return data.DataConfig(**config.data.to_dict())
 
 
-def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+def train(config: ml_collections.ConfigDict, workdir: str,
+          start_over: bool = False) -> dict[str, Any]:
   """Trains up to `config.train.steps`, resuming from `workdir` when it holds a checkpoint.
 
-  Returns a summary (first/last loss, median speed, final step, whether a signal stopped it).
+  Holds the workdir's lock throughout (one run per workdir). `start_over` allows a fresh
+  start beside damaged checkpoints set aside in `checkpoints_unusable/`. Returns a summary
+  (first/last loss, median speed, final step, whether a signal stopped it).
   """
-  checkpointer = Checkpointer(workdir, config.checkpoint.every_steps, config.checkpoint.keep,
-                              config.checkpoint["async"])
-  stored = load_stored_config(workdir)
-  changes = compare_configs(stored, config) if stored and checkpointer.has_checkpoints() else []
+  is_writer = jax.process_index() == 0
+  with _StopSignals() as signals:
+    if is_writer:
+      workdir_lock.claim(workdir)
+    try:
+      return _train(config, workdir, start_over, signals)
+    finally:
+      if is_writer:
+        workdir_lock.release(workdir)
+
+
+def _train(config, workdir: str, start_over: bool, signals: "_StopSignals") -> dict[str, Any]:
   mesh = parallelism.make_mesh(config.mesh)
   model_cfg, data_cfg = model_config(config), data_config(config)
   is_writer = jax.process_index() == 0
   _prepare_data(data_cfg, is_writer)
   data.check_vocab(data_cfg, model_cfg.vocab_size)
-  if is_writer:
-    os.makedirs(workdir, exist_ok=True)
-    with open(config_path(workdir), "w", encoding="utf-8") as f:
-      f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+  tokenizer_file = data.tokenizer_path(data_cfg)
 
   iterator = _make_iterator(config, data_cfg, model_cfg, mesh, data_cfg.train_split)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(config.mesh.rules):
-    parts = build_training(config, mesh)
-    restored = checkpointer.restore(parts.abstract_state)
-    if restored:
-      start, state, data_state, _ = restored
-      iterator.set_state(data_state)
-      if is_writer:
-        print(f"resuming from step {start} ({checkpointer.directory}/{start})"
-              + (f"; changed: {', '.join(changes)}" if changes else ""), flush=True)
-    else:
-      start = 0
-      state = init_state(parts.model, parts.optimizer, parts.shardings, config.seed,
-                         parts.init_rows, data_cfg.seq_len)
-    eval_fn = jax.jit(functools.partial(eval_step, model=parts.model),
-                      in_shardings=(parts.shardings.params, parts.batch_sharding))
-    trackers = make_trackers(config, workdir) if is_writer else []
-    run = _Run(config, model_cfg, mesh, checkpointer, trackers, iterator, eval_fn)
-    try:
-      summary = run.loop(state, parts.step_fn, start)
-      checkpointer.wait()  # An async save that failed raises here: the exit is non-zero.
-    except BaseException:
-      # Let saves already started commit; the original error is the one to report.
+  # Created after data preparation, and closed on every path: an Orbax manager left open
+  # by an early error prints background-thread tracebacks at interpreter exit.
+  checkpointer = Checkpointer(workdir, config.checkpoint.every_steps, config.checkpoint.keep,
+                              config.checkpoint.async_save)
+  trackers = []
+  try:
+    with jax.set_mesh(mesh), nn.logical_axis_rules(config.mesh.rules):
+      parts = build_training(config, mesh)
+      changes: list[str] = []
+      restored = checkpointer.restore(
+          parts.abstract_state, compatibility_check(config, workdir, tokenizer_file, changes),
+          start_over)
+      if is_writer:  # After the restore: an older checkpoint is checked against the old one.
+        workdir_lock.write_atomically(
+            config_path(workdir), json.dumps(config_dict(config), indent=2, sort_keys=True))
+      if restored:
+        start, state, data_state, _ = restored
+        iterator.set_state(data_state)
+        if is_writer:
+          print(f"resuming from step {start} ({checkpointer.directory}/{start})"
+                + (f"; changed: {', '.join(changes)}" if changes else ""), flush=True)
+      else:
+        start = 0
+        state = init_state(parts.model, parts.optimizer, parts.shardings, config.seed,
+                           parts.init_rows, data_cfg.seq_len)
+      eval_fn = jax.jit(functools.partial(eval_step, model=parts.model),
+                        in_shardings=(parts.shardings.params, parts.batch_sharding))
+      trackers = make_trackers(config, workdir) if is_writer else []
+      run = _Run(config, model_cfg, mesh, checkpointer, trackers, iterator, eval_fn,
+                 checkpoint_meta(config, tokenizer_file))
       try:
-        checkpointer.wait()
-      except CheckpointError as error:
-        print(f"also: {error}", flush=True)
-      raise
-    finally:
-      checkpointer.close()
-      for tracker in trackers:
-        tracker.close()
+        summary = run.loop(state, parts.step_fn, start, signals)
+        checkpointer.wait()  # An async save that failed raises here: the exit is non-zero.
+      except BaseException:
+        # Let saves already started commit; the original error is the one to report.
+        try:
+          checkpointer.wait()
+        except CheckpointError as error:
+          print(f"also: {error}", flush=True)
+        raise
+  finally:
+    checkpointer.close()
+    for tracker in trackers:
+      tracker.close()
   return summary
 
 
@@ -146,8 +169,17 @@ def _make_iterator(config, data_cfg, model_cfg, mesh, split):
       repeat=True, rows=rows)
 
 
+class StoppedBeforeTraining(BaseException):
+  """SIGTERM or SIGINT arrived before the first step: nothing to save, nothing lost.
+
+  A BaseException, like KeyboardInterrupt: raised from a signal handler at any line, it must
+  pass through `except Exception` (a restore in progress must not read it as damage)."""
+
+
 class _StopSignals:
-  """Turns SIGTERM/SIGINT into a request to save and stop after the current step.
+  """Turns SIGTERM/SIGINT into a clean stop: before the loop, `StoppedBeforeTraining` at once
+  (nothing is trained yet, so nothing needs saving); in the loop, a request to save and stop
+  after the current step.
 
   Single process only. With several processes each would see a signal at its own step and
   save alone, so SIGTERM is left to JAX's preemption service (installed by
@@ -157,6 +189,7 @@ class _StopSignals:
 
   def __init__(self):
     self.received: str | None = None
+    self.in_loop = False
     self._previous = {}
 
   def __enter__(self):
@@ -168,6 +201,9 @@ class _StopSignals:
   def _handle(self, signum, frame):
     del frame
     self.received = signal.Signals(signum).name
+    if not self.in_loop:
+      raise StoppedBeforeTraining(f"stopped by {self.received} before the first step; "
+                                  f"nothing was trained, so nothing was saved or lost")
 
   def __exit__(self, *exc):
     for sig, handler in self._previous.items():
@@ -177,8 +213,8 @@ class _StopSignals:
 class _Run:
   """The state of one pass of the host loop: timing, pending metrics, records."""
 
-  def __init__(self, config, model_cfg, mesh, checkpointer, trackers, iterator, eval_fn):
-    self.config, self.model_cfg, self.mesh = config, model_cfg, mesh
+  def __init__(self, config, model_cfg, mesh, checkpointer, trackers, iterator, eval_fn, meta):
+    self.config, self.model_cfg, self.mesh, self.meta = config, model_cfg, mesh, meta
     self.checkpointer, self.trackers = checkpointer, trackers
     self.iterator, self.eval_fn = iterator, eval_fn
     self.tokens_per_step = config.train.batch_size * config.data.seq_len
@@ -187,40 +223,41 @@ class _Run:
     self.records: list[dict[str, Any]] = []
     self.skipped = 0
 
-  def loop(self, state, step_fn, start: int) -> dict[str, Any]:
+  def loop(self, state, step_fn, start: int, signals: _StopSignals) -> dict[str, Any]:
     steps = self.config.train.steps
     sharding = parallelism.batch_sharding(self.mesh)
     self.last_time, self.last_step = time.monotonic(), start
     self.start_step = start
     pending = None  # (step, metrics) dispatched but not read yet.
     stop = None
-    with _StopSignals() as signals:
-      for step in range(start + 1, steps + 1):
-        batch = data.to_global_batch(next(self.iterator), sharding, self.config.train.batch_size)
-        state, metrics = step_fn(state, batch)
-        if pending:
-          self._read(*pending)
-        pending = (step, metrics)
-        stop = signals.received or self.checkpointer.reached_preemption(step)
-        if self.checkpointer.due(step) or step == steps or stop:
-          self._read(*pending)  # Know the step was finite before its state is saved.
-          pending = None
-          self.checkpointer.save(step, state, data.gather_state(self.iterator.get_state()),
-                                 {"seed": self.config.seed})
-          self._restart_clock(step)  # Save time is not step time.
-        if self.config.train.eval_every and (step % self.config.train.eval_every == 0
-                                             or step == steps):
-          if pending:
-            self._read(*pending)
-            pending = None
-          self._evaluate(state, step)
-          self._restart_clock(step)
-        if stop:
-          print(f"stopping at step {step} on {signals.received or 'preemption'}: saved a "
-                f"checkpoint; re-run with the same --workdir to resume", flush=True)
-          break
+    signals.in_loop = True
+    for step in range(start + 1, steps + 1):
+      batch = data.to_global_batch(next(self.iterator), sharding, self.config.train.batch_size)
+      state, metrics = step_fn(state, batch)
+      self.checkpointer.check()  # A failed background save stops the run now.
       if pending:
         self._read(*pending)
+      pending = (step, metrics)
+      stop = signals.received or self.checkpointer.reached_preemption(step)
+      if self.checkpointer.due(step) or step == steps or stop:
+        self._read(*pending)  # Know the step was finite before its state is saved.
+        pending = None
+        self.checkpointer.save(step, state, data.gather_state(self.iterator.get_state()),
+                               self.meta)
+        self._restart_clock(step)  # Save time is not step time.
+      if self.config.train.eval_every and (step % self.config.train.eval_every == 0
+                                           or step == steps):
+        if pending:
+          self._read(*pending)
+          pending = None
+        self._evaluate(state, step)
+        self._restart_clock(step)
+      if stop:
+        print(f"stopping at step {step} on {signals.received or 'preemption'}: saved a "
+              f"checkpoint; re-run with the same --workdir to resume", flush=True)
+        break
+    if pending:
+      self._read(*pending)
     return self._summarise(stopped=bool(stop))
 
   def _read(self, step: int, metrics) -> None:
@@ -300,6 +337,6 @@ class _Run:
                if timed else "too few steps to time")
       print(f"done: step {summary['steps']}, loss {summary['first_loss']:.4f} -> "
             f"{summary['last_loss']:.4f}, {speed}", flush=True)
-    elif self.trackers:
+    elif self.trackers and not stopped:
       print(f"nothing to do: the run is already at step {self.start_step}", flush=True)
     return summary

@@ -1,40 +1,62 @@
-"""What a resumed run may change: compute and schedule yes, the model and its data no.
+"""What a resumed run may change: compute, schedule and logging yes; anything else no.
 
-The config of a run is stored in `<workdir>/config.json`. A resumed run compares its config
-with the stored one: fields that change the parameters' shapes or the data stream are
-incompatible (a clear error); the rest (steps, schedule, logging, mesh, kernels, layout)
-may change and are reported.
+Every checkpoint stores the resolved config it was trained with and the SHA-256 of its
+tokenizer file (`checkpoint_meta`). A resumed run compares its own config with that one, by
+an allow-list: a field that is not listed in `MAY_CHANGE` must be equal, so a field added
+later is guarded from the day it exists. Changed allowed fields are reported.
+`<workdir>/config.json` is for people to read; only checkpoints written before configs were
+stored in them are compared against it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+from typing import Any, Callable
 
 import ml_collections
 
 from trainer.config_check import ConfigError
+from trainer.tracking import scrub
 
-# Prefixes of fields a resumed run must keep. The layout (model.attention) may change: the
-# data iterator's position is independent of the permutation applied to each batch.
-_FIXED = ("model.num_layers", "model.d_model", "model.num_heads", "model.num_kv_heads",
-          "model.head_dim", "model.d_ff", "model.vocab_size", "model.tie_embeddings",
-          "model.param_dtype", "data.dataset", "data.seq_len", "data.tokenizer",
-          "data.tokenizer_vocab_size", "data.path", "data.text_field", "data.train_split",
-          "data.cross_document_attention", "data.num_documents", "data.max_document_tokens",
-          "train.batch_size", "seed")
+# Fields (or groups, ending in '.') a resumed run may change. They decide how the same
+# computation is laid out, scheduled or logged, not which parameters or tokens it sees. The
+# layout may change: the data iterator's position does not depend on the per-batch
+# permutation. The optimizer's hyper-parameters may change (a lower lr after a spike is
+# routine); one that changes the optimizer state's structure (grad_clip to 0) is caught by
+# the checkpoint's array shapes instead.
+MAY_CHANGE = (
+    "cpu_devices", "accelerator", "peak_flops_per_device", "mesh.", "checkpoint.", "wandb.",
+    "model.attention", "model.kernel", "model.attention_tile", "model.dtype",
+    "train.steps", "train.micro_batches", "train.remat", "train.on_nonfinite",
+    "train.log_every", "train.eval_every", "train.eval_steps", "train.lr",
+    "train.schedule_steps", "train.min_lr_ratio", "train.warmup_steps", "train.weight_decay",
+    "train.b1", "train.b2", "train.grad_clip",
+    "data.data_dir", "data.tokenizer", "data.prefetch", "data.eval_split")
 
 
 def config_path(workdir: str) -> str:
   return os.path.join(workdir, "config.json")
 
 
-def load_stored_config(workdir: str) -> ml_collections.ConfigDict | None:
-  path = config_path(workdir)
-  if not os.path.exists(path):
-    return None
-  with open(path, encoding="utf-8") as f:
-    return ml_collections.ConfigDict(json.load(f))
+def config_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The config as plain JSON values, secrets redacted: what files and checkpoints store."""
+  return scrub(json.loads(config.to_json_best_effort()))
+
+
+def file_sha256(path: str) -> str:
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+      digest.update(chunk)
+  return digest.hexdigest()
+
+
+def checkpoint_meta(config: ml_collections.ConfigDict, tokenizer_file: str) -> dict[str, Any]:
+  """What each checkpoint records about the run besides its arrays."""
+  return {"seed": config.seed, "config": config_dict(config),
+          "tokenizer_sha256": file_sha256(tokenizer_file)}
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
@@ -48,15 +70,48 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
   return flat
 
 
-def compare_configs(stored: ml_collections.ConfigDict,
-                    config: ml_collections.ConfigDict) -> list[str]:
-  """Changed compatible fields as 'name: old -> new'; raises ConfigError on an incompatible one."""
-  old = _flatten(json.loads(stored.to_json_best_effort()))
-  new = _flatten(json.loads(config.to_json_best_effort()))
+def _may_change(name: str) -> bool:
+  return any(name == field or (field.endswith(".") and name.startswith(field))
+             for field in MAY_CHANGE)
+
+
+def compare(stored: dict[str, Any], config: ml_collections.ConfigDict,
+            trained_with: str = "the checkpoint") -> list[str]:
+  """Changed allowed fields as 'name: old -> new'; raises ConfigError on any other change."""
+  old, new = _flatten(stored), _flatten(config_dict(config))
   changed = sorted(name for name in old.keys() | new.keys() if old.get(name) != new.get(name))
-  fixed = [name for name in changed if name in _FIXED]
+  fixed = [name for name in changed if not _may_change(name)]
   if fixed:
     name = fixed[0]
-    raise ConfigError(f"cannot resume with {name}={new.get(name)!r}: the checkpoint was "
-                      f"trained with {old.get(name)!r} (use a new --workdir to start over)")
+    more = f" (and {', '.join(fixed[1:4])}{', ...' if len(fixed) > 4 else ''})" if len(
+        fixed) > 1 else ""
+    raise ConfigError(f"cannot resume with {name}={new.get(name, '<absent>')!r}{more}: "
+                      f"{trained_with} was trained with {old.get(name, '<absent>')!r}; "
+                      f"resume with that value or use a new --workdir")
   return [f"{name}: {old.get(name)!r} -> {new.get(name)!r}" for name in changed]
+
+
+def compatibility_check(config: ml_collections.ConfigDict, workdir: str,
+                        tokenizer_file: str, report: list[str]) -> Callable[[int, dict], None]:
+  """The `check_compatible(step, meta)` a restore calls; appends allowed changes to `report`."""
+  tokenizer = file_sha256(tokenizer_file)
+
+  def check(step: int, meta: dict) -> None:
+    where = f"the checkpoint of step {step}"
+    stored = meta.get("config")
+    if stored is None and os.path.exists(config_path(workdir)):  # An older checkpoint.
+      try:
+        with open(config_path(workdir), encoding="utf-8") as f:
+          stored, where = json.load(f), config_path(workdir)
+      except (OSError, ValueError) as error:  # Older versions wrote it non-atomically.
+        print(f"warning: cannot read {config_path(workdir)} ({error}) to compare configs; "
+              f"the checkpoint's array shapes are still checked", flush=True)
+    if stored is not None:
+      report[:] = compare(stored, config, where)
+    recorded = meta.get("tokenizer_sha256")
+    if recorded and recorded != tokenizer:
+      raise ConfigError(f"the tokenizer file {tokenizer_file} is not the one {where} was "
+                        f"trained with (its SHA-256 differs); point data.tokenizer at that "
+                        f"file or use a new --workdir")
+
+  return check

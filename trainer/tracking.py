@@ -9,6 +9,7 @@ like one and any string holding the value of a secret environment variable.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -26,6 +27,10 @@ SECRET_ENV_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL", re.IGNOREC
 SECRET_FIELD_WORDS = frozenset(
     {"key", "apikey", "token", "secret", "password", "passwd", "credential", "credentials"})
 REDACTED = "<redacted>"
+
+
+class TrackingError(RuntimeError):
+  """A metrics file cannot be written; the message names it and why."""
 
 
 class Tracker(Protocol):
@@ -73,18 +78,71 @@ class NoopTracker:
     pass
 
 
+def json_safe(value: Any) -> Any:
+  """`value` with NaN and +-Inf floats as None, so the JSONL file stays strict JSON."""
+  if isinstance(value, float) and not math.isfinite(value):
+    return None
+  if isinstance(value, dict):
+    return {key: json_safe(item) for key, item in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [json_safe(item) for item in value]
+  return value
+
+
 class JsonlTracker:
+  """Appends one strict-JSON line per record (a non-finite number is written as null).
+
+  Each line goes out in one `write` on an O_APPEND descriptor. A write that fails (a full
+  disk) is cut back off, so the file holds whole lines only; a line torn by a crash is
+  repaired when the file is opened again.
+  """
+
   def __init__(self, path: str):
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    self._file = open(path, "a", encoding="utf-8")
+    self._path = path
+    self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     self._secrets = secret_values()
+    self._repair_torn_line()
+
+  def _repair_torn_line(self) -> None:
+    """A crash mid-write can leave a last line without its newline: end it if it is a whole
+    record, else cut it off; either way say so."""
+    size = os.fstat(self._fd).st_size
+    if not size:
+      return
+    with open(self._path, "rb") as f:
+      f.seek(max(0, size - (1 << 20)))
+      tail = f.read()
+    if tail.endswith(b"\n"):
+      return
+    last = tail.rsplit(b"\n", 1)[-1]
+    try:
+      json.loads(last)
+    except ValueError:
+      os.truncate(self._path, size - len(last))
+      print(f"warning: {self._path} ended in a line torn by a crash ({len(last)} bytes); "
+            f"removed it", flush=True)
+      return
+    os.write(self._fd, b"\n")
+    print(f"warning: {self._path} ended without a newline (a crash mid-write); ended its "
+          f"last line", flush=True)
 
   def log(self, record: dict[str, Any]) -> None:
-    self._file.write(json.dumps(scrub(record, self._secrets), allow_nan=True) + "\n")
-    self._file.flush()
+    line = json.dumps(json_safe(scrub(record, self._secrets)), allow_nan=False) + "\n"
+    size = os.fstat(self._fd).st_size
+    try:
+      written = os.write(self._fd, line.encode())
+      if written != len(line.encode()):
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (short write)")
+    except OSError as error:
+      os.ftruncate(self._fd, size)  # Whole lines only.
+      raise TrackingError(f"cannot append to {self._path}: {error.strerror or error}; the "
+                          f"file keeps every earlier line") from error
 
   def close(self) -> None:
-    self._file.close()
+    if self._fd is not None:
+      os.close(self._fd)
+      self._fd = None
 
 
 class ConsoleTracker:

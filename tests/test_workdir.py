@@ -1,0 +1,320 @@
+"""The workdir never loses or mixes a run: config changes on resume, damage, the lock,
+metrics.jsonl after a crash or a full disk, and the one-line errors around them."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from trainer import loop, tracking, workdir
+from trainer.checkpointing import CheckpointError
+from trainer.config_check import ConfigError
+from trainer.loop import train
+from trainer.resume import compatibility_check
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _config(tiny_config, **overrides):
+  return tiny_config(**{"train.log_every": 1, "checkpoint.every_steps": 2,
+                        "train.schedule_steps": 20, **overrides})
+
+
+def _state_of(run) -> dict[str, list[str]]:
+  """Every file under the checkpoint folders, to show that nothing was moved."""
+  return {folder: sorted(os.path.relpath(os.path.join(d, f), run)
+                         for d, _, files in os.walk(os.path.join(run, folder)) for f in files)
+          for folder in ("checkpoints", "checkpoints_unusable")}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, shared_data_dir):
+  """A 4-step run with checkpoints at steps 2 and 4, copied fresh for each test."""
+  import importlib  # pylint: disable=g-import-not-at-top
+  config = importlib.import_module("configs.tiny_cpu").get_config(None)
+  config.data.data_dir, config.train.eval_every = shared_data_dir, 0
+  config.train.log_every, config.checkpoint.every_steps, config.train.schedule_steps = 1, 2, 20
+  config.train.steps = 4
+  run = str(tmp_path_factory.mktemp("trained") / "run")
+  train(config, run)
+  return run
+
+
+@pytest.fixture
+def run(trained, tmp_path):
+  copy = str(tmp_path / "run")
+  shutil.copytree(trained, copy)
+  return copy
+
+
+# --- A config change is not damage -------------------------------------------------------
+
+def test_a_change_of_state_structure_stops_and_moves_nothing(run, tiny_config):
+  """grad_clip=0 drops the clipping state from the optimizer: same config fields allowed,
+  other arrays. Before, this moved every checkpoint aside and restarted at step 1."""
+  before = _state_of(run)
+  with pytest.raises(CheckpointError, match=r"another config's state .*nothing was moved"):
+    train(_config(tiny_config, **{"train.steps": 6, "train.grad_clip": 0.0}), run)
+  assert _state_of(run) == before and not before["checkpoints_unusable"]
+
+
+@pytest.mark.parametrize("field,value", [
+    ("model.d_ff", 128),  # A shape.
+    ("data.corpus_seed", 7),  # Other documents under the same embeddings.
+    ("data.tokenizer_type", "unigram"),  # Another tokenizer.
+])
+def test_a_field_off_the_allow_list_is_refused_from_the_checkpoint_alone(run, tiny_config,
+                                                                        field, value):
+  os.remove(os.path.join(run, "config.json"))  # The checkpoint carries its own config.
+  before = _state_of(run)
+  with pytest.raises(ConfigError, match=rf"cannot resume with {field}=.*checkpoint of step 4"):
+    train(_config(tiny_config, **{"train.steps": 6, field: value}), run)
+  assert _state_of(run) == before
+
+
+def test_another_tokenizer_file_is_refused(run, tiny_config, tmp_path):
+  config = _config(tiny_config)
+  tokenizer = tmp_path / "sp.model"
+  tokenizer.write_bytes(b"not the tokenizer the run was trained with")
+  meta = json.loads(open(os.path.join(run, "checkpoints", "4", "meta", "metadata")).read())
+  assert meta["config"]["model"]["d_ff"] == config.model.d_ff and meta["tokenizer_sha256"]
+  check = compatibility_check(config, run, str(tokenizer), [])
+  with pytest.raises(ConfigError, match="tokenizer file .* SHA-256 differs"):
+    check(4, meta)
+
+
+# --- Damage -------------------------------------------------------------------------------
+
+def test_an_edited_data_position_is_damage_and_the_previous_checkpoint_resumes(
+    run, tiny_config, capsys):
+  path = os.path.join(run, "checkpoints", "4", "data", "metadata")
+  with open(path) as f:
+    text = f.read()
+  edited = text.replace("4", "5", 1)
+  assert edited != text and json.loads(edited)  # Still valid JSON: only the value changed.
+  with open(path, "w") as f:
+    f.write(edited)
+  # With an allowed change too: it resumes and reports it.
+  summary = train(_config(tiny_config, **{"train.steps": 3, "train.lr": 1e-3}), run)
+  out = capsys.readouterr().out
+  assert "checkpoints/4 is unusable" in out and "data position" in out
+  assert "resuming from step 2" in out and "train.lr: 0.003 -> 0.001" in out
+  assert summary["steps"] == 3
+
+
+def test_a_permission_error_is_not_damage(run, tiny_config, monkeypatch):
+  """A read that fails for a reason outside the checkpoint's files moves nothing."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  real = ocp.CheckpointManager.restore
+
+  def denied(self, step, *args, **kwargs):
+    if step == 4:
+      raise PermissionError(13, "Permission denied", "checkpoints/4/state")
+    return real(self, step, *args, **kwargs)
+
+  monkeypatch.setattr(ocp.CheckpointManager, "restore", denied)
+  before = _state_of(run)
+  with pytest.raises(CheckpointError, match=r"cannot read checkpoint .*/4 .*not damage"):
+    train(_config(tiny_config, **{"train.steps": 6}), run)
+  assert _state_of(run) == before
+
+
+def test_no_fresh_start_beside_set_aside_checkpoints_unless_asked(tmp_path, tiny_config):
+  run = str(tmp_path / "run")
+  os.makedirs(os.path.join(run, "checkpoints_unusable", "8-1700000000"))
+  config = _config(tiny_config, **{"train.steps": 1})
+  with pytest.raises(CheckpointError, match="refusing to start from step 0.*start_over_from_step_0"):
+    train(config, run)
+  assert train(config, run, start_over=True)["steps"] == 1
+  assert os.listdir(os.path.join(run, "checkpoints_unusable")) == ["8-1700000000"]
+
+
+# --- One run per workdir ------------------------------------------------------------------
+
+def test_a_second_run_on_a_held_workdir_stops_naming_the_holder(tmp_path):
+  """The test process holds the lock; a trainer process on the same workdir stops at once."""
+  run = str(tmp_path / "run")
+  workdir.claim(run)
+  try:
+    result = subprocess.run(
+        [sys.executable, "-m", "trainer", "--config", "configs/tiny_cpu.py", f"--workdir={run}",
+         "--config.checkpoint.async_save=False"],  # The renamed field parses.
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+  finally:
+    workdir.release(run)
+  assert result.returncode == 1
+  assert re.fullmatch(
+      rf"error: --workdir {re.escape(run)} is in use by PID {os.getpid()} on host "
+      rf"{re.escape(os.uname().nodename)} \(started [-+:T0-9]+\); wait for that run to end or "
+      rf"pass another --workdir\n", result.stderr), result.stderr
+  assert sorted(os.listdir(run)) == [".lock"]  # Nothing of the second run was written.
+
+
+def test_the_lock_dies_with_its_process(tmp_path):
+  run = str(tmp_path / "run")
+  holder = subprocess.Popen([sys.executable, "-c", (
+      "import sys, time; sys.path.insert(0, '.'); from trainer import workdir; "
+      f"workdir.claim({run!r}); print('held', flush=True); time.sleep(60)")],
+      cwd=ROOT, stdout=subprocess.PIPE, text=True)
+  assert holder.stdout.readline().strip() == "held"
+  with pytest.raises(workdir.WorkdirError, match=f"in use by PID {holder.pid}"):
+    workdir.claim(run)
+  holder.send_signal(signal.SIGKILL)
+  holder.wait()
+  workdir.claim(run)  # kill -9 leaves no stale lock.
+  workdir.release(run)
+
+
+# --- metrics.jsonl ------------------------------------------------------------------------
+
+def test_a_torn_last_line_is_cut_and_a_whole_one_is_ended(tmp_path, capsys):
+  path = tmp_path / "metrics.jsonl"
+  path.write_text('{"step": 1}\n{"step": 2, "lo')
+  tracking.JsonlTracker(str(path)).close()
+  assert "torn by a crash (15 bytes); removed it" in capsys.readouterr().out
+  path.write_text('{"step": 1}\n{"step": 2}')
+  tracker = tracking.JsonlTracker(str(path))
+  tracker.log({"step": 3})
+  tracker.close()
+  assert "ended its last line" in capsys.readouterr().out
+  assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+
+
+def test_non_finite_values_are_written_as_null(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  tracker = tracking.JsonlTracker(str(path))
+  tracker.log({"step": 1, "loss": float("nan"), "grad_norm": float("inf"), "lr": 0.5})
+  tracker.close()
+  text = path.read_text()
+  assert json.loads(text, parse_constant=lambda name: pytest.fail(name)) == {
+      "step": 1, "loss": None, "grad_norm": None, "lr": 0.5}
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+  """A 1 MiB tmpfs (needs root, as in CI's container)."""
+  mount_point = tmp_path / "small_disk"
+  mount_point.mkdir()
+  if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mount_point)],
+                    capture_output=True).returncode:
+    pytest.skip("cannot mount a small tmpfs here (needs root)")
+  yield mount_point
+  subprocess.run(["umount", str(mount_point)], check=False)
+
+
+def _fill(disk) -> None:
+  with open(disk / "filler", "wb", buffering=0) as f:
+    try:
+      while True:
+        f.write(b"x" * 4096)
+    except OSError:
+      pass
+
+
+def test_a_full_disk_never_leaves_a_partial_metrics_line(small_disk):
+  path = small_disk / "metrics.jsonl"
+  tracker = tracking.JsonlTracker(str(path))
+  try:
+    tracker.log({"step": 1})
+    _fill(small_disk)
+    with pytest.raises(tracking.TrackingError, match="No space left on device"):
+      for step in range(2, 10_000):  # Until the page the file holds is used up.
+        tracker.log({"step": step, "padding": "y" * 300})
+  finally:
+    tracker.close()
+  lines = path.read_text().splitlines()
+  assert all(json.loads(line) for line in lines) and json.loads(lines[0]) == {"step": 1}
+
+
+def test_a_full_disk_at_start_leaves_no_empty_config(small_disk):
+  (small_disk / "config.json").write_text('{"old": true}')
+  _fill(small_disk)
+  with pytest.raises(workdir.WorkdirError, match="No space left on device"):
+    workdir.write_atomically(str(small_disk / "config.json"), json.dumps({"x": "y" * 8192}))
+  assert json.loads((small_disk / "config.json").read_text()) == {"old": True}
+  assert sorted(os.listdir(small_disk)) == ["config.json", "filler"]
+
+
+# --- One line, not a traceback ------------------------------------------------------------
+
+def _cli(*args, timeout=120, **popen):
+  return subprocess.run([sys.executable, "-m", "trainer", *args], cwd=ROOT, capture_output=True,
+                        text=True, timeout=timeout, **popen)
+
+
+@pytest.mark.parametrize("case", ["missing_config", "syntax_error", "workdir_is_a_file",
+                                  "read_only_workdir", "data_error"])
+def test_bad_input_is_one_line(case, tmp_path):
+  config, extra = "configs/tiny_cpu.py", []
+  if case == "missing_config":
+    config, expected = str(tmp_path / "nope.py"), "does not exist"
+  elif case == "syntax_error":
+    config = str(tmp_path / "bad.py")
+    with open(config, "w") as f:
+      f.write("def get_config(:\n")
+    expected = f"syntax error in config file {config}, line 1"
+  elif case == "workdir_is_a_file":
+    (tmp_path / "file").write_text("")
+    extra, expected = [f"--workdir={tmp_path / 'file'}"], "is not a directory"
+  elif case == "read_only_workdir":
+    (tmp_path / "ro").mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1M", "tmpfs", str(tmp_path / "ro")],
+                      capture_output=True).returncode:
+      pytest.skip("cannot mount a read-only tmpfs here (needs root)")
+    extra, expected = [f"--workdir={tmp_path / 'ro' / 'run'}"], "Read-only file system"
+  else:  # A data error after Orbax would have started: no background-thread traceback.
+    extra = [f"--workdir={tmp_path / 'run'}", "--config.data.dataset=text_files",
+             f"--config.data.path={tmp_path / 'no_such_corpus'}"]
+    expected = "no_such_corpus"
+  try:
+    result = _cli("--config", config, *extra)
+  finally:
+    if case == "read_only_workdir":
+      subprocess.run(["umount", str(tmp_path / "ro")], check=False)
+  assert result.returncode == 1, result.stderr
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
+
+
+def _wait_for_handler(pid: int, signum: int) -> None:
+  """Until the process catches `signum` (its SigCgt mask in /proc)."""
+  for _ in range(1000):
+    with open(f"/proc/{pid}/status") as f:
+      caught = int(next(line for line in f if line.startswith("SigCgt:")).split()[1], 16)
+    if caught >> (signum - 1) & 1:
+      return
+    time.sleep(0.01)
+  pytest.fail(f"process {pid} never installed a handler for signal {signum}")
+
+
+def test_a_signal_while_importing_exits_cleanly(tmp_path, shared_data_dir):
+  process = subprocess.Popen(
+      [sys.executable, "-m", "trainer", "--config", "configs/tiny_cpu.py",
+       f"--workdir={tmp_path / 'run'}", f"--config.data.data_dir={shared_data_dir}"], cwd=ROOT,
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  _wait_for_handler(process.pid, signal.SIGTERM)  # Installed before JAX is imported.
+  process.send_signal(signal.SIGTERM)
+  out, err = process.communicate(timeout=120)
+  assert process.returncode == 0, err
+  assert "stopped by SIGTERM before the first step" in out and "Traceback" not in err, err
+
+
+def test_a_signal_after_start_but_before_the_first_step_stops_at_once(tmp_path, tiny_config,
+                                                                      monkeypatch):
+  real = loop.build_training
+
+  def signalled(*args):  # SIGINT arrives while the step compiles.
+    os.kill(os.getpid(), signal.SIGINT)
+    return real(*args)
+
+  monkeypatch.setattr(loop, "build_training", signalled)
+  with pytest.raises(loop.StoppedBeforeTraining, match="stopped by SIGINT before the first"):
+    train(_config(tiny_config, **{"train.steps": 2}), str(tmp_path / "run"))
+  assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Handlers restored.
