@@ -12,7 +12,7 @@ import ml_collections
 def get_config(arg=None) -> ml_collections.ConfigDict:
   del arg  # No variants of the base config.
   config = ml_collections.ConfigDict()
-  config.seed = 0  # Seeds parameter init, data shuffling and dropout-free training RNG.
+  config.seed = 0  # Seeds parameter init and data shuffling (training draws no randomness).
   config.cpu_devices = 0  # Simulated CPU devices when JAX runs on the CPU; 0 keeps JAX's default.
 
   config.model = ml_collections.ConfigDict()

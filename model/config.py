@@ -7,6 +7,11 @@ import dataclasses
 import parallelism
 
 ATTENTIONS = ("dense", "ring", "striped", "zigzag")
+
+
+def layout_of(attention: str) -> str:
+  """The sequence layout the data must arrive in: dense attention reads the original order."""
+  return "ring" if attention == "dense" else attention
 KERNELS = tuple(parallelism.KERNELS)
 REMAT_POLICIES = ("none", "full", "save_dots", "save_attention")
 
@@ -39,8 +44,7 @@ class ModelConfig:
 
   @property
   def layout(self) -> str:
-    """The sequence layout the data must arrive in: dense attention reads the original order."""
-    return "ring" if self.attention == "dense" else self.attention
+    return layout_of(self.attention)
 
   def matmul_params(self) -> int:
     """Parameters that take part in a matmul per token (all but the embedding lookup)."""

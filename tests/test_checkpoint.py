@@ -15,6 +15,7 @@ import parallelism
 from trainer import loop
 from trainer.checkpointing import CheckpointError, Checkpointer
 from trainer.loop import NonFiniteError, train
+from trainer.optimizer import make_schedule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -175,6 +176,12 @@ def test_nan_skip_policy_skips_the_update(tmp_path, tiny_config, monkeypatch):
   summary = train(config, str(tmp_path))
   assert summary["skipped_steps"] == 1 and summary["steps"] == 10
   assert _all_finite(tmp_path, config) == [10]
+  # The logged lr is the applied one: step 6 runs AdamW's 5th update (count 4), as step 5 did.
+  schedule = make_schedule(config.train)
+  with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
+    lr = {r["step"]: r["lr"] for r in map(json.loads, f) if "lr" in r}
+  assert lr[4] == pytest.approx(float(schedule(3))) and lr[5] == lr[6] == pytest.approx(
+      float(schedule(4))) and lr[7] == pytest.approx(float(schedule(5)))
 
 
 def _cli(workdir, *overrides, **popen):

@@ -336,6 +336,7 @@ def test_offline_history_holds_the_metrics_and_the_resumed_run_continues_it(dens
   assert len({run.run_id for run in run_records}) == 1  # ...one W&B run.
   config = {item.key: json.loads(item.value_json) for item in run_records[0].config.update}
   assert config["model"]["attention"] == "dense" and config["resolved"]["num_devices"] == 8
+  assert set(config["provenance"]) == {"commit", "dirty", "command"}
   assert run_records[0].run_group == "d128x2L-256" and list(run_records[0].tags) == ["dense"]
   assert run_records[0].display_name == "d128x2L-256-dense"
   metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
@@ -360,19 +361,13 @@ def test_no_secret_in_the_workdir_the_wandb_run_or_the_console(dense_run):
   _assert_no_secret(workdir, console)
 
 
-def _second_layout():
-  """striped when ring attention is available, else dense (the run then differs by seed)."""
-  import parallelism  # pylint: disable=g-import-not-at-top
-  return "striped" if hasattr(parallelism, "ring_attention") else "dense"
-
-
 @pytest.mark.slow
 def test_compare_runs_prints_a_table_and_plots_both_runs(dense_run, tmp_path, capsys,
                                                          tiny_config, monkeypatch):
   from trainer.loop import train  # pylint: disable=g-import-not-at-top  # Needs `data`.
 
   monkeypatch.setenv("WANDB_MODE", "disabled")
-  other = tiny_config(_second_layout(), **{"train.steps": 4, "train.log_every": 1})
+  other = tiny_config("striped", **{"train.steps": 4, "train.log_every": 1})
   other.seed = 1
   train(other, str(tmp_path / "other"))
   spec = importlib.util.spec_from_file_location(
@@ -388,7 +383,7 @@ def test_compare_runs_prints_a_table_and_plots_both_runs(dense_run, tmp_path, ca
   assert lines[0].split()[:3] == ["run", "layout", "mesh"]
   dense_row, other_row = lines[2].split(), lines[3].split()
   assert dense_row[:4] == ["dense", "dense", "1x2x4x1", "256"] and dense_row[5] == "1.00x"
-  assert other_row[:4] == ["other", _second_layout(), "1x2x4x1", "256"]
+  assert other_row[:4] == ["other", "striped", "1x2x4x1", "256"]
   assert other_row[5].endswith("x") and np.isfinite(float(other_row[6]))
   with open(out_png, "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"

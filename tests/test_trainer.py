@@ -1,10 +1,16 @@
 """The train loop end to end on the tiny config: determinism, learning, outputs."""
 
+import ast
 import json
+import os
+import subprocess
 
 import numpy as np
 
 from trainer.loop import train
+from trainer.provenance import run_provenance
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _losses(workdir):
@@ -26,7 +32,12 @@ def test_run_writes_config_and_metrics_lines(tmp_path, tiny_config):
   config = tiny_config(**{"train.steps": 4, "train.log_every": 2, "train.eval_every": 4,
                           "train.eval_steps": 1})
   summary = train(config, str(tmp_path))
-  assert json.loads((tmp_path / "config.json").read_text())["model"]["attention"] == "dense"
+  written = json.loads((tmp_path / "config.json").read_text())
+  assert written["model"]["attention"] == "dense"
+  head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True,
+                        text=True).stdout.strip()
+  assert written["provenance"]["commit"] == (head or None)  # None outside a git checkout.
+  assert isinstance(written["provenance"]["dirty"], (bool, type(None)))
   records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   steps = [r for r in records if "loss" in r]
   assert [r["step"] for r in steps] == [2, 4]
@@ -42,3 +53,45 @@ def test_run_writes_config_and_metrics_lines(tmp_path, tiny_config):
   assert 0 <= evals[0]["eval_retrieval_accuracy"] <= 1 and len(buckets) >= 2, evals[0]
   assert all(0 <= evals[0][key] <= 1 for key in buckets)
   assert summary["steps"] == 4
+
+
+def test_provenance_redacts_secrets_from_the_command_line(monkeypatch):
+  monkeypatch.setenv("MY_SECRET_TOKEN", "planted-secret-value-5678")
+  provenance = run_provenance([os.path.join(ROOT, "trainer", "__main__.py"), "--config",
+                               "configs/tiny_cpu.py", "--config.wandb.api_key=abc123",
+                               "--note=x planted-secret-value-5678 y"])
+  assert provenance["command"] == ("python -m trainer --config configs/tiny_cpu.py "
+                                   "'--config.wandb.api_key=<redacted>' "
+                                   "'--note=x <redacted> y'")
+
+
+def _imports_of(path: str) -> set[str]:
+  """The trainer modules a file imports anywhere in it (a lazy import inside a function too)."""
+  names = set()
+  for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+    if isinstance(node, ast.Import):
+      names.update(alias.name for alias in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      names.add(node.module)
+      names.update(f"{node.module}.{alias.name}" for alias in node.names)
+  return {name.split(".")[1] for name in names if name.startswith("trainer.")}
+
+
+def test_no_two_trainer_modules_import_each_other():
+  folder = os.path.join(ROOT, "trainer")
+  graph = {name[:-3]: _imports_of(os.path.join(folder, name))
+           for name in os.listdir(folder) if name.endswith(".py")}
+  graph = {module: {m for m in imported if m in graph and m != module}
+           for module, imported in graph.items()}
+
+  def cycle_from(module, path):
+    if module in path:
+      return path[path.index(module):] + [module]
+    for imported in graph[module]:
+      found = cycle_from(imported, path + [module])
+      if found:
+        return found
+    return None
+
+  for module in graph:
+    assert cycle_from(module, []) is None, " -> ".join(cycle_from(module, []))

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import parallelism
 from trainer import flops
 from model import ATTENTIONS, KERNELS, REMAT_POLICIES
+from model.config import layout_of
 
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 
@@ -88,7 +89,7 @@ def _check_mesh(config: ml_collections.ConfigDict, num_devices: int, head_size: 
   for field in ("num_heads", "num_kv_heads", "d_ff"):
     _require(m[field] % tensor == 0,
              f"model.{field}={m[field]} must be divisible by mesh.tensor={tensor}")
-  layout = "ring" if m.attention == "dense" else m.attention
+  layout = layout_of(m.attention)
   sequence = shape["sequence"]
   seq_len = config.data.seq_len
   try:

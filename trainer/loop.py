@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import signal
 import statistics
 import time
@@ -25,12 +26,14 @@ from model import Decoder, ModelConfig
 from trainer import flops
 from trainer.checkpointing import CheckpointError, Checkpointer
 from trainer.optimizer import make_optimizer, make_schedule
+from trainer.provenance import run_provenance
 from trainer import workdir as workdir_lock
 from trainer.resume import (checkpoint_meta, compatibility_check, config_dict,
                             config_path)
 from trainer.state import TrainState, abstract_state, init_state, shardings_of
 from trainer.step import distance_buckets, eval_step, jit_train_step
-from trainer.tracking import device_memory_bytes, make_trackers
+from trainer import wandb_tracker
+from trainer.tracking import ConsoleTracker, JsonlTracker, Tracker, device_memory_bytes
 
 
 class NonFiniteError(RuntimeError):
@@ -86,8 +89,9 @@ def _train(config, workdir: str, start_over: bool, signals: "_StopSignals") -> d
           parts.abstract_state, compatibility_check(config, workdir, tokenizer_file, changes),
           start_over)
       if is_writer:  # After the restore: an older checkpoint is checked against the old one.
-        workdir_lock.write_atomically(
-            config_path(workdir), json.dumps(config_dict(config), indent=2, sort_keys=True))
+        written = {**config_dict(config), "provenance": run_provenance()}
+        workdir_lock.write_atomically(config_path(workdir),
+                                      json.dumps(written, indent=2, sort_keys=True))
       if restored:
         start, state, data_state, _ = restored
         iterator.set_state(data_state)
@@ -118,6 +122,13 @@ def _train(config, workdir: str, start_over: bool, signals: "_StopSignals") -> d
     for tracker in trackers:
       tracker.close()
   return summary
+
+
+def make_trackers(config: ml_collections.ConfigDict, workdir: str) -> list[Tracker]:
+  """The trackers of process 0 for this run: JSONL, console, and W&B unless disabled."""
+  return [JsonlTracker(os.path.join(workdir, "metrics.jsonl")),
+          ConsoleTracker(config.train.steps),
+          wandb_tracker.make(config, workdir)]
 
 
 class Training(NamedTuple):

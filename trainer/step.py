@@ -72,9 +72,18 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: Decoder
       step=state.step + 1,
       params=jax.tree.map(keep_old, optax.apply_updates(state.params, updates), state.params),
       opt_state=jax.tree.map(keep_old, opt_state, state.opt_state))
-  metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step),
+  metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(_schedule_count(state.opt_state)),
              "loss_tokens": jnp.sum(mask_BS), "finite": finite}
   return new_state, metrics
+
+
+def _schedule_count(opt_state) -> jax.Array:
+  """The update count AdamW's learning-rate schedule reads: it does not advance on a skipped
+  (non-finite) step, so after a skip it trails `state.step`, and the lr logged is the one
+  applied."""
+  is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)
+  counts = [s.count for s in jax.tree.leaves(opt_state, is_leaf=is_schedule) if is_schedule(s)]
+  return counts[0]
 
 
 def jit_train_step(model: Decoder, optimizer: optax.GradientTransformation,

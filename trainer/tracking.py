@@ -1,7 +1,8 @@
 """Where metrics go: `<workdir>/metrics.jsonl`, the console and Weights & Biases.
 
-Every tracker has `log(record)` and `close()`; the loop builds them with `make_trackers` on
-process 0 only, so other processes write nothing. The JSONL file is appended and flushed per
+Every tracker has `log(record)` and `close()`; the loop builds them (`loop.make_trackers`,
+with `wandb_tracker`, which imports this module) on process 0 only, so other processes
+write nothing. The JSONL file is appended and flushed per
 line, never rewritten, so a crash loses at most the line being written and a resumed run
 continues the same file. Secrets never reach a tracker: `scrub` redacts config fields named
 like one and any string holding the value of a secret environment variable.
@@ -18,7 +19,6 @@ import sys
 from typing import Any, Protocol
 
 import jax
-import ml_collections
 
 # Environment variables whose names contain these hold secrets; their values are redacted
 # wherever they appear. Config fields are matched by whole words instead, so that
@@ -46,7 +46,7 @@ def secret_values(environ: dict[str, str] | None = None) -> list[str]:
                  if SECRET_ENV_NAME.search(name) and len(value) >= 8}, key=len, reverse=True)
 
 
-def _secret_field(name: Any) -> bool:
+def is_secret_field(name: Any) -> bool:
   return bool(SECRET_FIELD_WORDS.intersection(re.split(r"[^a-z0-9]+", str(name).lower())))
 
 
@@ -54,7 +54,7 @@ def scrub(value: Any, secrets: list[str] | None = None) -> Any:
   """A copy of `value` (nested dicts/lists) with secret-named keys and secret values redacted."""
   secrets = secret_values() if secrets is None else secrets
   if isinstance(value, dict):
-    return {key: REDACTED if _secret_field(key) and isinstance(item, str) and item
+    return {key: REDACTED if is_secret_field(key) and isinstance(item, str) and item
             else scrub(item, secrets) for key, item in value.items()}
   if isinstance(value, (list, tuple)):
     return type(value)(scrub(item, secrets) for item in value)
@@ -200,12 +200,3 @@ def _eta(step_time: float | None, steps_left: int) -> str:
     return "?"
   seconds = int(step_time * steps_left)
   return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
-
-
-def make_trackers(config: ml_collections.ConfigDict, workdir: str) -> list[Tracker]:
-  """The trackers of process 0 for this run: JSONL, console, and W&B unless disabled."""
-  from trainer import wandb_tracker  # pylint: disable=g-import-not-at-top  # It imports this.
-
-  return [JsonlTracker(os.path.join(workdir, "metrics.jsonl")),
-          ConsoleTracker(config.train.steps),
-          wandb_tracker.make(config, workdir)]

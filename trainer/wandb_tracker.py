@@ -30,6 +30,7 @@ import ml_collections
 
 import parallelism
 from trainer.config_check import WANDB_MODES
+from trainer.provenance import run_provenance
 from trainer.tracking import NoopTracker, Tracker, scrub, secret_values
 
 _STATE_FILE = "run.json"
@@ -135,6 +136,7 @@ def make(config: ml_collections.ConfigDict, workdir: str) -> Tracker:
       "num_devices": jax.device_count(), "num_processes": jax.process_count(),
       "device_kind": jax.devices()[0].device_kind,
       "mesh": resolved_mesh(config.mesh.to_dict(), jax.device_count())}
+  logged_config["provenance"] = run_provenance()  # W&B's own git capture is off.
   kwargs = dict(project=scrub(config.wandb.project), entity=scrub(config.wandb.entity) or None,
                 name=name, group=group, tags=tags, job_type="train", config=logged_config,
                 id=run_id, resume="allow", dir=workdir)

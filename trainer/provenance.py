@@ -1,0 +1,48 @@
+"""Which code and which command trained a run: the git commit, whether the checkout had
+uncommitted changes, and the command line with secrets redacted.
+
+W&B's own git and command-line capture stays off (it would record the unscrubbed command and
+more); this is the small, scrubbed record instead, written to `config.json` and the W&B run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from typing import Any
+
+from trainer.tracking import REDACTED, is_secret_field, scrub
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_FLAG = re.compile(r"^(--?[^=]+)=(.*)$", re.DOTALL)
+
+
+def _git(*args: str) -> str | None:
+  try:
+    result = subprocess.run(["git", "-C", _REPO, *args], capture_output=True, text=True,
+                            timeout=10, check=False)
+  except (OSError, subprocess.SubprocessError):  # No git, or a hung filesystem.
+    return None
+  return result.stdout.strip() if result.returncode == 0 else None
+
+
+def _scrub_argument(argument: str) -> str:
+  """`--x.api_key=v` loses its value; any secret environment value is redacted anywhere."""
+  match = _FLAG.match(argument)
+  if match and is_secret_field(match.group(1).rsplit(".", 1)[-1]):
+    return f"{match.group(1)}={REDACTED}"
+  return scrub(argument)
+
+
+def run_provenance(argv: list[str] | None = None) -> dict[str, Any]:
+  """{"commit": sha or None, "dirty": bool or None, "command": str} of this process."""
+  argv = list(sys.argv if argv is None else argv)
+  if argv and argv[0].endswith(os.path.join("trainer", "__main__.py")):
+    argv[:1] = ["python", "-m", "trainer"]
+  commit = _git("rev-parse", "HEAD")
+  status = _git("status", "--porcelain", "--untracked-files=no") if commit else None
+  return {"commit": commit, "dirty": None if status is None else bool(status),
+          "command": " ".join(shlex.quote(_scrub_argument(arg)) for arg in argv)}
