@@ -19,6 +19,9 @@ from data import synthetic, text_files
 from data.config import DataConfig, DataError
 
 FILE_FORMAT = "array_record"
+# Registered datasets that TFDS downloads itself, with the optional extra (pyproject.toml)
+# their builders need.
+EXTRAS = {"pg19": "pg19"}
 
 
 def dataset_builder(cfg: DataConfig) -> tfds.core.DatasetBuilder:
@@ -58,7 +61,8 @@ def _builder(cfg: DataConfig) -> tfds.core.DatasetBuilder:
 
 
 def _registered_builder(cfg: DataConfig) -> tfds.core.DatasetBuilder:
-  if not os.path.isdir(cfg.data_dir) or not os.listdir(cfg.data_dir):
+  downloads = cfg.dataset in EXTRAS  # Prepared into an empty data_dir, not looked up there.
+  if not downloads and (not os.path.isdir(cfg.data_dir) or not os.listdir(cfg.data_dir)):
     raise DataError(f"data.data_dir={cfg.data_dir} is missing or empty; prepare "
                     f"'{cfg.dataset}' there with TFDS (file_format='array_record') or fix the path")
   try:
@@ -91,10 +95,34 @@ def prepare_dataset(cfg: DataConfig) -> tfds.core.DatasetBuilder:
   except Exception as error:  # TFDS and download errors come in many types.
     if cfg.dataset in ("synthetic_longrange", "text_files"):
       raise
-    raise DataError(f"cannot prepare TFDS dataset '{cfg.dataset}' under data.data_dir="
-                    f"{cfg.data_dir}: {type(error).__name__}: {str(error).splitlines()[0]}; "
-                    f"prepare it there beforehand (array_record) or fix data.dataset") from None
+    raise _preparation_error(cfg, error) from None
   return builder
+
+_NETWORK_WORDS = ("resolve", "connect", "network", "unreachable", "timed out", "timeout",
+                  "name or service", "could not reach", "credentials")
+
+
+def _preparation_error(cfg: DataConfig, error: BaseException) -> DataError:
+  """One line: the missing extra, the failed download, or TFDS's own first line."""
+  chain = []
+  while error is not None and error not in chain:
+    chain.append(error)
+    error = error.__cause__ or error.__context__
+  missing = next((e for e in chain if isinstance(e, ModuleNotFoundError)), None)
+  if missing is not None:
+    extra = EXTRAS.get(cfg.dataset)
+    install = (f"pip install -c constraints.txt -e '.[{extra}]'" if extra else
+               f"install the module '{missing.name}'")
+    return DataError(f"preparing TFDS dataset '{cfg.dataset}' needs the Python module "
+                     f"'{missing.name}', which is not installed; {install}")
+  first = f"{type(chain[0]).__name__}: {(str(chain[0]).splitlines() or [''])[0][:300]}"
+  if any(word in str(e).lower() for e in chain for word in _NETWORK_WORDS):
+    return DataError(f"downloading TFDS dataset '{cfg.dataset}' failed ({first}); without "
+                     f"network access, prepare it where there is some and copy data.data_dir="
+                     f"{cfg.data_dir} here, or train on a local copy (README, 'Datasets')")
+  return DataError(f"cannot prepare TFDS dataset '{cfg.dataset}' under data.data_dir="
+                   f"{cfg.data_dir}: {first}; prepare it there beforehand (array_record) or "
+                   f"fix data.dataset")
 
 
 def _check_format(cfg: DataConfig, builder: tfds.core.DatasetBuilder) -> None:

@@ -1,8 +1,12 @@
 """`text_files`: a TFDS builder over a directory of `.txt` or `.jsonl` files.
 
 One document per `.txt` file, or per line of a `.jsonl` file (the `text_field` of each JSON
-object). Files are found recursively and read in sorted order. Every 20th document (index
-19, 39, ...) goes to the `validation` split, the rest to `train`.
+object). Files are found recursively and read in sorted order.
+
+Splits: when `path` holds `train/` and `validation/` folders (the layout of PG-19's public
+release, `train/`, `validation/` and `test/` of `<book id>.txt`), each split is its folder,
+so a book-level split is kept as published (`test/` stays held out). Otherwise every 20th
+document (index 19, 39, ...) goes to `validation`, the rest to `train`.
 
 An unreadable file, a file that is not UTF-8, or a JSON line that does not parse or lacks the
 field is "bad": with `on_bad_file='skip'` it is left out and counted (the count is printed
@@ -38,6 +42,12 @@ def list_files(path: str) -> list[str]:
   if not files:
     raise DataError(f"data.path={path} holds no .txt or .jsonl files; add some or fix data.path")
   return files
+
+
+def split_folders(path: str) -> dict[str, str] | None:
+  """{"train": path/train, "validation": path/validation} when both folders exist."""
+  folders = {split: os.path.join(path, split) for split in ("train", "validation")}
+  return folders if all(os.path.isdir(folder) for folder in folders.values()) else None
 
 
 def fingerprint(path: str, text_field: str, on_bad_file: str) -> str:
@@ -84,14 +94,16 @@ class TextFiles(LocalBuilder):
   def _generate_examples(self, train: bool):
     bad: list[str] = []
     index = yielded = 0
-    for file, document, problem in self._documents():
+    folders = split_folders(self.builder_config.path)
+    root = folders["train" if train else "validation"] if folders else self.builder_config.path
+    for file, document, problem in self._documents(root):
       if problem:
         bad.append(f"{file}: {problem}")
         if self.builder_config.on_bad_file == "fail":
           raise DataError(f"bad input {file}: {problem}; fix or remove it, or set "
                           f"data.on_bad_file=skip")
         continue
-      if (index % VALIDATION_EVERY == VALIDATION_EVERY - 1) == train:
+      if not folders and (index % VALIDATION_EVERY == VALIDATION_EVERY - 1) == train:
         index += 1
         continue
       yield f"{index:012d}", {"text": document}
@@ -99,6 +111,8 @@ class TextFiles(LocalBuilder):
       yielded += 1
     if not yielded:  # TFDS would stop on an empty split with a bare AssertionError.
       skipped = f", {len(bad)} bad file(s) or line(s) skipped (first: {bad[0]})" if bad else ""
+      if folders:
+        raise DataError(f"{root} has no usable document{skipped}; add documents to it")
       raise DataError(
           f"data.path={self.builder_config.path} has {index} usable document(s){skipped}; "
           f"the {'train' if train else 'validation'} split takes "
@@ -107,10 +121,10 @@ class TextFiles(LocalBuilder):
     if train:
       self._report_bad(bad)
 
-  def _documents(self):
-    """(file, document, problem) for each document, or for each bad file or line."""
+  def _documents(self, root: str):
+    """(file, document, problem) for each document under `root`, or each bad file or line."""
     field = self.builder_config.text_field
-    for file in list_files(self.builder_config.path):
+    for file in list_files(root):
       try:
         with open(file, "rb") as f:
           raw = f.read()

@@ -1,5 +1,6 @@
 """text_files, registered TFDS names and the bad-input errors (each a one-line DataError)."""
 
+import importlib.util
 import json
 import os
 
@@ -78,6 +79,24 @@ def test_text_files_fail_policy_names_the_file(tmp_path):
                         data_dir=str(tmp_path / "prepared"))
   with pytest.raises(data.DataError, match=r"bad input .*(latin1|dangling)\.txt.*on_bad_file"):
     data.prepare(cfg)
+
+
+def test_text_files_keeps_a_published_book_level_split(tmp_path):
+  """PG-19's release layout: train/, validation/, test/ of <book id>.txt, and metadata.csv."""
+  root = tmp_path / "deepmind-gutenberg"
+  books = {"train": [10, 11, 12], "validation": [20, 21], "test": [30]}
+  for split, ids in books.items():
+    (root / split).mkdir(parents=True)
+    for book in ids:
+      (root / split / f"{book}.txt").write_text(f"book {book} of the {split} split")
+  (root / "metadata.csv").write_text("10,Title,1900,http://x\n")
+  cfg = data.DataConfig(dataset="text_files", path=str(root), tokenizer_vocab_size=64,
+                        data_dir=str(tmp_path / "prepared"))
+  sources.prepare_dataset(cfg)
+  for split in ("train", "validation"):
+    source = sources.split_source(cfg, split)
+    texts = sorted(sources.text_of(cfg, source[i]) for i in range(len(source)))
+    assert texts == [f"book {book} of the {split} split" for book in books[split]]
 
 
 @pytest.mark.parametrize("good,bad", [(5, 0), (0, 3)])
@@ -161,3 +180,35 @@ def test_errors_are_value_errors_with_one_line_messages(tmp_path):
   with pytest.raises(data.DataError) as error:
     data.DataConfig(on_bad_file="ignore")
   assert "\n" not in str(error.value) and "data.on_bad_file" in str(error.value)
+
+
+def _installed(module: str) -> bool:
+  return importlib.util.find_spec(module) is not None
+
+
+def test_pg19_resolves_into_an_empty_data_dir(tmp_path):
+  builder = sources.dataset_builder(
+      data.DataConfig(dataset="pg19", data_dir=str(tmp_path / "empty")))
+  assert builder.name == "pg19" and not builder.is_prepared()
+
+
+@pytest.mark.skipif(_installed("tensorflow"), reason="the pg19 extra is installed here")
+def test_pg19_without_its_extra_names_the_extra(tmp_path):
+  cfg = data.DataConfig(dataset="pg19", data_dir=str(tmp_path / "pg19"))
+  with pytest.raises(data.DataError, match=r"needs the Python module '\w+', which is not "
+                                           r"installed; pip install .*'\.\[pg19\]'$"):
+    data.prepare(cfg)
+
+
+@pytest.mark.skipif(not _installed("tensorflow"), reason="needs the pg19 extra")
+def test_pg19_offline_says_the_download_failed(tmp_path, monkeypatch):
+  """Offline by construction (tests never reach the internet): every HTTP(S) request of
+  TensorFlow's GCS client goes to a proxy on a port where nothing listens."""
+  for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
+    monkeypatch.setenv(name, "http://127.0.0.1:9")
+  for name in ("no_proxy", "NO_PROXY"):
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.setenv("GCS_RETRY_CONFIG_MAX_RETRIES", "0")  # TF retries for ~3 min otherwise.
+  cfg = data.DataConfig(dataset="pg19", data_dir=str(tmp_path / "pg19"))
+  with pytest.raises(data.DataError, match="downloading TFDS dataset 'pg19' failed"):
+    data.prepare(cfg)
