@@ -7,13 +7,18 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: train test bench
+.PHONY: train test bench compare
 
 train: $(STAMP)
 	$(VENV)/bin/python -m trainer --config configs/tiny_cpu.py $(ARGS)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q $(ARGS)
+
+# Striped vs ring with one process per core (scripts/compare_demo.py): the gain the tiny
+# default cannot show.
+compare: $(STAMP)
+	$(VENV)/bin/python scripts/compare_demo.py $(ARGS)
 
 $(STAMP): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is needed, found " + sys.version.split()[0]'
