@@ -27,6 +27,8 @@ import numpy as np
 
 FIELDS = ("tokens", "targets", "loss_mask", "positions", "segment_ids", "token_index",
           "answer_distance")
+# What a train step reads; the rest serve evaluators (data/retrieval.py) and stay on the host.
+TRAIN_FIELDS = FIELDS[:6]
 
 
 @dataclasses.dataclass

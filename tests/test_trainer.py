@@ -7,6 +7,7 @@ import subprocess
 
 import numpy as np
 
+import data
 from trainer.loop import train
 from trainer.provenance import run_provenance
 
@@ -28,10 +29,16 @@ def test_same_seed_same_losses_and_the_loss_falls(tmp_path, tiny_config):
   assert np.mean(first[-5:]) < first[0] - 0.5, first
 
 
-def test_run_writes_config_and_metrics_lines(tmp_path, tiny_config):
+def test_run_writes_config_and_metrics_lines(tmp_path, tiny_config, monkeypatch):
   config = tiny_config(**{"train.steps": 4, "train.log_every": 2, "train.eval_every": 4,
                           "train.eval_steps": 1})
+  sent = []  # The fields of every batch that reaches the devices.
+  real = data.to_global_batch
+  monkeypatch.setattr(data, "to_global_batch",
+                      lambda batch, *args: sent.append(set(batch)) or real(batch, *args))
   summary = train(config, str(tmp_path))
+  # Training gets what it needs; only eval batches carry the retrieval evaluator's field.
+  assert sent == [set(data.TRAIN_FIELDS)] * 4 + [{*data.TRAIN_FIELDS, "answer_distance"}]
   written = json.loads((tmp_path / "config.json").read_text())
   assert written["model"]["attention"] == "dense"
   head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True,

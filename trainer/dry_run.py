@@ -44,7 +44,9 @@ from trainer.loop import build_training, model_config
 GIB = 2.0 ** 30
 # The per-token arrays of a batch and their dtypes, as the packer makes them; the batch is a
 # ShapeDtypeStruct, so no data is read or prepared.
-BATCH_DTYPES = {name: row.dtype for name, row in packing.empty_row(1, 0).items()}
+# What the loop sends to the train step (the rest of a row stays on the host).
+BATCH_DTYPES = {name: row.dtype for name, row in packing.empty_row(1, 0).items()
+                if name in packing.TRAIN_FIELDS}
 
 
 def plan_device_count(config: ml_collections.ConfigDict) -> int:

@@ -31,7 +31,7 @@ from trainer import workdir as workdir_lock
 from trainer.resume import (checkpoint_meta, compatibility_check, config_dict,
                             config_path)
 from trainer.state import TrainState, abstract_state, init_state, shardings_of
-from trainer.step import distance_buckets, eval_step, jit_train_step
+from trainer.step import eval_step, jit_train_step
 from trainer import wandb_tracker
 from trainer.tracking import ConsoleTracker, JsonlTracker, Tracker, device_memory_bytes
 
@@ -102,11 +102,12 @@ def _train(config, workdir: str, start_over: bool, signals: "_StopSignals") -> d
         start = 0
         state = init_state(parts.model, parts.optimizer, parts.shardings, config.seed,
                            parts.init_rows, data_cfg.seq_len)
-      eval_fn = jax.jit(functools.partial(eval_step, model=parts.model),
+      evaluator = data.evaluator_of(data_cfg)
+      eval_fn = jax.jit(functools.partial(eval_step, model=parts.model, evaluator=evaluator),
                         in_shardings=(parts.shardings.params, parts.batch_sharding))
       trackers = make_trackers(config, workdir) if is_writer else []
       run = _Run(config, model_cfg, mesh, checkpointer, trackers, iterator, eval_fn,
-                 checkpoint_meta(config, tokenizer_file))
+                 evaluator, checkpoint_meta(config, tokenizer_file))
       try:
         summary = run.loop(state, parts.step_fn, start, signals)
         checkpointer.wait()  # An async save that failed raises here: the exit is non-zero.
@@ -224,10 +225,11 @@ class _StopSignals:
 class _Run:
   """The state of one pass of the host loop: timing, pending metrics, records."""
 
-  def __init__(self, config, model_cfg, mesh, checkpointer, trackers, iterator, eval_fn, meta):
+  def __init__(self, config, model_cfg, mesh, checkpointer, trackers, iterator, eval_fn,
+               evaluator, meta):
     self.config, self.model_cfg, self.mesh, self.meta = config, model_cfg, mesh, meta
     self.checkpointer, self.trackers = checkpointer, trackers
-    self.iterator, self.eval_fn = iterator, eval_fn
+    self.iterator, self.eval_fn, self.evaluator = iterator, eval_fn, evaluator
     self.tokens_per_step = config.train.batch_size * config.data.seq_len
     self.flops_token = flops.flops_per_token(model_cfg, config.data.seq_len)
     self.peak = flops.peak_flops(config, jax.devices()[0].device_kind)
@@ -243,7 +245,8 @@ class _Run:
     stop = None
     signals.in_loop = True
     for step in range(start + 1, steps + 1):
-      batch = data.to_global_batch(next(self.iterator), sharding, self.config.train.batch_size)
+      batch = data.to_global_batch(data.fields(next(self.iterator), data.TRAIN_FIELDS),
+                                   sharding, self.config.train.batch_size)
       state, metrics = step_fn(state, batch)
       self.checkpointer.check()  # A failed background save stops the run now.
       if pending:
@@ -313,22 +316,20 @@ class _Run:
     iterator = _make_iterator(cfg, data_config(cfg), self.model_cfg, self.mesh,
                               cfg.data.eval_split)
     sharding = parallelism.batch_sharding(self.mesh)
+    names = data.TRAIN_FIELDS + (self.evaluator.fields if self.evaluator else ())
     totals: dict[str, float] = {}
     try:
       for _ in range(cfg.train.eval_steps):
-        sums = self.eval_fn(state.params, data.to_global_batch(next(iterator), sharding,
-                                                               cfg.train.batch_size))
+        batch = data.to_global_batch(data.fields(next(iterator), names), sharding,
+                                     cfg.train.batch_size)
+        sums = self.eval_fn(state.params, batch)
         for key, value in jax.device_get(sums).items():
           totals[key] = totals.get(key, 0.0) + float(value)
     finally:
       iterator.close()  # A fresh iterator per eval: stop its prefetch thread now, not at exit.
     record = {"step": step, "eval_loss": totals["loss_sum"] / max(totals["tokens"], 1.0)}
-    if totals.get("answers"):
-      record["eval_retrieval_accuracy"] = totals["answers_correct"] / totals["answers"]
-      for low, high in distance_buckets():
-        if totals[f"answers_{low}"]:
-          record[f"eval_retrieval_accuracy_{low}_{high}"] = (
-              totals[f"answers_correct_{low}"] / totals[f"answers_{low}"])
+    if self.evaluator:
+      record.update(self.evaluator.metrics(totals))
     for tracker in self.trackers:
       tracker.log(record)
 

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+import data
 from model import Decoder
 from trainer.state import TrainState
 
@@ -97,27 +98,13 @@ def jit_train_step(model: Decoder, optimizer: optax.GradientTransformation,
       donate_argnums=0)
 
 
-def eval_step(params, batch: dict[str, jax.Array], *, model: Decoder) -> dict[str, jax.Array]:
-  """Sums (not means) so that batches of an eval add up exactly."""
+def eval_step(params, batch: dict[str, jax.Array], *, model: Decoder,
+              evaluator: data.Evaluator | None = None) -> dict[str, jax.Array]:
+  """Sums (not means) so that batches of an eval add up exactly; plus the dataset's own."""
   mask_BS = batch["loss_mask"].astype(jnp.float32)
   logits_BSV = _logits(model, params, batch)
   sums = {"loss_sum": jnp.sum(token_losses(logits_BSV, batch["targets"]) * mask_BS),
           "tokens": jnp.sum(mask_BS)}
-  if "answer_distance" in batch:
-    # Retrieval: an answer token counts when the model's top guess is the right token; the
-    # distance back to its fact says how far attention had to reach.
-    distance_BS = batch["answer_distance"]
-    answer_BS = (distance_BS > 0).astype(jnp.float32) * mask_BS
-    correct_BS = (jnp.argmax(logits_BSV, -1) == batch["targets"]).astype(jnp.float32)
-    sums.update(answers=jnp.sum(answer_BS), answers_correct=jnp.sum(answer_BS * correct_BS))
-    for low, high in distance_buckets():
-      in_bucket_BS = answer_BS * ((distance_BS >= low) & (distance_BS < high))
-      sums[f"answers_{low}"] = jnp.sum(in_bucket_BS)
-      sums[f"answers_correct_{low}"] = jnp.sum(in_bucket_BS * correct_BS)
+  if evaluator is not None:
+    sums.update(evaluator.sums(logits_BSV, batch))
   return sums
-
-
-def distance_buckets() -> list[tuple[int, int]]:
-  """[low, high) token distances of the retrieval-accuracy buckets: 1-15, 16-63, ... 1M."""
-  edges = [1] + [4 ** k for k in range(2, 11)]
-  return list(zip(edges[:-1], edges[1:]))
