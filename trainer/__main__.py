@@ -1,9 +1,10 @@
 """Entry point: `python -m trainer --config configs/tiny_cpu.py [--config.train.steps=20]`."""
 
-import logging as std_logging
 import os
 import signal
 import sys
+
+from trainer import console  # Light: no JAX, so installed before the slow imports below.
 
 
 def _stopped_before_training(signum, frame):
@@ -15,26 +16,7 @@ def _stopped_before_training(signum, frame):
   os._exit(0)  # pylint: disable=protected-access
 
 
-class _OrbaxDroppedWrites:
-  """After a failed save Orbax closes its event loop while TensorStore still completes the
-  other writes; each completion's callback then raises 'Event loop is closed' and Python
-  prints a traceback for it (a hundred or more on a full disk). They are the one failure
-  already reported; print one line for all of them instead."""
-
-  def __init__(self):
-    self.count, self._default = 0, sys.excepthook
-
-  def __call__(self, kind, value, traceback):
-    if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
-      self.count += 1
-      if self.count == 1:
-        print("(writes still in flight when the save failed were dropped: 'Event loop is "
-              "closed' errors from Orbax's closed event loop are not shown)", file=sys.stderr)
-      return
-    self._default(kind, value, traceback)
-
-
-sys.excepthook = _OrbaxDroppedWrites()
+console.install_hooks()
 # Before the imports below (seconds of JAX): a signal while they run exits cleanly too.
 # `train` installs its own handlers (stop after the current step) while it runs.
 for _signal in (signal.SIGTERM, signal.SIGINT):
@@ -131,26 +113,10 @@ def _config() -> ml_collections.ConfigDict:
     _exit_config_unloadable(error)
 
 
-class _OrbaxTracebackOnce(std_logging.Filter):
-  """A failed save makes several Orbax threads log the same error, each with a traceback
-  (four on a full disk). The first keeps its traceback; later ones keep one line."""
-
-  def __init__(self):
-    super().__init__()
-    self.seen = False
-
-  def filter(self, record: std_logging.LogRecord) -> bool:
-    if record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname:
-      if self.seen:
-        record.exc_info, record.exc_text = None, None
-      self.seen = True
-    return True
-
-
 def main(argv: list[str]) -> None:
   del argv
   logging.set_verbosity(logging.WARNING)  # JAX's INFO lines (absent TPU etc.) are noise here.
-  logging.get_absl_logger().addFilter(_OrbaxTracebackOnce())
+  logging.get_absl_logger().addFilter(console.OrbaxTracebackOnce())
   config = _config()
   try:
     if _DRY_RUN.value:
