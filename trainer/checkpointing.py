@@ -66,6 +66,13 @@ def _not_about_the_files(error: BaseException) -> bool:
   return False
 
 
+def _first_line(error: BaseException, limit: int = 300) -> str:
+  """An error's first line, shortened in the middle: TensorStore puts the OS's reason ("No
+  space left on device") at the end of a long line of paths."""
+  line = (str(error).splitlines() or [type(error).__name__])[0]
+  return line if len(line) <= limit else f"{line[:limit // 2]} ... {line[-limit // 2:]}"
+
+
 def data_fingerprint(data_state: dict) -> str:
   """SHA-256 of the data iterator's position, as canonical JSON."""
   return hashlib.sha256(json.dumps(data_state, sort_keys=True).encode()).hexdigest()
@@ -177,7 +184,7 @@ class Checkpointer:
     except CheckpointError:
       raise
     except Exception as error:  # noqa: BLE001  (Orbax and tensorstore raise many kinds)
-      reason = (str(error).splitlines() or [type(error).__name__])[0][:300]
+      reason = _first_line(error)
       latest = self.latest_committed()
       raise CheckpointError(
           f"saving step {self._saving} failed ({reason}); the newest committed checkpoint "
@@ -238,7 +245,7 @@ class Checkpointer:
     try:
       return self._manager.restore(step, args=ocp.args.Composite(**items))
     except Exception as error:  # noqa: BLE001  (Orbax and tensorstore raise many kinds)
-      reason = (str(error).splitlines() or [type(error).__name__])[0][:300]
+      reason = _first_line(error)
       if _not_about_the_files(error):
         raise CheckpointError(
             f"cannot read checkpoint {self.directory}/{step} ({reason}); this is not damage "
