@@ -25,10 +25,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-FIELDS = ("tokens", "targets", "loss_mask", "positions", "segment_ids", "token_index",
-          "answer_distance")
 # What a train step reads; the rest serve evaluators (data/retrieval.py) and stay on the host.
-TRAIN_FIELDS = FIELDS[:6]
+TRAIN_FIELDS = ("tokens", "targets", "loss_mask", "positions", "segment_ids", "token_index")
+FIELDS = (*TRAIN_FIELDS, "answer_distance")
 
 
 @dataclasses.dataclass

@@ -17,7 +17,7 @@ from trainer import console, loop, tracking, workdir
 from trainer.checkpointing import CheckpointError
 from trainer.config_check import ConfigError
 from trainer.loop import train
-from trainer.resume import compatibility_check
+from trainer.resume import compatibility_check, file_sha256
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -85,7 +85,7 @@ def test_another_tokenizer_file_is_refused(run, tiny_config, tmp_path):
   tokenizer.write_bytes(b"not the tokenizer the run was trained with")
   meta = json.loads(open(os.path.join(run, "checkpoints", "4", "meta", "metadata")).read())
   assert meta["config"]["model"]["d_ff"] == config.model.d_ff and meta["tokenizer_sha256"]
-  check = compatibility_check(config, run, str(tokenizer), [])
+  check = compatibility_check(config, run, str(tokenizer), file_sha256(str(tokenizer)), [])
   with pytest.raises(ConfigError, match="tokenizer file .* SHA-256 differs"):
     check(4, meta)
 

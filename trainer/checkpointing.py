@@ -298,7 +298,7 @@ class Checkpointer:
       actual, _ = _fingerprint_table(state)
     except Exception as error:  # noqa: BLE001  (an XLA error, e.g. out of device memory)
       raise CheckpointError(f"cannot fingerprint the restored step {step} to verify it "
-                            f"({str(error).splitlines()[0][:200]}); nothing was moved") from error
+                            f"({_first_line(error)}); nothing was moved") from error
     expected = meta.get("fingerprints", {})
     if set(actual) != set(expected):
       raise _Damaged(f"step {step}: arrays differ from the recorded fingerprints")

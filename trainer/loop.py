@@ -29,7 +29,7 @@ from trainer.optimizer import make_optimizer, make_schedule
 from trainer.provenance import run_provenance
 from trainer import workdir as workdir_lock
 from trainer.resume import (checkpoint_meta, compatibility_check, config_dict,
-                            config_path)
+                            config_path, file_sha256)
 from trainer.state import TrainState, abstract_state, init_state, shardings_of
 from trainer.step import eval_step, jit_train_step
 from trainer import wandb_tracker
@@ -61,19 +61,21 @@ def train(config: ml_collections.ConfigDict, workdir: str,
     if is_writer:
       workdir_lock.claim(workdir)
     try:
-      return _train(config, workdir, start_over, signals)
+      return _train(config, workdir, start_over, signals, is_writer)
     finally:
       if is_writer:
         workdir_lock.release(workdir)
 
 
-def _train(config, workdir: str, start_over: bool, signals: "_StopSignals") -> dict[str, Any]:
+def _train(config, workdir: str, start_over: bool, signals: "_StopSignals",
+           is_writer: bool) -> dict[str, Any]:
   mesh = parallelism.make_mesh(config.mesh)
   model_cfg, data_cfg = model_config(config), data_config(config)
-  is_writer = jax.process_index() == 0
   _prepare_data(data_cfg, is_writer)
   data.check_vocab(data_cfg, model_cfg.vocab_size)
   tokenizer_file = data.tokenizer_path(data_cfg)
+  tokenizer_sha256 = file_sha256(tokenizer_file)  # Read once: checked on restore, then stored.
+  provenance = run_provenance() if is_writer else None  # For config.json and W&B alike.
 
   iterator = _make_iterator(config, data_cfg, model_cfg, mesh, data_cfg.train_split)
   # Created after data preparation, and closed on every path: an Orbax manager left open
@@ -86,10 +88,10 @@ def _train(config, workdir: str, start_over: bool, signals: "_StopSignals") -> d
       parts = build_training(config, mesh)
       changes: list[str] = []
       restored = checkpointer.restore(
-          parts.abstract_state, compatibility_check(config, workdir, tokenizer_file, changes),
+          parts.abstract_state, compatibility_check(config, workdir, tokenizer_file, tokenizer_sha256, changes),
           start_over)
       if is_writer:  # After the restore: an older checkpoint is checked against the old one.
-        written = {**config_dict(config), "provenance": run_provenance()}
+        written = {**config_dict(config), "provenance": provenance}
         workdir_lock.write_atomically(config_path(workdir),
                                       json.dumps(written, indent=2, sort_keys=True))
       if restored:
@@ -105,9 +107,9 @@ def _train(config, workdir: str, start_over: bool, signals: "_StopSignals") -> d
       evaluator = data.evaluator_of(data_cfg)
       eval_fn = jax.jit(functools.partial(eval_step, model=parts.model, evaluator=evaluator),
                         in_shardings=(parts.shardings.params, parts.batch_sharding))
-      trackers = make_trackers(config, workdir) if is_writer else []
+      trackers = make_trackers(config, workdir, provenance) if is_writer else []
       run = _Run(config, model_cfg, mesh, checkpointer, trackers, iterator, eval_fn,
-                 evaluator, checkpoint_meta(config, tokenizer_file))
+                 evaluator, checkpoint_meta(config, tokenizer_sha256))
       try:
         summary = run.loop(state, parts.step_fn, start, signals)
         checkpointer.wait()  # An async save that failed raises here: the exit is non-zero.
@@ -125,11 +127,12 @@ def _train(config, workdir: str, start_over: bool, signals: "_StopSignals") -> d
   return summary
 
 
-def make_trackers(config: ml_collections.ConfigDict, workdir: str) -> list[Tracker]:
+def make_trackers(config: ml_collections.ConfigDict, workdir: str,
+                  provenance: dict[str, Any]) -> list[Tracker]:
   """The trackers of process 0 for this run: JSONL, console, and W&B unless disabled."""
   return [JsonlTracker(os.path.join(workdir, "metrics.jsonl")),
           ConsoleTracker(config.train.steps),
-          wandb_tracker.make(config, workdir)]
+          wandb_tracker.make(config, workdir, provenance)]
 
 
 class Training(NamedTuple):

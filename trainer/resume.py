@@ -53,10 +53,10 @@ def file_sha256(path: str) -> str:
   return digest.hexdigest()
 
 
-def checkpoint_meta(config: ml_collections.ConfigDict, tokenizer_file: str) -> dict[str, Any]:
+def checkpoint_meta(config: ml_collections.ConfigDict, tokenizer_sha256: str) -> dict[str, Any]:
   """What each checkpoint records about the run besides its arrays."""
   return {"seed": config.seed, "config": config_dict(config),
-          "tokenizer_sha256": file_sha256(tokenizer_file)}
+          "tokenizer_sha256": tokenizer_sha256}
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
@@ -91,10 +91,9 @@ def compare(stored: dict[str, Any], config: ml_collections.ConfigDict,
   return [f"{name}: {old.get(name)!r} -> {new.get(name)!r}" for name in changed]
 
 
-def compatibility_check(config: ml_collections.ConfigDict, workdir: str,
-                        tokenizer_file: str, report: list[str]) -> Callable[[int, dict], None]:
+def compatibility_check(config: ml_collections.ConfigDict, workdir: str, tokenizer_file: str,
+                        tokenizer_sha256: str, report: list[str]) -> Callable[[int, dict], None]:
   """The `check_compatible(step, meta)` a restore calls; appends allowed changes to `report`."""
-  tokenizer = file_sha256(tokenizer_file)
 
   def check(step: int, meta: dict) -> None:
     where = f"the checkpoint of step {step}"
@@ -110,7 +109,7 @@ def compatibility_check(config: ml_collections.ConfigDict, workdir: str,
     if stored is not None:
       report[:] = compare(stored, config, where)
     recorded = meta.get("tokenizer_sha256")
-    if recorded and recorded != tokenizer:
+    if recorded and recorded != tokenizer_sha256:
       raise ConfigError(f"the tokenizer file {tokenizer_file} is not the one {where} was "
                         f"trained with (its SHA-256 differs); point data.tokenizer at that "
                         f"file or use a new --workdir")

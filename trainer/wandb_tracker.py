@@ -32,6 +32,7 @@ import parallelism
 from trainer.config_check import WANDB_MODES
 from trainer.provenance import run_provenance
 from trainer.tracking import NoopTracker, Tracker, scrub, secret_values
+from trainer.workdir import write_atomically
 
 _STATE_FILE = "run.json"
 
@@ -114,8 +115,11 @@ class WandbTracker:
       _warn(f"W&B did not finish cleanly ({_first_line(error)})")
 
 
-def make(config: ml_collections.ConfigDict, workdir: str) -> Tracker:
-  """The W&B tracker of this run, or a no-op one when W&B is disabled or cannot start."""
+def make(config: ml_collections.ConfigDict, workdir: str,
+         provenance: dict[str, Any] | None = None) -> Tracker:
+  """The W&B tracker of this run, or a no-op one when W&B is disabled or cannot start.
+
+  `provenance` is the loop's `run_provenance()` (the same record as config.json's)."""
   mode = resolve_mode(config.wandb.mode)
   if mode == "disabled":
     return NoopTracker()
@@ -136,7 +140,7 @@ def make(config: ml_collections.ConfigDict, workdir: str) -> Tracker:
       "num_devices": jax.device_count(), "num_processes": jax.process_count(),
       "device_kind": jax.devices()[0].device_kind,
       "mesh": resolved_mesh(config.mesh.to_dict(), jax.device_count())}
-  logged_config["provenance"] = run_provenance()  # W&B's own git capture is off.
+  logged_config["provenance"] = provenance or run_provenance()  # W&B's git capture is off.
   kwargs = dict(project=scrub(config.wandb.project), entity=scrub(config.wandb.entity) or None,
                 name=name, group=group, tags=tags, job_type="train", config=logged_config,
                 id=run_id, resume="allow", dir=workdir)
@@ -200,10 +204,7 @@ def _load_state(path: str) -> dict[str, Any]:
 
 
 def _save_state(path: str, run_id: str, last_step: int) -> None:
-  tmp = path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump({"id": run_id, "last_step": last_step}, f)
-  os.replace(tmp, path)  # Atomic: a crash leaves the old or the new file, never half of one.
+  write_atomically(path, json.dumps({"id": run_id, "last_step": last_step}))
 
 
 def _first_line(error: BaseException) -> str:
