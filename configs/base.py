@@ -24,6 +24,18 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
   config.model.d_ff = 344  # SwiGLU hidden width.
   config.model.vocab_size = 512  # Embedding rows; must be >= the tokenizer's vocabulary.
   config.model.rope_theta = 10000.0  # RoPE base; long-context runs raise it.
+  # Rescaled RoPE frequencies for a context longer than the pretrained one, as `transformers`
+  # defines them (model/rope.py). Imported from a Hugging Face checkpoint's config.json.
+  config.model.rope_scaling = ml_collections.ConfigDict()
+  config.model.rope_scaling.type = "default"  # default, linear, llama3 or yarn.
+  config.model.rope_scaling.factor = 1.0  # Context growth: frequencies divided by up to this.
+  config.model.rope_scaling.original_max_len = 0  # llama3, yarn: the pretrained context length.
+  config.model.rope_scaling.low_freq_factor = 1.0  # llama3: band edge original_max_len / this.
+  config.model.rope_scaling.high_freq_factor = 4.0  # llama3: band edge original_max_len / this.
+  config.model.rope_scaling.beta_fast = 32.0  # yarn: rotations where interpolation stops.
+  config.model.rope_scaling.beta_slow = 1.0  # yarn: rotations where it is complete.
+  config.model.rope_scaling.attention_factor = 0.0  # yarn: logit temperature; 0: 0.1 ln(factor) + 1.
+  config.model.rope_scaling.truncate = True  # yarn: round the ramp's ends to whole dimensions.
   config.model.norm_eps = 1e-5  # RMSNorm epsilon.
   config.model.tie_embeddings = False  # Share the input embedding with the output projection.
   config.model.init_std = 0.02  # Std of the normal initialiser of every matrix.
@@ -77,6 +89,12 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
   config.data.corpus_seed = 0  # Seed the synthetic corpus is generated from.
   config.data.on_bad_file = "skip"  # text_files: skip (and count) or fail on unreadable files.
   config.data.prefetch = 2  # Batches prepared ahead in the background.
+
+  # Where the parameters start. A Hugging Face LLaMA checkpoint directory (config.json,
+  # *.safetensors, tokenizer.model) sets the model's shape, RoPE and tokenizer from its files
+  # and starts step 0 from its weights; empty starts from random weights (seed).
+  config.init = ml_collections.ConfigDict()
+  config.init.from_hf = ""
 
   config.train = ml_collections.ConfigDict()
   config.train.steps = 100  # Optimizer steps.

@@ -16,7 +16,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 import parallelism
 from model.config import ModelConfig
-from model.layers import Projection, apply_rope, constrain
+from model.layers import Projection, constrain
+from model.rope import apply_rope, frequencies
 
 
 def dense_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
@@ -59,9 +60,10 @@ class Attention(nn.Module):
     q_BSHD = project(cfg.num_heads, ("embed", "heads", "head_dim"), "query")
     k_BSKD = project(cfg.num_kv_heads, ("embed", "kv_heads", "head_dim"), "key")
     v_BSKD = project(cfg.num_kv_heads, ("embed", "kv_heads", "head_dim"), "value")
-    q_BSHD = constrain(apply_rope(q_BSHD, positions_BS, cfg.rope_theta),
+    inv_freq_F, rope_factor = frequencies(cfg.head_size, cfg.rope_theta, cfg.rope_scaling)
+    q_BSHD = constrain(apply_rope(q_BSHD, positions_BS, inv_freq_F, rope_factor),
                        ("activation_batch", "activation_seq", "activation_heads", None))
-    k_BSKD = constrain(apply_rope(k_BSKD, positions_BS, cfg.rope_theta),
+    k_BSKD = constrain(apply_rope(k_BSKD, positions_BS, inv_freq_F, rope_factor),
                        ("activation_batch", "activation_seq", "activation_kv_heads", None))
 
     if cfg.attention == "dense":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import parallelism
+from model.rope import RopeScaling
 
 ATTENTIONS = ("dense", "ring", "striped", "zigzag")
 
@@ -28,6 +29,7 @@ class ModelConfig:
   vocab_size: int
   head_dim: int = 0
   rope_theta: float = 10000.0
+  rope_scaling: RopeScaling = RopeScaling()
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
   init_std: float = 0.02
@@ -37,6 +39,11 @@ class ModelConfig:
   dtype: str = "bfloat16"
   param_dtype: str = "float32"
   remat: str = "none"
+
+  def __post_init__(self):
+    # `config.model.to_dict()` hands the nested block over as a dict; unknown keys fail here.
+    if isinstance(self.rope_scaling, dict):
+      object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
 
   @property
   def head_size(self) -> int:

@@ -1,4 +1,4 @@
-"""Decoder building blocks: RMSNorm, rotary embeddings, SwiGLU, and parameter initialisers.
+"""Decoder building blocks: RMSNorm, SwiGLU, and parameter initialisers (RoPE: model/rope.py).
 
 Every parameter carries logical axis names (`embed`, `heads`, `kv_heads`, `head_dim`, `mlp`,
 `vocab`, `norm`); the rules table in the config maps them to mesh axes.
@@ -56,21 +56,6 @@ class RMSNorm(nn.Module):
     normed_BSE = x32_BSE * jax.lax.rsqrt(
         jnp.mean(jnp.square(x32_BSE), axis=-1, keepdims=True) + self.cfg.norm_eps)
     return (normed_BSE * scale_E).astype(self.cfg.dtype)
-
-
-def apply_rope(x_BSHD: jax.Array, positions_BS: jax.Array, theta: float) -> jax.Array:
-  """Rotates pairs (x[i], x[i + D/2]) by angle position * theta^(-2i/D).
-
-  Positions come from the batch, not from the array index: they restart per packed
-  document and survive the layout permutation, so the rotation is the same in any layout.
-  """
-  half = x_BSHD.shape[-1] // 2
-  inv_freq_F = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angle_BSF = positions_BS.astype(jnp.float32)[..., None] * inv_freq_F
-  sin_BS1F, cos_BS1F = jnp.sin(angle_BSF)[:, :, None], jnp.cos(angle_BSF)[:, :, None]
-  x1, x2 = jnp.split(x_BSHD.astype(jnp.float32), 2, axis=-1)
-  rotated = jnp.concatenate([x1 * cos_BS1F - x2 * sin_BS1F, x2 * cos_BS1F + x1 * sin_BS1F], -1)
-  return rotated.astype(x_BSHD.dtype)
 
 
 class SwiGLU(nn.Module):

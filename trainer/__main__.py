@@ -28,9 +28,10 @@ import ml_collections
 from ml_collections import config_flags
 
 import data
-from trainer import distributed
+from trainer import distributed, hf_import
 from trainer.config_check import ConfigError, check_config
 from trainer.checkpointing import CheckpointError
+from model.hf_format import HFFormatError
 from trainer.loop import NonFiniteError, StoppedBeforeTraining, train
 from trainer.tracking import TrackingError
 from trainer.workdir import WorkdirError
@@ -119,6 +120,8 @@ def main(argv: list[str]) -> None:
   logging.get_absl_logger().addFilter(console.OrbaxTracebackOnce())
   config = _config()
   try:
+    if config.init.from_hf:  # Sets the model's shape and tokenizer: before any check or plan.
+      print(hf_import.apply_to_config(config), flush=True)
     if _DRY_RUN.value:
       # Imported here: the planner sets up fake CPU devices before JAX's backend starts.
       from trainer import dry_run  # pylint: disable=g-import-not-at-top
@@ -138,7 +141,7 @@ def main(argv: list[str]) -> None:
   except StoppedBeforeTraining as stopped:
     print(stopped, flush=True)
   except (ConfigError, data.DataError, CheckpointError, NonFiniteError, WorkdirError,
-          TrackingError) as error:
+          TrackingError, HFFormatError) as error:
     sys.exit(f"error: {error}")
 
 

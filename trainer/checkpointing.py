@@ -123,7 +123,10 @@ class Checkpointer:
   """Saves every `every_steps` (and when forced), keeps the newest `keep`, restores the newest
   good one."""
 
-  def __init__(self, workdir: str, every_steps: int, keep: int, use_async: bool):
+  def __init__(self, workdir: str, every_steps: int, keep: int, use_async: bool,
+               read_only: bool = False):
+    """`read_only` (exports, inspection) writes nothing and leaves a running save's temporary
+    directory alone; a training run's checkpointer removes crashed saves' leftovers."""
     self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
     self.every_steps = every_steps
     self._saving: int | None = None  # The step of the newest save started.
@@ -131,8 +134,9 @@ class Checkpointer:
     self._manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=use_async, create=True,
-            cleanup_tmp_directories=True,  # Leftovers of a crashed save are removed.
+            max_to_keep=None if read_only else keep, enable_async_checkpointing=use_async,
+            create=not read_only, read_only=read_only,
+            cleanup_tmp_directories=not read_only,  # Leftovers of a crashed save are removed.
             save_interval_steps=1),  # The loop decides when; see `due`.
         item_handlers={"state": ocp.StandardCheckpointHandler(),  # Handlers, not names:
                        "data": ocp.JsonCheckpointHandler(),  # item_metadata reads shapes
@@ -238,6 +242,24 @@ class Checkpointer:
           f"{', ...' if len(set_aside) > 3 else ''}): refusing to start from step 0 without a "
           f"word; inspect them, then pass --start_over_from_step_0 to train from scratch here")
     return None
+
+  def steps(self) -> list[int]:
+    return sorted(self._manager.all_steps())
+
+  def read_step(self, step: int, abstract_state_of: Callable[[dict], Any]) -> tuple[Any, dict]:
+    """(state, meta) of one step, verified against its fingerprints; moves nothing, so a
+    damaged step is an error here. `abstract_state_of(meta)` gives the target shapes and
+    shardings from the step's stored config."""
+    try:
+      meta = self._read(step, meta=ocp.args.JsonRestore()).meta
+      abstract_state = abstract_state_of(meta)
+      self._check_shapes(step, abstract_state)
+      state = self._read(step, state=ocp.args.StandardRestore(abstract_state)).state
+      self._verify(step, state, meta)
+    except _Damaged as error:
+      raise CheckpointError(f"checkpoint {self.directory}/{step} is damaged ({error}); "
+                            f"nothing was moved") from error
+    return state, meta
 
   def _read(self, step: int, **items) -> Any:
     """Restores the named items of one step; a failure to read them is damage, unless it

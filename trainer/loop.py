@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
 from jax.experimental import multihost_utils
@@ -23,7 +24,7 @@ from jax.experimental import multihost_utils
 import data
 import parallelism
 from model import Decoder, ModelConfig
-from trainer import flops
+from trainer import flops, hf_import
 from trainer.checkpointing import CheckpointError, Checkpointer
 from trainer.optimizer import make_optimizer, make_schedule
 from trainer.provenance import run_provenance
@@ -102,8 +103,7 @@ def _train(config, workdir: str, start_over: bool, signals: "_StopSignals",
                 + (f"; changed: {', '.join(changes)}" if changes else ""), flush=True)
       else:
         start = 0
-        state = init_state(parts.model, parts.optimizer, parts.shardings, config.seed,
-                           parts.init_rows, data_cfg.seq_len)
+        state = _initial_state(config, model_cfg, parts, data_cfg.seq_len, is_writer)
       evaluator = data.evaluator_of(data_cfg)
       eval_fn = jax.jit(functools.partial(eval_step, model=parts.model, evaluator=evaluator),
                         in_shardings=(parts.shardings.params, parts.batch_sharding))
@@ -125,6 +125,20 @@ def _train(config, workdir: str, start_over: bool, signals: "_StopSignals",
     for tracker in trackers:
       tracker.close()
   return summary
+
+
+def _initial_state(config, model_cfg: ModelConfig, parts: "Training", seq_len: int,
+                   is_writer: bool) -> TrainState:
+  """Step 0's state: random weights from the seed, or a Hugging Face checkpoint's."""
+  if not config.init.from_hf:
+    return init_state(parts.model, parts.optimizer, parts.shardings, config.seed,
+                      parts.init_rows, seq_len)
+  log = (lambda line: print(line, flush=True)) if is_writer else (lambda line: None)
+  log(f"loading weights from {config.init.from_hf}")
+  params = hf_import.load_params(config.init.from_hf, model_cfg, parts.abstract_state.params,
+                                 log)
+  opt_state = jax.jit(parts.optimizer.init, out_shardings=parts.shardings.opt_state)(params)
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
 
 
 def make_trackers(config: ml_collections.ConfigDict, workdir: str,

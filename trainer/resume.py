@@ -33,7 +33,9 @@ MAY_CHANGE = (
     "train.log_every", "train.eval_every", "train.eval_steps", "train.lr",
     "train.schedule_steps", "train.min_lr_ratio", "train.warmup_steps", "train.weight_decay",
     "train.b1", "train.b2", "train.grad_clip",
-    "data.data_dir", "data.tokenizer", "data.prefetch", "data.eval_split")
+    "data.data_dir", "data.tokenizer", "data.prefetch", "data.eval_split",
+    # Where step 0's weights came from: a resumed run starts from its checkpoint instead.
+    "init.")
 
 
 def config_path(workdir: str) -> str:

@@ -1,0 +1,170 @@
+"""Hugging Face LLaMA checkpoints: imported weights compute the logits `transformers` recorded
+(tests/hf_fixtures, made by scripts/make_hf_fixture.py), and a bad checkpoint stops in one line."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import parallelism
+from configs import base
+from model import Decoder
+from model.hf_format import HFFormatError
+from trainer import export, hf_import
+from trainer.loop import model_config, train
+from trainer.optimizer import make_optimizer
+from trainer.state import abstract_state
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURE_DIR = os.path.join(ROOT, "tests", "hf_fixtures")
+FIXTURES = sorted(name for name in os.listdir(FIXTURE_DIR)
+                  if os.path.isdir(os.path.join(FIXTURE_DIR, name)))
+MESHES = {"dense": dict(fsdp=8, sequence=1), "striped": dict(fsdp=1, sequence=8)}
+
+
+def imported_config(directory: str, attention: str = "dense"):
+  config = base.get_config()
+  config.init.from_hf = directory
+  config.model.attention = attention
+  config.model.attention_tile = 8
+  config.model.dtype = "float32"
+  for axis, size in MESHES[attention].items():
+    config.mesh[axis] = size
+  summary = hf_import.apply_to_config(config)
+  return config, summary
+
+
+def imported_logits(directory: str, attention: str) -> tuple[np.ndarray, np.ndarray]:
+  """(our logits, the recorded ones) for the fixture's recorded input."""
+  config, _ = imported_config(directory, attention)
+  expected = load_file(os.path.join(directory, "expected.safetensors"))
+  tokens = expected["input_ids"][None]
+  seq_len = tokens.shape[1]
+  mesh = parallelism.make_mesh(config.mesh)
+  cfg = model_config(config)
+  model = Decoder(cfg)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(config.mesh.rules):
+    state = abstract_state(model, make_optimizer(config.train), mesh, config.mesh.rules, 1,
+                           seq_len)
+    params = hf_import.load_params(directory, cfg, state.params, log=lambda line: None)
+    index = np.arange(seq_len, dtype=np.int32)[None]
+    shards = mesh.shape["sequence"]
+    inputs = [parallelism.permute(x, cfg.layout, shards)
+              for x in (tokens.astype(np.int32), index, index, np.ones_like(index))]
+    logits = jax.jit(model.apply)({"params": params}, *map(jnp.asarray, inputs))
+  return parallelism.unpermute(np.asarray(logits), cfg.layout, shards)[0], expected["logits"]
+
+
+@pytest.mark.parametrize("attention", ["dense", "striped"])
+@pytest.mark.parametrize("fixture", FIXTURES)
+def test_imported_weights_give_the_recorded_logits(fixture, attention):
+  ours, recorded = imported_logits(os.path.join(FIXTURE_DIR, fixture), attention)
+  relative = np.max(np.abs(ours - recorded)) / np.max(np.abs(recorded))
+  assert relative < 1e-4, f"{fixture} {attention}: max relative logit error {relative:.2e}"
+
+
+def test_the_config_comes_from_the_checkpoint():
+  config, summary = imported_config(os.path.join(FIXTURE_DIR, "llama3_rope"))
+  m = config.model
+  assert (m.num_layers, m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.d_ff,
+          m.vocab_size) == (2, 64, 4, 1, 32, 160, 384)
+  assert m.rope_theta == 500000.0 and m.rope_scaling.type == "llama3"
+  assert m.rope_scaling.original_max_len == 32 and m.rope_scaling.factor == 8.0
+  assert config.data.tokenizer.endswith("llama3_rope/tokenizer.model")
+  assert "llama3 x8" in summary
+
+
+def _copy(fixture: str, tmp_path) -> str:
+  directory = str(tmp_path / fixture)
+  shutil.copytree(os.path.join(FIXTURE_DIR, fixture), directory)
+  return directory
+
+
+def _edit_config(directory: str, **changes) -> None:
+  path = os.path.join(directory, "config.json")
+  with open(path) as f:
+    hf_config = json.load(f)
+  hf_config.update(changes)
+  with open(path, "w") as f:
+    json.dump(hf_config, f)
+
+
+def _rewrite_tensors(directory: str, edit) -> None:
+  path = os.path.join(directory, "model.safetensors")
+  tensors = load_file(path)
+  edit(tensors)
+  save_file(tensors, path, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: _edit_config(d, model_type="gpt2"), "model_type='gpt2' is not a LLaMA-family"),
+    (lambda d: _edit_config(d, attention_bias=True), "attention_bias=true"),
+    (lambda d: _edit_config(d, rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}),
+     "rope type 'longrope' is not supported"),
+    (lambda d: _edit_config(d, intermediate_size=128),
+     "tensor model.layers.0.mlp.gate_proj.weight has shape (160, 64), but config.json implies "
+     "(128, 64)"),
+    (lambda d: _rewrite_tensors(d, lambda t: t.pop("model.layers.1.self_attn.k_proj.weight")),
+     "tensor model.layers.1.self_attn.k_proj.weight is missing"),
+    (lambda d: os.remove(os.path.join(d, "tokenizer.model")), "has no tokenizer.model"),
+    (lambda d: os.remove(os.path.join(d, "model.safetensors")),
+     "holds neither model.safetensors nor model.safetensors.index.json"),
+], ids=["not_llama", "bias", "rope_type", "shape", "missing_tensor", "no_tokenizer",
+        "no_weights"])
+def test_a_bad_checkpoint_stops_in_one_line_naming_it(tmp_path, damage, message):
+  directory = _copy("llama_tied_linear", tmp_path)
+  damage(directory)
+  with pytest.raises(HFFormatError, match="^[^\n]*$") as error:
+    imported_config(directory)
+  assert message in str(error.value)
+
+
+def test_a_run_starts_from_the_checkpoint_and_exports_it_back_tensor_for_tensor(
+    tmp_path, tiny_config):
+  """Step 1 at learning rate 0 (the warmup's first) keeps the imported weights: the exported
+  files equal the checkpoint's, name for name and bit for bit, in bf16 shards."""
+  source = os.path.join(FIXTURE_DIR, "llama_tied_linear")
+  config = tiny_config(**{"init.from_hf": source, "train.steps": 1, "train.warmup_steps": 1})
+  hf_import.apply_to_config(config)
+  workdir, out = str(tmp_path / "run"), str(tmp_path / "exported")
+  summary = train(config, workdir)
+  assert summary["steps"] == 1 and np.isfinite(summary["last_loss"])
+  lines = []
+  export.export(workdir, out, dtype="bfloat16", max_shard_bytes=100_000, log=lines.append)
+  original = load_file(os.path.join(source, "model.safetensors"))
+  written = {}
+  with open(os.path.join(out, "model.safetensors.index.json")) as f:
+    files = set(json.load(f)["weight_map"].values())
+  assert len(files) > 1 and sum(line.startswith("  wrote") for line in lines) == len(files)
+  for file in files:
+    written.update(load_file(os.path.join(out, file)))
+  assert written.keys() == original.keys()  # Tied: no lm_head.weight in either.
+  for name, tensor in original.items():
+    assert written[name].dtype == tensor.dtype and np.array_equal(written[name], tensor), name
+  with open(os.path.join(out, "config.json")) as f:
+    hf_config = json.load(f)
+  with open(os.path.join(source, "config.json")) as f:
+    source_config = json.load(f)
+  for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "intermediate_size", "vocab_size", "tie_word_embeddings", "rope_parameters"):
+    assert hf_config[key] == source_config[key], key
+  assert hf_config["max_position_embeddings"] == config.data.seq_len
+
+
+def test_export_refuses_a_missing_step_in_one_line(tmp_path):
+  os.makedirs(tmp_path / "run" / "checkpoints")
+  result = subprocess.run(
+      [sys.executable, "-m", "trainer.export", f"--workdir={tmp_path / 'run'}",
+       f"--out={tmp_path / 'out'}"], capture_output=True, text=True, cwd=ROOT)
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines() == [
+      f"error: --workdir={tmp_path / 'run'} holds no committed checkpoint"]
+  assert not os.path.exists(tmp_path / "out")

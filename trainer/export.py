@@ -1,0 +1,195 @@
+"""One checkpoint step as a Hugging Face LLaMA directory that `transformers` loads.
+
+    python -m trainer.export --workdir runs/tiny_cpu --out /tmp/tiny_hf [--step 100]
+        [--dtype bfloat16|float32] [--tokenizer PATH] [--max_shard_gib 5]
+
+Writes config.json (the current `rope_parameters` form, with the run's RoPE scaling and its
+trained length as max_position_embeddings), the weights as model.safetensors or as shards
+with model.safetensors.index.json, and the run's SentencePiece tokenizer.model (checked
+against the hash the checkpoint recorded). The step is read with a read-only checkpointer
+and verified against its fingerprints; a run training in the same workdir is not disturbed.
+Everything is written into a temporary sibling of `--out` and renamed into place at the end,
+so an interrupted export leaves no half-written directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+
+import flax.linen as nn
+import jax
+import ml_collections
+import ml_dtypes
+import numpy as np
+import sentencepiece
+from absl import app, flags, logging
+from safetensors.numpy import save_file
+
+import data
+import parallelism
+from model import Decoder
+from model.hf_format import hf_config_of, hf_shapes, tensor_names, to_hf
+from trainer.checkpointing import CheckpointError, Checkpointer
+from trainer.loop import data_config, model_config
+from trainer.optimizer import make_optimizer
+from trainer.resume import file_sha256
+from trainer.state import abstract_state
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory holding checkpoints/.")
+_OUT = flags.DEFINE_string("out", None, "Directory to write (must not exist, or be empty).")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step; default the newest.")
+_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Stored weight dtype.")
+_TOKENIZER = flags.DEFINE_string(
+    "tokenizer", None, "SentencePiece model to ship; default the run's own (data.tokenizer, or "
+    "the one preparation trained under data.data_dir).")
+_MAX_SHARD_GIB = flags.DEFINE_float("max_shard_gib", 5.0, "Largest safetensors file.")
+
+
+class ExportError(RuntimeError):
+  """An export that cannot be done; the message names the flag or file to fix."""
+
+
+def export(workdir: str, out: str, step: int | None = None, dtype: str = "bfloat16",
+           tokenizer: str | None = None, max_shard_bytes: int = 5 << 30,
+           log=print) -> str:
+  """Writes step `step` (default the newest) of `workdir` to `out`; returns a summary line."""
+  if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+    raise ExportError(f"--out={out} already exists and is not an empty directory")
+  if not os.path.isdir(os.path.join(workdir, "checkpoints")):
+    raise ExportError(f"--workdir={workdir} has no checkpoints/ directory")
+  checkpointer = Checkpointer(workdir, 1, 1, use_async=False, read_only=True)
+  try:
+    steps = checkpointer.steps()
+    if not steps:
+      raise ExportError(f"--workdir={workdir} holds no committed checkpoint")
+    step = steps[-1] if step is None else step
+    if step not in steps:
+      raise ExportError(f"--step={step} is not a checkpoint of {workdir}; it holds steps "
+                        f"{', '.join(map(str, steps))}")
+    # Every local device on fsdp: what the parameters need, whatever mesh trained them.
+    mesh = parallelism.make_mesh({"data": 1, "fsdp": -1, "sequence": 1, "tensor": 1})
+    found = {}
+
+    def abstract_state_of(meta):
+      config = ml_collections.ConfigDict(meta["config"])
+      config.model.attention = "dense"  # The parameters are the same under every layout.
+      rules = tuple((name, tuple(axes) if isinstance(axes, list) else axes)
+                    for name, axes in config.mesh.rules)
+      found.update(config=config, rules=rules)
+      with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        return abstract_state(Decoder(model_config(config)), make_optimizer(config.train),
+                              mesh, rules, jax.device_count(), config.data.seq_len)
+
+    log(f"reading {checkpointer.directory}/{step}")
+    state, meta = checkpointer.read_step(step, abstract_state_of)
+  finally:
+    checkpointer.close()
+
+  config = found["config"]
+  cfg = model_config(config)
+  tokenizer = tokenizer or _run_tokenizer(data.tokenizer_path(data_config(config)),
+                                          meta.get("tokenizer_sha256"))
+  pieces = sentencepiece.SentencePieceProcessor(model_file=tokenizer)
+  np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
+
+  def hf_tensors():
+    """(name, array) of every tensor, one parameter leaf on the host at a time."""
+    for tensor in tensor_names(cfg):
+      leaf = state.params
+      for key in tensor.path:
+        leaf = leaf[key]
+      host = np.asarray(jax.device_get(leaf))
+      layers = list(host) if tensor.layered else [host]
+      for name, layer in zip(tensor.hf_names(cfg.num_layers), layers):
+        yield name, to_hf(layer, tensor.in_dims).astype(np_dtype)
+
+  partial = f"{out.rstrip('/')}.partial-{os.getpid()}"
+  shutil.rmtree(partial, ignore_errors=True)
+  os.makedirs(partial)
+  try:
+    plan = _shard_plan(hf_shapes(cfg), np.dtype(np_dtype).itemsize, max_shard_bytes)
+    total = _write_shards(hf_tensors(), plan, partial, log)
+    hf_config = hf_config_of(cfg, config.data.seq_len, pieces.bos_id(), pieces.eos_id(), dtype)
+    with open(os.path.join(partial, "config.json"), "w") as f:
+      json.dump(hf_config, f, indent=2)
+    shutil.copyfile(tokenizer, os.path.join(partial, "tokenizer.model"))
+    if os.path.isdir(out):
+      os.rmdir(out)  # Empty, checked above.
+    os.rename(partial, out)
+  except BaseException:
+    shutil.rmtree(partial, ignore_errors=True)
+    raise
+  return (f"exported step {step} of {workdir} to {out}: {len(set(plan.values()))} "
+          f"safetensors file(s), "
+          f"{total / 2**20:.1f} MiB {dtype}, tokenizer {tokenizer}")
+
+
+def _run_tokenizer(path: str, recorded_sha256: str | None) -> str:
+  if not os.path.isfile(path):
+    raise ExportError(f"the run's tokenizer {path} is not there (data paths are relative to "
+                      f"where the run started); pass --tokenizer=PATH")
+  if recorded_sha256 and file_sha256(path) != recorded_sha256:
+    raise ExportError(f"{path} is not the tokenizer this checkpoint was trained with (its "
+                      f"SHA-256 differs from the recorded one); pass --tokenizer=PATH")
+  return path
+
+
+def _shard_plan(shapes: dict[str, tuple[int, ...]], itemsize: int,
+                max_shard_bytes: int) -> dict[str, str]:
+  """Tensor name -> file, in writing order, files of at most `max_shard_bytes` (a tensor
+  larger than that gets its own), named as `transformers` names them."""
+  shard_of, shard, size = {}, 0, 0
+  for name, shape in shapes.items():
+    nbytes = int(np.prod(shape)) * itemsize
+    if size and size + nbytes > max_shard_bytes:
+      shard, size = shard + 1, 0
+    shard_of[name] = shard
+    size += nbytes
+  count = shard + 1
+  if count == 1:
+    return {name: "model.safetensors" for name in shard_of}
+  return {name: f"model-{i + 1:05d}-of-{count:05d}.safetensors" for name, i in shard_of.items()}
+
+
+def _write_shards(tensors, plan: dict[str, str], directory: str, log) -> int:
+  """Streams (name, array) pairs into the planned files, holding one file's tensors at a
+  time; returns the bytes written."""
+  shard: dict[str, np.ndarray] = {}
+  total, start = 0, time.perf_counter()
+
+  def flush():
+    file = plan[next(iter(shard))]
+    save_file(shard, os.path.join(directory, file), metadata={"format": "pt"})
+    log(f"  wrote {file} ({len(shard)} tensors, {time.perf_counter() - start:.1f} s)")
+    shard.clear()
+
+  for name, array in tensors:
+    if shard and plan[name] != plan[next(iter(shard))]:
+      flush()
+    shard[name] = array
+    total += array.nbytes
+  flush()
+  if len(set(plan.values())) > 1:
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+      json.dump({"metadata": {"total_size": total}, "weight_map": plan}, f, indent=2)
+  return total
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  # Orbax announces a read-only manager with warnings; the export says what it does itself.
+  logging.set_verbosity(logging.ERROR)
+  try:
+    print(export(_WORKDIR.value, _OUT.value, _STEP.value, _DTYPE.value, _TOKENIZER.value,
+                 int(_MAX_SHARD_GIB.value * 2**30)), flush=True)
+  except (ExportError, CheckpointError) as error:
+    sys.exit(f"error: {error}")
+
+
+if __name__ == "__main__":
+  flags.mark_flags_as_required(["workdir", "out"])
+  app.run(main)

@@ -1,0 +1,178 @@
+"""Starting a run from a Hugging Face LLaMA checkpoint directory (`config.init.from_hf`).
+
+Two stages, so that a bad checkpoint stops before anything is claimed or compiled:
+
+- `apply_to_config`, before JAX touches a device: reads config.json and every safetensors
+  header (not the data), sets the model's architecture, RoPE and tokenizer from them, and
+  checks that every tensor the model needs is there with the shape config.json implies.
+- `load_params`, inside the run: reads the tensors one at a time and writes each onto the
+  mesh with its parameter's sharding. The host holds one tensor (and its float32 copy) at a
+  time; a stacked layer parameter is filled on the devices one layer at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, which safetensors' reader needs)
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from safetensors import safe_open
+
+from model.config import ModelConfig
+from model.hf_format import HFFormatError, hf_shapes, model_fields, tensor_names, to_ours
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+TOKENIZER_FILE = "tokenizer.model"
+
+
+def apply_to_config(config: ml_collections.ConfigDict) -> str:
+  """Sets `config.model`'s architecture and RoPE, and `config.data.tokenizer` unless set,
+  from the checkpoint in `config.init.from_hf`; returns a one-line summary to print."""
+  directory = config.init.from_hf
+  where = f"init.from_hf={directory}"
+  if not os.path.isdir(directory):
+    raise HFFormatError(f"{where}: not a directory")
+  config_file = os.path.join(directory, "config.json")
+  try:
+    with open(config_file) as f:
+      hf_config = json.load(f)
+  except (OSError, json.JSONDecodeError) as error:
+    raise HFFormatError(f"{where}: cannot read config.json ({error})") from None
+  for key, value in model_fields(hf_config, config_file).items():
+    if key == "rope_scaling":
+      for field, field_value in value.items():
+        config.model.rope_scaling[field] = field_value
+    else:
+      config.model[key] = value
+  if not config.data.tokenizer:
+    config.data.tokenizer = _tokenizer_file(directory)
+  check_tensors(directory, ModelConfig(**config.model.to_dict()))
+  m = config.model
+  scaling = m.rope_scaling.type + (f" x{m.rope_scaling.factor:g}"
+                                   if m.rope_scaling.type != "default" else "")
+  return (f"starting from {directory}: {m.num_layers} layers, d_model {m.d_model}, heads "
+          f"{m.num_heads}/{m.num_kv_heads} kv, vocab {m.vocab_size}, RoPE theta "
+          f"{m.rope_theta:g} {scaling}; tokenizer {config.data.tokenizer}")
+
+
+def _tokenizer_file(directory: str) -> str:
+  path = os.path.join(directory, TOKENIZER_FILE)
+  if os.path.isfile(path):
+    return path
+  has_json = os.path.isfile(os.path.join(directory, "tokenizer.json"))
+  raise HFFormatError(
+      f"init.from_hf={directory} has no {TOKENIZER_FILE}"
+      + (" (only tokenizer.json, a Hugging Face tokenizers file)" if has_json else "")
+      + ": the data pipeline tokenizes with SentencePiece; set data.tokenizer to a SentencePiece"
+        " model whose ids are the checkpoint's (LLaMA 1/2 ship one; LLaMA 3's tiktoken "
+        "vocabulary has none)")
+
+
+def tensor_files(directory: str) -> dict[str, str]:
+  """Tensor name -> the safetensors file holding it (sharded checkpoints list them in an index)."""
+  index_path = os.path.join(directory, INDEX_FILE)
+  if os.path.isfile(index_path):
+    try:
+      with open(index_path) as f:
+        weight_map = json.load(f)["weight_map"]
+    except (OSError, json.JSONDecodeError, KeyError) as error:
+      raise HFFormatError(f"{index_path}: cannot read its weight_map ({error})") from None
+    return {name: os.path.join(directory, file) for name, file in weight_map.items()}
+  single = os.path.join(directory, SINGLE_FILE)
+  if os.path.isfile(single):
+    with safe_open(single, framework="numpy") as f:
+      return {name: single for name in f.keys()}
+  raise HFFormatError(
+      f"init.from_hf={directory} holds neither {SINGLE_FILE} nor {INDEX_FILE} (a "
+      f"pytorch_model.bin checkpoint must be converted to safetensors first)")
+
+
+def check_tensors(directory: str, cfg: ModelConfig) -> None:
+  """Every tensor `cfg` needs is in the checkpoint with the shape its config.json implies.
+
+  Reads only the safetensors headers."""
+  files = tensor_files(directory)
+  expected = hf_shapes(cfg)
+  for name in expected:
+    if name not in files:
+      raise HFFormatError(f"init.from_hf={directory}: tensor {name} is missing")
+  by_file: dict[str, list[str]] = {}
+  for name in expected:
+    by_file.setdefault(files[name], []).append(name)
+  for path, names in by_file.items():
+    try:
+      with safe_open(path, framework="numpy") as f:
+        present = set(f.keys())
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in names if name in present}
+    except Exception as error:  # OSError, or safetensors' own SafetensorError for a bad header.
+      raise HFFormatError(f"{path}: cannot read ({error})") from None
+    for name in names:
+      if name not in shapes:
+        raise HFFormatError(f"{path}: tensor {name} is missing (the index names this file)")
+      if shapes[name] != expected[name]:
+        raise HFFormatError(f"{path}: tensor {name} has shape {shapes[name]}, but config.json "
+                            f"implies {expected[name]}")
+
+
+def load_params(directory: str, cfg: ModelConfig, abstract_params: Any,
+                log: Callable[[str], None] = print) -> Any:
+  """The checkpoint's weights as the model's parameters, each with its abstract leaf's dtype
+  and sharding."""
+  files = tensor_files(directory)
+  with contextlib.ExitStack() as open_files:
+    handles = {path: open_files.enter_context(safe_open(path, framework="numpy"))
+               for path in set(files.values())}
+    return _load_all(cfg, abstract_params, lambda name: handles[files[name]].get_tensor(name),
+                     log)
+
+
+def _load_all(cfg: ModelConfig, abstract_params: Any, read: Callable[[str], np.ndarray],
+              log: Callable[[str], None]) -> Any:
+  start = time.perf_counter()
+  params: dict = {}
+  names = tensor_names(cfg)
+  for number, tensor in enumerate(names, 1):
+    leaf = _lookup(abstract_params, tensor.path)
+    if tensor.layered:
+      value = _load_layered(tensor.hf_names(cfg.num_layers), tensor.in_dims, leaf, read)
+    else:
+      value = jax.device_put(to_ours(read(tensor.hf_name), leaf.shape, tensor.in_dims)
+                             .astype(leaf.dtype), leaf.sharding)
+    _insert(params, tensor.path, value)
+    log(f"  loaded {number}/{len(names)} {'/'.join(tensor.path)} {tuple(leaf.shape)} "
+        f"({time.perf_counter() - start:.1f} s)")
+  return params
+
+
+def _load_layered(hf_names: list[str], in_dims: int, leaf, read) -> jax.Array:
+  sharding = leaf.sharding
+  layer_sharding = NamedSharding(sharding.mesh, P(*sharding.spec[1:]))
+  stack = jax.jit(lambda: jnp.zeros(leaf.shape, leaf.dtype), out_shardings=sharding)()
+  set_layer = jax.jit(lambda stack, layer, i: stack.at[i].set(layer), donate_argnums=0,
+                      out_shardings=sharding)
+  for i, name in enumerate(hf_names):
+    layer = jax.device_put(to_ours(read(name), leaf.shape[1:], in_dims).astype(leaf.dtype),
+                           layer_sharding)
+    stack = set_layer(stack, layer, i)
+  return stack
+
+
+def _lookup(tree, path):
+  for key in path:
+    tree = tree[key]
+  return tree
+
+
+def _insert(tree: dict, path, value) -> None:
+  for key in path[:-1]:
+    tree = tree.setdefault(key, {})
+  tree[path[-1]] = value
