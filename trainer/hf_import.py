@@ -12,7 +12,6 @@ Two stages, so that a bad checkpoint stops before anything is claimed or compile
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
@@ -128,11 +127,14 @@ def load_params(directory: str, cfg: ModelConfig, abstract_params: Any,
   """The checkpoint's weights as the model's parameters, each with its abstract leaf's dtype
   and sharding."""
   files = tensor_files(directory)
-  with contextlib.ExitStack() as open_files:
-    handles = {path: open_files.enter_context(safe_open(path, framework="numpy"))
-               for path in set(files.values())}
-    return _load_all(cfg, abstract_params, lambda name: handles[files[name]].get_tensor(name),
-                     log)
+
+  def read(name: str) -> np.ndarray:
+    # Opened per tensor: safetensors maps the file, and pages of a mapping held open count
+    # as this process's memory until it is closed (a whole checkpoint, read to the end).
+    with safe_open(files[name], framework="numpy") as f:
+      return f.get_tensor(name)
+
+  return _load_all(cfg, abstract_params, read, log)
 
 
 def _load_all(cfg: ModelConfig, abstract_params: Any, read: Callable[[str], np.ndarray],
