@@ -12,8 +12,10 @@ ARGS ?=
 train: $(STAMP)
 	$(VENV)/bin/python -m trainer --config configs/tiny_cpu.py $(ARGS)
 
+# Two workers: most tests wait on one single-threaded XLA compile, so two cores overlap two.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q $(ARGS)
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) $(ARGS)
 
 # Striped vs ring with one process per core (scripts/compare_demo.py): the gain the tiny
 # default cannot show.

@@ -2,6 +2,7 @@
 metrics.jsonl after a crash or a full disk, and the one-line errors around them."""
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -335,3 +336,27 @@ def test_closed_loop_echoes_are_one_line_and_other_errors_pass(capsys):
   echoes.unraisablehook(SimpleNamespace(exc_value=other))
   assert passed == [other] and echoes.count == 6
   assert capsys.readouterr().err.count("'Event loop is closed' errors are not shown") == 1
+
+
+def test_orbax_writes_logged_by_asyncio_keep_one_traceback():
+  """A full disk on a busy machine: asyncio logs each abandoned Orbax write ('exception was
+  never retrieved', traceback through Orbax's code); only the first Orbax traceback stays."""
+  def orbax_failure():
+    try:
+      exec(compile("raise ValueError('No space left on device')",  # pylint: disable=exec-used
+                   os.path.join(os.sep, "site-packages", "orbax", "serialization.py"), "exec"))
+    except ValueError:
+      return sys.exc_info()
+
+  def record(pathname, exc_info):
+    return logging.LogRecord("asyncio", logging.ERROR, pathname, 1, "Future exception was never "
+                             "retrieved", None, exc_info)
+
+  once = console.OrbaxTracebackOnce()
+  records = [record("/usr/lib/python3.11/asyncio/base_events.py", orbax_failure())
+             for _ in range(3)]
+  unrelated = record("/usr/lib/python3.11/asyncio/base_events.py",
+                     (ValueError, ValueError("mine"), None))
+  assert all(once.filter(r) for r in [*records, unrelated])  # Records are kept, as lines.
+  assert [r.exc_info is not None for r in records] == [True, False, False]
+  assert unrelated.exc_info is not None

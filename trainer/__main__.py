@@ -117,7 +117,7 @@ def _config() -> ml_collections.ConfigDict:
 def main(argv: list[str]) -> None:
   del argv
   logging.set_verbosity(logging.WARNING)  # JAX's INFO lines (absent TPU etc.) are noise here.
-  logging.get_absl_logger().addFilter(console.OrbaxTracebackOnce())
+  console.fold_orbax_logs(logging.get_absl_logger())
   config = _config()
   try:
     if config.init.from_hf:  # Sets the model's shape and tokenizer: before any check or plan.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import traceback
 
 CLOSED_LOOP = "Event loop is closed"
 
@@ -45,18 +46,38 @@ class ClosedLoopEchoes:
 
 
 class OrbaxTracebackOnce(logging.Filter):
-  """The first Orbax log record with a traceback keeps it; later ones keep one line."""
+  """The first Orbax log record with a traceback keeps it; later ones keep one line.
+
+  Orbax's records come from its own modules, and also from asyncio: each of a failed save's
+  gathered writes that nobody awaited any more is logged as '... exception was never
+  retrieved' with its traceback (through Orbax's code), one per write, when the machine is
+  busy enough that several fail before the save is abandoned."""
 
   def __init__(self):
     super().__init__()
     self.seen = False
 
   def filter(self, record: logging.LogRecord) -> bool:
-    if record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname:
+    if record.exc_info and _from_orbax(record):
       if self.seen:
         record.exc_info, record.exc_text = None, None
       self.seen = True
     return True
+
+
+def _from_orbax(record: logging.LogRecord) -> bool:
+  orbax = f"{os.sep}orbax{os.sep}"
+  if orbax in record.pathname:
+    return True
+  frames = traceback.extract_tb(record.exc_info[2]) if record.exc_info[2] else []
+  return any(orbax in frame.filename for frame in frames)
+
+
+def fold_orbax_logs(absl_logger: logging.Logger) -> None:
+  """One `OrbaxTracebackOnce` on absl's logger and on asyncio's, which Orbax's writes log to."""
+  once = OrbaxTracebackOnce()
+  absl_logger.addFilter(once)
+  logging.getLogger("asyncio").addFilter(once)
 
 
 def install_hooks() -> None:
