@@ -17,10 +17,9 @@ from typing import Any
 import numpy as np
 
 from model.config import ModelConfig
-from model.rope import RopeScaling
+from model.rope import ROPE_TYPES, RopeScaling
 
 MODEL_TYPES = ("llama",)
-_SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn")
 
 
 class HFFormatError(ValueError):
@@ -145,8 +144,8 @@ def _rope(hf_config: dict[str, Any], require) -> tuple[float, RopeScaling]:
   params = dict(hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {})
   theta = params.get("rope_theta", hf_config.get("rope_theta", 10000.0))
   rope_type = params.get("rope_type", params.get("type", "default"))
-  require(rope_type in _SUPPORTED_ROPE,
-          f"rope type {rope_type!r} is not supported (supported: {', '.join(_SUPPORTED_ROPE)})")
+  require(rope_type in ROPE_TYPES,
+          f"rope type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
   for unsupported in ("mscale", "mscale_all_dim"):
     require(not params.get(unsupported), f"rope {unsupported}={params.get(unsupported)} is not "
                                          f"supported")
@@ -163,8 +162,7 @@ def _rope(hf_config: dict[str, Any], require) -> tuple[float, RopeScaling]:
       beta_slow=float(params.get("beta_slow") or defaults.beta_slow),
       attention_factor=float(params.get("attention_factor") or 0.0),
       truncate=bool(params.get("truncate", True)))
-  problems = scaling.problems()
-  require(not problems, problems[0] if problems else "")
+  require(not scaling.problem(), scaling.problem())
   return theta, scaling
 
 

@@ -41,19 +41,18 @@ class RopeScaling:
   attention_factor: float = 0.0
   truncate: bool = True
 
-  def problems(self) -> list[str]:
-    """What makes this scaling unusable, as `field: reason` lines (empty when it is fine)."""
-    found = []
+  def problem(self) -> str:
+    """What makes this scaling unusable, naming the field; empty when it is fine."""
     if self.type not in ROPE_TYPES:
-      found.append(f"model.rope_scaling.type='{self.type}' must be one of {ROPE_TYPES}")
+      return f"model.rope_scaling.type='{self.type}' must be one of {ROPE_TYPES}"
     if self.type != "default" and self.factor <= 0:
-      found.append(f"model.rope_scaling.factor={self.factor} must be positive")
+      return f"model.rope_scaling.factor={self.factor} must be positive"
     if self.type in ("llama3", "yarn") and self.original_max_len <= 0:
-      found.append(f"model.rope_scaling.original_max_len={self.original_max_len} must be the "
-                   f"pretrained context length for type '{self.type}'")
+      return (f"model.rope_scaling.original_max_len={self.original_max_len} must be the "
+              f"pretrained context length for type '{self.type}'")
     if self.type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
-      found.append("model.rope_scaling.high_freq_factor must exceed low_freq_factor")
-    return found
+      return "model.rope_scaling.high_freq_factor must exceed low_freq_factor"
+    return ""
 
 
 def frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> tuple[np.ndarray, float]:

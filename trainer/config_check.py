@@ -41,8 +41,8 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
   _require(m.head_dim or m.d_model % m.num_heads == 0,
            f"model.d_model={m.d_model} must be divisible by model.num_heads={m.num_heads} "
            f"(or set model.head_dim)")
-  rope_problems = RopeScaling(**m.rope_scaling.to_dict()).problems()
-  _require(not rope_problems, rope_problems[0] if rope_problems else "")
+  rope_problem = RopeScaling(**m.rope_scaling.to_dict()).problem()
+  _require(not rope_problem, rope_problem)
   _require(head_size % 2 == 0, f"head size {head_size} must be even for rotary embeddings "
                                f"(model.head_dim or model.d_model / model.num_heads)")
   _require(t.on_nonfinite in ("stop", "skip"),

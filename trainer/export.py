@@ -27,6 +27,7 @@ import ml_dtypes
 import numpy as np
 import sentencepiece
 from absl import app, flags, logging
+from flax import traverse_util
 from safetensors.numpy import save_file
 
 import data
@@ -98,11 +99,9 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str = "bfloat
 
   def hf_tensors():
     """(name, array) of every tensor, one parameter leaf on the host at a time."""
+    params = traverse_util.flatten_dict(state.params)
     for tensor in tensor_names(cfg):
-      leaf = state.params
-      for key in tensor.path:
-        leaf = leaf[key]
-      host = np.asarray(jax.device_get(leaf))
+      host = np.asarray(jax.device_get(params[tensor.path]))
       layers = list(host) if tensor.layered else [host]
       for name, layer in zip(tensor.hf_names(cfg.num_layers), layers):
         yield name, to_hf(layer, tensor.in_dims).astype(np_dtype)

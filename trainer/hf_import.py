@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import ml_collections
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, which safetensors' reader needs)
 import numpy as np
+from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec as P
 from safetensors import safe_open
 
@@ -140,19 +141,20 @@ def load_params(directory: str, cfg: ModelConfig, abstract_params: Any,
 def _load_all(cfg: ModelConfig, abstract_params: Any, read: Callable[[str], np.ndarray],
               log: Callable[[str], None]) -> Any:
   start = time.perf_counter()
-  params: dict = {}
+  abstract = traverse_util.flatten_dict(abstract_params)
+  params = {}
   names = tensor_names(cfg)
   for number, tensor in enumerate(names, 1):
-    leaf = _lookup(abstract_params, tensor.path)
+    leaf = abstract[tensor.path]
     if tensor.layered:
       value = _load_layered(tensor.hf_names(cfg.num_layers), tensor.in_dims, leaf, read)
     else:
       value = jax.device_put(to_ours(read(tensor.hf_name), leaf.shape, tensor.in_dims)
                              .astype(leaf.dtype), leaf.sharding)
-    _insert(params, tensor.path, value)
+    params[tensor.path] = value
     log(f"  loaded {number}/{len(names)} {'/'.join(tensor.path)} {tuple(leaf.shape)} "
         f"({time.perf_counter() - start:.1f} s)")
-  return params
+  return traverse_util.unflatten_dict(params)
 
 
 def _load_layered(hf_names: list[str], in_dims: int, leaf, read) -> jax.Array:
@@ -166,15 +168,3 @@ def _load_layered(hf_names: list[str], in_dims: int, leaf, read) -> jax.Array:
                            layer_sharding)
     stack = set_layer(stack, layer, i)
   return stack
-
-
-def _lookup(tree, path):
-  for key in path:
-    tree = tree[key]
-  return tree
-
-
-def _insert(tree: dict, path, value) -> None:
-  for key in path[:-1]:
-    tree = tree.setdefault(key, {})
-  tree[path[-1]] = value

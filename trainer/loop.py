@@ -16,7 +16,6 @@ from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import ml_collections
 import optax
 from jax.experimental import multihost_utils
@@ -31,7 +30,8 @@ from trainer.provenance import run_provenance
 from trainer import workdir as workdir_lock
 from trainer.resume import (checkpoint_meta, compatibility_check, config_dict,
                             config_path, file_sha256)
-from trainer.state import TrainState, abstract_state, init_state, shardings_of
+from trainer.state import (TrainState, abstract_state, init_state, shardings_of,
+                           state_from_params)
 from trainer.step import eval_step, jit_train_step
 from trainer import wandb_tracker
 from trainer.tracking import ConsoleTracker, JsonlTracker, Tracker, device_memory_bytes
@@ -137,8 +137,7 @@ def _initial_state(config, model_cfg: ModelConfig, parts: "Training", seq_len: i
   log(f"loading weights from {config.init.from_hf}")
   params = hf_import.load_params(config.init.from_hf, model_cfg, parts.abstract_state.params,
                                  log)
-  opt_state = jax.jit(parts.optimizer.init, out_shardings=parts.shardings.opt_state)(params)
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+  return state_from_params(params, parts.optimizer, parts.shardings)
 
 
 def make_trackers(config: ml_collections.ConfigDict, workdir: str,

@@ -72,6 +72,13 @@ def _init(model, optimizer, rng, batch, seq_len) -> TrainState:
                     opt_state=optimizer.init(params))
 
 
+def state_from_params(params, optimizer: optax.GradientTransformation,
+                      shardings: TrainState) -> TrainState:
+  """Step 0's state around given parameters (an import): fresh optimizer moments, sharded."""
+  opt_state = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params)
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+
+
 def init_state(model: Decoder, optimizer: optax.GradientTransformation, shardings: TrainState,
                seed: int, batch: int, seq_len: int) -> TrainState:
   return jax.jit(lambda rng: _init(model, optimizer, rng, batch, seq_len),
