@@ -116,6 +116,13 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
   config.train.eval_every = 50  # Steps between evals; 0 disables.
   config.train.eval_steps = 2  # Batches per eval.
 
+  # Staged context extension (trainer/stages.py): a tuple of trainer.stages.stage(...), each
+  # setting its own sequence length, RoPE, steps and learning rate, trained in order in one
+  # workdir, each from the previous stage's final weights. () trains the config as one stage.
+  # With stages, train.steps is unused: each stage's own steps count. Override one on the
+  # command line by index: --config.stages[1].train.steps=500.
+  config.stages = ()
+
   config.checkpoint = ml_collections.ConfigDict()
   config.checkpoint.every_steps = 50  # Steps between checkpoints.
   config.checkpoint.keep = 3  # Newest checkpoints kept.

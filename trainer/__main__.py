@@ -28,7 +28,7 @@ import ml_collections
 from ml_collections import config_flags
 
 import data
-from trainer import distributed, hf_import
+from trainer import distributed, hf_import, stages
 from trainer.config_check import ConfigError, check_config
 from trainer.checkpointing import CheckpointError
 from model.hf_format import HFFormatError
@@ -125,8 +125,14 @@ def main(argv: list[str]) -> None:
     if _DRY_RUN.value:
       # Imported here: the planner sets up fake CPU devices before JAX's backend starts.
       from trainer import dry_run  # pylint: disable=g-import-not-at-top
-      dry_run.plan(config, device_memory_gib=_MEMORY_GIB.value, mfu=_PLAN_MFU.value,
-                   accelerator=_PLAN_ACCELERATOR.value)
+      problem = stages.problem(config)
+      if problem:
+        raise ConfigError(problem)
+      for stage in stages.plan(config):  # A staged run: each stage's step, in order.
+        if stage.name:
+          print(f"{stage.label}:", flush=True)
+        dry_run.plan(stage.config, device_memory_gib=_MEMORY_GIB.value, mfu=_PLAN_MFU.value,
+                     accelerator=_PLAN_ACCELERATOR.value)
       return
     if config.cpu_devices:
       jax.config.update("jax_num_cpu_devices", config.cpu_devices)

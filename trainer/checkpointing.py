@@ -214,17 +214,19 @@ class Checkpointer:
     """(step, state, data_state, meta) of the newest usable checkpoint, or None for a new run.
 
     `abstract_state` gives shapes, dtypes and the target shardings, which may differ from
-    those the checkpoint was saved with (Orbax reshards on read). `check_compatible(step,
-    meta)` raises if the checkpoint's stored config cannot be resumed with this one.
+    those the checkpoint was saved with (Orbax reshards on read); a function of the step
+    when they depend on it (a staged run's stages). `check_compatible(step, meta)` raises
+    if the checkpoint's stored config cannot be resumed with this one.
     """
     steps = sorted(self._manager.all_steps(), reverse=True)
     for step in steps:
+      target = abstract_state(step) if callable(abstract_state) else abstract_state
       try:
         meta = self._read(step, meta=ocp.args.JsonRestore()).meta
         if check_compatible:
           check_compatible(step, meta)  # Raises through: a config error, nothing moved.
-        self._check_shapes(step, abstract_state)
-        restored = self._read(step, state=ocp.args.StandardRestore(abstract_state),
+        self._check_shapes(step, target)
+        restored = self._read(step, state=ocp.args.StandardRestore(target),
                               data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore())
         self._verify(step, restored.state, restored.meta, restored.data)
       except _Damaged as error:

@@ -10,7 +10,7 @@ import ml_collections
 import jax.numpy as jnp
 
 import parallelism
-from trainer import flops
+from trainer import flops, stages
 from model import ATTENTIONS, KERNELS, REMAT_POLICIES
 from model.config import layout_of
 from model.rope import RopeScaling
@@ -23,6 +23,20 @@ class ConfigError(ValueError):
 
 
 def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
+  """Checks the config, and each of its stages as the config it resolves to."""
+  stage_problem = stages.problem(config)
+  _require(not stage_problem, stage_problem)
+  if not config.stages:
+    _check_one(config, num_devices)
+    return
+  for stage in stages.plan(config):
+    try:
+      _check_one(stage.config, num_devices)
+    except ConfigError as error:
+      raise ConfigError(f"{stage.label}: {error}") from None
+
+
+def _check_one(config: ml_collections.ConfigDict, num_devices: int) -> None:
   m, t, d = config.model, config.train, config.data
   for field in ("num_layers", "d_model", "num_heads", "num_kv_heads", "d_ff", "vocab_size",
                 "attention_tile"):

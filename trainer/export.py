@@ -34,6 +34,7 @@ import data
 import parallelism
 from model import Decoder
 from model.hf_format import hf_config_of, hf_shapes, tensor_names, to_hf
+from trainer import stages
 from trainer.checkpointing import CheckpointError, Checkpointer
 from trainer.loop import data_config, model_config
 from trainer.optimizer import make_optimizer
@@ -76,7 +77,8 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str = "bfloat
     found = {}
 
     def abstract_state_of(meta):
-      config = ml_collections.ConfigDict(meta["config"])
+      # A staged run's step exports with its stage's RoPE and length.
+      config = stages.holding(stages.plan(ml_collections.ConfigDict(meta["config"])), step).config
       config.model.attention = "dense"  # The parameters are the same under every layout.
       rules = tuple((name, tuple(axes) if isinstance(axes, list) else axes)
                     for name, axes in config.mesh.rules)

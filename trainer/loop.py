@@ -23,8 +23,9 @@ from jax.experimental import multihost_utils
 import data
 import parallelism
 from model import Decoder, ModelConfig
-from trainer import flops, hf_import
+from trainer import flops, hf_import, stages
 from trainer.checkpointing import CheckpointError, Checkpointer
+from trainer.config_check import ConfigError
 from trainer.optimizer import make_optimizer, make_schedule
 from trainer.provenance import run_provenance
 from trainer import workdir as workdir_lock
@@ -71,47 +72,77 @@ def train(config: ml_collections.ConfigDict, workdir: str,
 def _train(config, workdir: str, start_over: bool, signals: "_StopSignals",
            is_writer: bool) -> dict[str, Any]:
   mesh = parallelism.make_mesh(config.mesh)
+  plan = stages.plan(config)
+  # The stages share the dataset, tokenizer and model shape: only the row length differs.
   model_cfg, data_cfg = model_config(config), data_config(config)
   _prepare_data(data_cfg, is_writer)
   data.check_vocab(data_cfg, model_cfg.vocab_size)
   tokenizer_file = data.tokenizer_path(data_cfg)
   tokenizer_sha256 = file_sha256(tokenizer_file)  # Read once: checked on restore, then stored.
   provenance = run_provenance() if is_writer else None  # For config.json and W&B alike.
+  log = (lambda line: print(line, flush=True)) if is_writer else (lambda line: None)
 
-  iterator = _make_iterator(config, data_cfg, model_cfg, mesh, data_cfg.train_split)
   # Created after data preparation, and closed on every path: an Orbax manager left open
   # by an early error prints background-thread tracebacks at interpreter exit.
   checkpointer = Checkpointer(workdir, config.checkpoint.every_steps, config.checkpoint.keep,
                               config.checkpoint.async_save)
-  trackers = []
+  trackers, iterator = [], None
   try:
     with jax.set_mesh(mesh), nn.logical_axis_rules(config.mesh.rules):
-      parts = build_training(config, mesh)
       changes: list[str] = []
+      check = compatibility_check(config, workdir, tokenizer_file, tokenizer_sha256, changes)
+
+      def check_with_stage(step: int, meta: dict) -> None:
+        check(step, meta)
+        problem = stages.check_checkpoint(plan, step, meta)
+        if problem:
+          raise ConfigError(problem)
+
+      # Each checkpoint is read as the state of the stage that wrote it.
       restored = checkpointer.restore(
-          parts.abstract_state, compatibility_check(config, workdir, tokenizer_file, tokenizer_sha256, changes),
-          start_over)
+          lambda step: build_training(stages.holding(plan, step).config, mesh).abstract_state,
+          check_with_stage, start_over)
       if is_writer:  # After the restore: an older checkpoint is checked against the old one.
         written = {**config_dict(config), "provenance": provenance}
         workdir_lock.write_atomically(config_path(workdir),
                                       json.dumps(written, indent=2, sort_keys=True))
+      step, state, data_state = restored[:3] if restored else (0, None, None)
       if restored:
-        start, state, data_state, _ = restored
-        iterator.set_state(data_state)
-        if is_writer:
-          print(f"resuming from step {start} ({checkpointer.directory}/{start})"
-                + (f"; changed: {', '.join(changes)}" if changes else ""), flush=True)
-      else:
-        start = 0
-        state = _initial_state(config, model_cfg, parts, data_cfg.seq_len, is_writer)
-      evaluator = data.evaluator_of(data_cfg)
-      eval_fn = jax.jit(functools.partial(eval_step, model=parts.model, evaluator=evaluator),
-                        in_shardings=(parts.shardings.params, parts.batch_sharding))
-      trackers = make_trackers(config, workdir, provenance) if is_writer else []
-      run = _Run(config, model_cfg, mesh, checkpointer, trackers, iterator, eval_fn,
-                 evaluator, checkpoint_meta(config, tokenizer_sha256))
+        log(f"resuming from step {step} ({checkpointer.directory}/{step})"
+            + (f"; changed: {', '.join(changes)}" if changes else ""))
+      summaries = []
       try:
-        summary = run.loop(state, parts.step_fn, start, signals)
+        for stage in plan[stages.next_to_run(plan, step).index:]:
+          parts = build_training(stage.config, mesh)
+          stage_model_cfg = model_config(stage.config)
+          if state is None:
+            state = _initial_state(stage.config, stage_model_cfg, parts, is_writer)
+          elif step == stage.first_step - 1 and stage.index > 0:
+            state = stages.carry_over(state, parts.optimizer, parts.shardings,
+                                      stage.keep_optimizer)
+            data_state = None  # The previous stage's position, in rows of its length.
+          if stage.name and step < stage.last_step:
+            log(_stage_line(stage, step))
+          iterator = _make_iterator(stage.config, stage_model_cfg, mesh, data_cfg.train_split,
+                                    stages.data_seed(config.seed, stage.index))
+          if data_state is not None:
+            iterator.set_state(data_state)
+          evaluator = data.evaluator_of(data_config(stage.config))
+          eval_fn = jax.jit(
+              functools.partial(eval_step, model=parts.model, evaluator=evaluator),
+              in_shardings=(parts.shardings.params, parts.batch_sharding))
+          if is_writer and not trackers:  # Once the first step is near: files, W&B run.
+            trackers = make_trackers(config, workdir, provenance, plan[-1].last_step)
+          run = _Run(stage, stage_model_cfg, mesh, checkpointer, trackers, iterator, eval_fn,
+                     evaluator, {**checkpoint_meta(config, tokenizer_sha256),
+                                 **stage.checkpoint_meta()})
+          state, summary = run.loop(state, parts.step_fn, step, signals)
+          iterator.close()
+          iterator = None
+          summaries.append(summary)
+          if summary["stopped_by_signal"]:
+            break
+          step, data_state = stage.last_step, None
         checkpointer.wait()  # An async save that failed raises here: the exit is non-zero.
       except BaseException:
         # Let saves already started commit; the original error is the one to report.
@@ -121,18 +152,43 @@ def _train(config, workdir: str, start_over: bool, signals: "_StopSignals",
           print(f"also: {error}", flush=True)
         raise
   finally:
+    if iterator is not None:
+      iterator.close()
     checkpointer.close()
     for tracker in trackers:
       tracker.close()
+  return _combined(summaries)
+
+
+def _stage_line(stage: stages.Stage, step: int) -> str:
+  """The console line a stage starts (or resumes) with: what it trains and from where."""
+  cfg = stage.config
+  rope = cfg.model.rope_scaling
+  scaling = f", {rope.type} x{rope.factor:g}" if rope.type != "default" else ""
+  origin = (f"resuming at step {step}" if step >= stage.first_step else
+            "from step 0's weights" if stage.index == 0 else
+            f"from step {step}'s weights, optimizer "
+            f"{'kept' if stage.keep_optimizer else 'reset'}")
+  return (f"{stage.label}: steps {stage.first_step}-{stage.last_step}, "
+          f"{cfg.data.seq_len:,} tokens per row, RoPE theta {cfg.model.rope_theta:g}{scaling}, "
+          f"lr {cfg.train.lr:g}; {origin}")
+
+
+def _combined(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+  """One summary of the stages run: the last stage's, with the first loss of the first."""
+  summary = dict(summaries[-1])
+  losses = [s["first_loss"] for s in summaries if s["first_loss"] is not None]
+  summary["first_loss"] = losses[0] if losses else None
+  summary["skipped_steps"] = sum(s["skipped_steps"] for s in summaries)
   return summary
 
 
-def _initial_state(config, model_cfg: ModelConfig, parts: "Training", seq_len: int,
+def _initial_state(config, model_cfg: ModelConfig, parts: "Training",
                    is_writer: bool) -> TrainState:
   """Step 0's state: random weights from the seed, or a Hugging Face checkpoint's."""
   if not config.init.from_hf:
     return init_state(parts.model, parts.optimizer, parts.shardings, config.seed,
-                      parts.init_rows, seq_len)
+                      parts.init_rows, config.data.seq_len)
   log = (lambda line: print(line, flush=True)) if is_writer else (lambda line: None)
   log(f"loading weights from {config.init.from_hf}")
   params = hf_import.load_params(config.init.from_hf, model_cfg, parts.abstract_state.params,
@@ -141,10 +197,10 @@ def _initial_state(config, model_cfg: ModelConfig, parts: "Training", seq_len: i
 
 
 def make_trackers(config: ml_collections.ConfigDict, workdir: str,
-                  provenance: dict[str, Any]) -> list[Tracker]:
+                  provenance: dict[str, Any], total_steps: int) -> list[Tracker]:
   """The trackers of process 0 for this run: JSONL, console, and W&B unless disabled."""
   return [JsonlTracker(os.path.join(workdir, "metrics.jsonl")),
-          ConsoleTracker(config.train.steps),
+          ConsoleTracker(total_steps),
           wandb_tracker.make(config, workdir, provenance)]
 
 
@@ -188,12 +244,13 @@ def _prepare_data(data_cfg: data.DataConfig, is_writer: bool) -> None:
     data.prepare(data_cfg)
 
 
-def _make_iterator(config, data_cfg, model_cfg, mesh, split):
+def _make_iterator(config, model_cfg, mesh, split, seed):
+  data_cfg = data_config(config)
   rows = data.process_rows(parallelism.batch_sharding(mesh), config.train.batch_size,
                            data_cfg.seq_len)
   return data.make_iterator(
       data_cfg, split=split, global_batch_size=config.train.batch_size,
-      layout=model_cfg.layout, num_shards=mesh.shape["sequence"], seed=config.seed,
+      layout=model_cfg.layout, num_shards=mesh.shape["sequence"], seed=seed,
       repeat=True, rows=rows)
 
 
@@ -241,9 +298,11 @@ class _StopSignals:
 class _Run:
   """The state of one pass of the host loop: timing, pending metrics, records."""
 
-  def __init__(self, config, model_cfg, mesh, checkpointer, trackers, iterator, eval_fn,
-               evaluator, meta):
-    self.config, self.model_cfg, self.mesh, self.meta = config, model_cfg, mesh, meta
+  def __init__(self, stage: stages.Stage, model_cfg, mesh, checkpointer, trackers, iterator,
+               eval_fn, evaluator, meta):
+    config = stage.config
+    self.stage, self.config, self.model_cfg, self.mesh = stage, config, model_cfg, mesh
+    self.meta = meta
     self.checkpointer, self.trackers = checkpointer, trackers
     self.iterator, self.eval_fn, self.evaluator = iterator, eval_fn, evaluator
     self.tokens_per_step = config.train.batch_size * config.data.seq_len
@@ -252,7 +311,9 @@ class _Run:
     self.records: list[dict[str, Any]] = []
     self.skipped = 0
 
-  def loop(self, state, step_fn, start: int, signals: _StopSignals) -> dict[str, Any]:
+  def loop(self, state, step_fn, start: int,
+           signals: _StopSignals) -> tuple[TrainState, dict[str, Any]]:
+    """Trains from step `start` to the stage's last step; the last state and a summary."""
     steps = self.config.train.steps
     sharding = parallelism.batch_sharding(self.mesh)
     self.last_time, self.last_step = time.monotonic(), start
@@ -288,7 +349,7 @@ class _Run:
         break
     if pending:
       self._read(*pending)
-    return self._summarise(stopped=bool(stop))
+    return state, self._summarise(stopped=bool(stop))
 
   def _read(self, step: int, metrics) -> None:
     """Reads a step's metrics (blocking until it is done; the next step is queued)."""
@@ -309,7 +370,7 @@ class _Run:
         "device_memory_bytes": device_memory_bytes(),  # None where unreported (CPU).
         "attention": self.model_cfg.attention,
         "warmup": not self.records,  # The first interval includes compilation.
-        "time": time.time()}
+        "time": time.time(), **self.stage.record()}
     self.records.append(record)
     for tracker in self.trackers:
       tracker.log(record)
@@ -329,8 +390,7 @@ class _Run:
 
   def _evaluate(self, state, step: int) -> None:
     cfg = self.config
-    iterator = _make_iterator(cfg, data_config(cfg), self.model_cfg, self.mesh,
-                              cfg.data.eval_split)
+    iterator = _make_iterator(cfg, self.model_cfg, self.mesh, cfg.data.eval_split, cfg.seed)
     sharding = parallelism.batch_sharding(self.mesh)
     names = data.TRAIN_FIELDS + (self.evaluator.fields if self.evaluator else ())
     totals: dict[str, float] = {}
@@ -343,7 +403,8 @@ class _Run:
           totals[key] = totals.get(key, 0.0) + float(value)
     finally:
       iterator.close()  # A fresh iterator per eval: stop its prefetch thread now, not at exit.
-    record = {"step": step, "eval_loss": totals["loss_sum"] / max(totals["tokens"], 1.0)}
+    record = {"step": step, "eval_loss": totals["loss_sum"] / max(totals["tokens"], 1.0),
+              **self.stage.record()}
     if self.evaluator:
       record.update(self.evaluator.metrics(totals))
     for tracker in self.trackers:
@@ -363,7 +424,7 @@ class _Run:
     if self.trackers and self.records:
       speed = (f"{summary['median_tokens_per_sec']:,.0f} tok/s median after warm-up"
                if timed else "too few steps to time")
-      print(f"done: step {summary['steps']}, loss {summary['first_loss']:.4f} -> "
+      print(f"{self.stage.label + ' ' if self.stage.name else ''}done: step {summary['steps']}, loss {summary['first_loss']:.4f} -> "
             f"{summary['last_loss']:.4f}, {speed}", flush=True)
     elif self.trackers and not stopped:
       print(f"nothing to do: the run is already at step {self.start_step}", flush=True)

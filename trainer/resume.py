@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from typing import Any, Callable
 
 import ml_collections
@@ -62,27 +63,42 @@ def checkpoint_meta(config: ml_collections.ConfigDict, tokenizer_sha256: str) ->
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
+  """Dotted names; a list of groups (the stages) by index: `stages[1].train.lr`."""
   flat = {}
   for key, value in tree.items():
     name = f"{prefix}{key}"
     if isinstance(value, dict):
       flat.update(_flatten(value, name + "."))
-    else:
+    elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+      for index, item in enumerate(value):
+        flat.update(_flatten(item, f"{name}[{index}]."))
+    elif value != [] or key != "stages":  # No stages is the same as the older configs' none.
       flat[name] = value
   return flat
 
 
-def _may_change(name: str) -> bool:
+_STAGE_FIELD = re.compile(r"stages\[(\d+)\]\.(.+)")
+
+
+def _may_change(name: str, started_stages: int | None = None) -> bool:
+  """Whether a resumed run may change the field. A stage's field follows the same rule once
+  the stage has begun (`started_stages` is how many have; None counts all); before, anything
+  of it may change, and stages may be added after the last."""
+  stage_field = _STAGE_FIELD.fullmatch(name)
+  if stage_field:
+    index, name = int(stage_field.group(1)), stage_field.group(2)
+    if started_stages is not None and index >= started_stages:
+      return True
   return any(name == field or (field.endswith(".") and name.startswith(field))
              for field in MAY_CHANGE)
 
 
 def compare(stored: dict[str, Any], config: ml_collections.ConfigDict,
-            trained_with: str = "the checkpoint") -> list[str]:
+            trained_with: str = "the checkpoint", started_stages: int | None = None) -> list[str]:
   """Changed allowed fields as 'name: old -> new'; raises ConfigError on any other change."""
   old, new = _flatten(stored), _flatten(config_dict(config))
   changed = sorted(name for name in old.keys() | new.keys() if old.get(name) != new.get(name))
-  fixed = [name for name in changed if not _may_change(name)]
+  fixed = [name for name in changed if not _may_change(name, started_stages)]
   if fixed:
     name = fixed[0]
     more = f" (and {', '.join(fixed[1:4])}{', ...' if len(fixed) > 4 else ''})" if len(
@@ -109,7 +125,8 @@ def compatibility_check(config: ml_collections.ConfigDict, workdir: str, tokeniz
         print(f"warning: cannot read {config_path(workdir)} ({error}) to compare configs; "
               f"the checkpoint's array shapes are still checked", flush=True)
     if stored is not None:
-      report[:] = compare(stored, config, where)
+      stage = meta.get("stage")  # Staged runs: stages after the checkpoint's may change.
+      report[:] = compare(stored, config, where, stage["stage"] if stage else None)
     recorded = meta.get("tokenizer_sha256")
     if recorded and recorded != tokenizer_sha256:
       raise ConfigError(f"the tokenizer file {tokenizer_file} is not the one {where} was "

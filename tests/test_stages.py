@@ -1,0 +1,190 @@
+"""Staged context extension: the plan, the checks, the optimizer hand-over, and a 2-stage run
+that is killed inside stage 2 and resumes exactly."""
+
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import pytest
+
+from trainer import resume, stages
+from trainer.config_check import ConfigError, check_config
+from trainer.export import export
+from trainer.loop import train
+from trainer.optimizer import make_optimizer, make_schedule
+from trainer.state import TrainState
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _extend_config(data_dir, steps=(6, 6)):
+  config = importlib.import_module("configs.tiny_extend").get_config()
+  config.data.data_dir = data_dir
+  config.stages[0].train.steps, config.stages[1].train.steps = steps
+  config.train.log_every = 1
+  config.train.eval_every = 0
+  config.checkpoint.every_steps = 4
+  config.checkpoint.async_save = False  # A kill after step 8's line finds step 8 committed.
+  config.wandb.mode = "disabled"
+  return config
+
+
+def test_plan_numbers_steps_on_and_resolves_each_stage(shared_data_dir):
+  first, second = stages.plan(_extend_config(shared_data_dir, steps=(30, 20)))
+  assert (first.first_step, first.last_step, second.first_step, second.last_step) == (
+      1, 30, 31, 50)
+  assert (first.config.data.seq_len, second.config.data.seq_len) == (64, 256)
+  # The loop trains up to train.steps; each schedule is the stage's own length.
+  assert (first.config.train.steps, second.config.train.steps) == (30, 50)
+  assert (first.config.train.schedule_steps, second.config.train.schedule_steps) == (30, 20)
+  assert second.config.model.rope_scaling.type == "yarn"
+  assert first.config.model.rope_scaling.type == "default"
+  assert second.keep_optimizer and not first.keep_optimizer
+  assert second.config.stages == () and second.config.model.d_model == 128
+  assert stages.holding([first, second], 30) is first
+  assert stages.next_to_run([first, second], 30) is second
+  assert stages.next_to_run([first, second], 50) is second
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda s: s[1].model.update({"d_model": 64}), r"stages\[1\].model.d_model cannot be set"),
+    (lambda s: s[1].train.update({"stepz": 3}), r"stages\[1\].train.stepz is not a config"),
+    (lambda s: s[1].update({"name": "64"}), r"stages\[1\].name='64' names two stages"),
+    (lambda s: s[0].update({"keep_optimizer": True}), r"stages\[0\].keep_optimizer"),
+    (lambda s: s[1].train.update({"steps": 0}), r"stages\[1\].train.steps must be a positive"),
+    # A stage's own config is checked in full, its errors prefixed with the stage.
+    (lambda s: s[1].data.update({"seq_len": 102}), r"stage 2/2 '256': data.seq_len=102"),
+])
+def test_a_bad_stage_is_one_error_naming_stage_and_field(shared_data_dir, edit, message):
+  config = _extend_config(shared_data_dir)
+  edit(config.stages)
+  with pytest.raises(ConfigError, match=message):
+    check_config(config, 8)
+
+
+def test_resume_may_change_stages_not_yet_begun_only(shared_data_dir):
+  old = resume.config_dict(_extend_config(shared_data_dir))
+  later = _extend_config(shared_data_dir)
+  later.stages[1].data.seq_len = 128
+  # A checkpoint of stage 1: stage 2 has not begun and may change.
+  assert resume.compare(old, later, started_stages=1) == [
+      "stages[1].data.seq_len: 256 -> 128"]
+  with pytest.raises(ConfigError, match=r"stages\[1\].data.seq_len=128"):
+    resume.compare(old, later, started_stages=2)
+  longer = _extend_config(shared_data_dir)
+  longer.stages[1].train.lr = 5e-4  # Allowed in a begun stage, as train.lr is for a run.
+  assert resume.compare(old, longer, started_stages=2) == ["stages[1].train.lr: 0.001 -> 0.0005"]
+
+
+def test_a_checkpoint_must_sit_in_the_stage_that_wrote_it(shared_data_dir):
+  plan = stages.plan(_extend_config(shared_data_dir, steps=(6, 6)))
+  meta = plan[1].checkpoint_meta()
+  assert stages.check_checkpoint(plan, 8, meta) is None
+  moved = stages.plan(_extend_config(shared_data_dir, steps=(5, 7)))
+  assert "cannot change" in stages.check_checkpoint(moved, 8, meta)
+  unstaged = stages.plan(ml_collections.ConfigDict({"stages": (), "train": {"steps": 12}}))
+  assert "stage '256'" in stages.check_checkpoint(unstaged, 8, meta)
+  assert "without stages" in stages.check_checkpoint(plan, 8, {})
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_carry_over_keeps_or_resets_moments_and_restarts_the_schedule(keep):
+  train_cfg = ml_collections.ConfigDict({"grad_clip": 1.0, "lr": 1e-3, "b1": 0.9, "b2": 0.95,
+                                         "weight_decay": 0.1, "warmup_steps": 2, "steps": 10,
+                                         "schedule_steps": 0, "min_lr_ratio": 0.1})
+  optimizer = make_optimizer(train_cfg)
+  params = {"w": jnp.arange(6.0).reshape(2, 3)}
+  opt_state = optimizer.init(params)
+  for _ in range(3):
+    _, opt_state = optimizer.update({"w": jnp.ones((2, 3))}, opt_state, params)
+  state = TrainState(step=jnp.asarray(3, jnp.int32), params=params, opt_state=opt_state)
+  shardings = jax.tree.map(lambda x: x.sharding, state)
+  find = lambda tree, kind: [s for s in jax.tree.leaves(
+      tree, is_leaf=lambda x: isinstance(x, kind)) if isinstance(s, kind)][0]
+  old_mu = np.array(find(opt_state, optax.ScaleByAdamState).mu["w"], copy=True)  # Consumed.
+  new = stages.carry_over(state, optimizer, shardings, keep)
+  adam = find(new.opt_state, optax.ScaleByAdamState)
+  assert int(find(new.opt_state, optax.ScaleByScheduleState).count) == 0
+  assert int(new.step) == 3 and np.array_equal(new.params["w"], params["w"])
+  assert all(leaf.is_deleted() for leaf in jax.tree.leaves(opt_state) if leaf.size > 1)
+  if keep:
+    assert int(adam.count) == 3 and np.array_equal(adam.mu["w"], old_mu)
+  else:
+    assert int(adam.count) == 0 and not np.any(adam.nu["w"])
+
+
+def _records(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return {r["step"]: r for r in map(json.loads, f) if "loss" in r}  # The last of a repeat.
+
+
+@pytest.mark.slow
+def test_two_stages_train_and_resume_exactly_after_a_kill_inside_stage_2(tmp_path,
+                                                                         shared_data_dir):
+  train(_extend_config(shared_data_dir), str(tmp_path / "straight"))
+  straight = _records(tmp_path / "straight")
+  assert sorted(straight) == list(range(1, 13))
+  assert {straight[s]["stage_name"] for s in range(1, 7)} == {"64"}
+  assert {straight[s]["stage_name"] for s in range(7, 13)} == {"256"}
+  stage_2 = stages.plan(_extend_config(shared_data_dir))[1].config
+  # The final step exports with the last stage's RoPE: YaRN x4 over 64 positions.
+  export(str(tmp_path / "straight"), str(tmp_path / "hf"), log=lambda line: None)
+  with open(tmp_path / "hf" / "config.json") as f:
+    hf_config = json.load(f)
+  assert hf_config["rope_parameters"]["rope_type"] == "yarn"
+  assert hf_config["rope_parameters"]["factor"] == 4.0
+  assert hf_config["max_position_embeddings"] == 256
+  # Its own schedule: warmup restarts at stage 2.
+  assert straight[8]["lr"] == pytest.approx(float(make_schedule(stage_2.train)(1)), rel=1e-6)
+
+  command = [sys.executable, "-m", "trainer", "--config", "configs/tiny_extend.py",
+             f"--workdir={tmp_path / 'killed'}", f"--config.data.data_dir={shared_data_dir}",
+             "--config.stages[0].train.steps=6", "--config.stages[1].train.steps=6",
+             "--config.train.log_every=1", "--config.train.eval_every=0",
+             "--config.checkpoint.every_steps=4", "--config.checkpoint.async_save=False",
+             "--config.wandb.mode=disabled"]
+  process = subprocess.Popen(command, cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT)
+  seen = []
+  for line in process.stdout:
+    seen.append(line)
+    if line.startswith("step") and line.split()[1].startswith("10/"):
+      process.send_signal(signal.SIGKILL)  # No chance to save: step 8's checkpoint is newest.
+      break
+  process.communicate(timeout=60)
+  assert process.returncode == -signal.SIGKILL, "".join(seen)
+  assert sorted(os.listdir(tmp_path / "killed" / "checkpoints")) == ["4", "6", "8"]
+
+  resumed = subprocess.run(command, cwd=ROOT, text=True, capture_output=True, timeout=300)
+  assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+  assert "stage 2/2 '256': steps 7-12" in resumed.stdout
+  assert "resuming at step 8" in resumed.stdout
+  assert "stage 1/2" not in resumed.stdout  # Stage 1 is done; it is not run again.
+  killed = _records(tmp_path / "killed")
+  assert {s: r["loss"] for s, r in killed.items()} == {s: r["loss"] for s, r in
+                                                      straight.items()}
+  assert [killed[s]["stage"] for s in range(1, 13)] == [1] * 6 + [2] * 6
+
+
+def test_the_llama_extension_recipe_resolves_on_an_imported_checkpoint():
+  from trainer import hf_import
+  config = importlib.import_module("configs.llama_extend_32k_to_256k_striped").get_config(
+      os.path.join(ROOT, "tests", "hf_fixtures", "llama3_rope"))
+  hf_import.apply_to_config(config)
+  check_config(config, 8)
+  plan = stages.plan(config)
+  assert [(s.config.data.seq_len, s.config.model.rope_scaling.factor, s.last_step)
+          for s in plan] == [(65536, 2.0, 300), (131072, 4.0, 500), (262144, 8.0, 600)]
+  # The checkpoint's shape and tokenizer, the stages' RoPE.
+  assert plan[2].config.model.num_kv_heads == 1 and plan[2].config.data.tokenizer.endswith(
+      "tokenizer.model")
+  assert plan[2].config.model.rope_scaling.type == "yarn"
+  assert plan[2].config.model.rope_theta == 500000.0
