@@ -108,9 +108,14 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
   config.train.b1 = 0.9  # AdamW beta1.
   config.train.b2 = 0.95  # AdamW beta2.
   config.train.grad_clip = 1.0  # Global-norm clipping threshold; 0 disables.
-  # Activation checkpointing: none, full, save_dots, or save_attention (keeps attention's
-  # output and lse, so the backward does not run the ring forward again).
+  # Activation checkpointing: none, full, save_dots, save_attention (keeps attention's
+  # output and lse, so the backward does not run the ring forward again), or offload (full,
+  # with each layer's input kept in pinned host memory instead of on the device; on the CPU
+  # it runs as full).
   config.train.remat = "none"
+  # Tokens per device whose output logits the loss computes at once (model/loss.py): the
+  # whole sequence's float32 logits are never held. Rounded down to divide the local length.
+  config.train.loss_chunk = 2048
   config.train.on_nonfinite = "stop"  # NaN/Inf loss or gradient: stop, or skip the update.
   config.train.log_every = 10  # Steps between metric lines.
   config.train.eval_every = 50  # Steps between evals; 0 disables.

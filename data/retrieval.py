@@ -18,7 +18,8 @@ import jax.numpy as jnp
 class Evaluator(NamedTuple):
   """What a dataset adds to the trainer's eval: batch fields, per-batch sums, and metrics."""
   fields: tuple[str, ...]  # Batch fields beyond training's that `sums` reads.
-  sums: Callable[[jax.Array, dict[str, jax.Array]], dict[str, jax.Array]]  # Jitted, additive.
+  # (whether each token's argmax is its target [B, S], batch) -> sums; jitted, additive.
+  sums: Callable[[jax.Array, dict[str, jax.Array]], dict[str, jax.Array]]
   metrics: Callable[[dict[str, float]], dict[str, float]]  # From the eval's summed totals.
 
 
@@ -28,10 +29,10 @@ def distance_buckets() -> list[tuple[int, int]]:
   return list(zip(edges[:-1], edges[1:]))
 
 
-def _sums(logits_BSV: jax.Array, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+def _sums(hit_BS: jax.Array, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
   distance_BS = batch["answer_distance"]
   answer_BS = (distance_BS > 0).astype(jnp.float32) * batch["loss_mask"].astype(jnp.float32)
-  correct_BS = (jnp.argmax(logits_BSV, -1) == batch["targets"]).astype(jnp.float32)
+  correct_BS = hit_BS.astype(jnp.float32)
   sums = {"answers": jnp.sum(answer_BS), "answers_correct": jnp.sum(answer_BS * correct_BS)}
   for low, high in distance_buckets():
     in_bucket_BS = answer_BS * ((distance_BS >= low) & (distance_BS < high))

@@ -14,7 +14,7 @@ def layout_of(attention: str) -> str:
   """The sequence layout the data must arrive in: dense attention reads the original order."""
   return "ring" if attention == "dense" else attention
 KERNELS = tuple(parallelism.KERNELS)
-REMAT_POLICIES = ("none", "full", "save_dots", "save_attention")
+REMAT_POLICIES = ("none", "full", "save_dots", "save_attention", "offload")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +39,7 @@ class ModelConfig:
   dtype: str = "bfloat16"
   param_dtype: str = "float32"
   remat: str = "none"
+  loss_chunk: int = 2048  # Tokens per device whose logits the loss computes at once.
 
   def __post_init__(self):
     # `config.model.to_dict()` hands the nested block over as a dict; unknown keys fail here.

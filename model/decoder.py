@@ -5,13 +5,16 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 import parallelism
 from model.attention import Attention
 from model.config import ModelConfig
-from model.layers import Projection, RMSNorm, SwiGLU, constrain
+from model.layers import RMSNorm, SwiGLU, constrain, dense_init
+from model.loss import chunked_token_scores
 
 _ACTIVATION_BSE = ("activation_batch", "activation_seq", "activation_embed")
+BLOCK_INPUT = "block_input"
 
 
 class Block(nn.Module):
@@ -22,6 +25,7 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x_BSE, positions_BS, token_index_BS, segment_ids_BS):
     cfg = self.cfg
+    x_BSE = checkpoint_name(x_BSE, BLOCK_INPUT)  # What remat 'offload' keeps in host memory.
     h_BSE = RMSNorm(cfg, name="attention_norm")(x_BSE)
     x_BSE = x_BSE + Attention(cfg, name="attention")(
         h_BSE, positions_BS, token_index_BS, segment_ids_BS)
@@ -38,11 +42,33 @@ def _remat_policy(name: str):
       # which the block recomputes with its projections, not with another ring pass.
       "save_attention": jax.checkpoint_policies.save_only_these_names(
           *parallelism.SAVED_NAMES),
+      # Each block's input goes to pinned host memory in the forward and comes back for the
+      # backward, which recomputes the rest of the block: 'full' without the device memory
+      # of the layer inputs, at the price of host transfers.
+      "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+          names_which_can_be_saved=[], names_which_can_be_offloaded=[BLOCK_INPUT],
+          offload_src="device", offload_dst="pinned_host"),
   }[name]
 
 
+class _Kernel(nn.Module):
+  """A Projection's kernel alone (same path `<name>/kernel`, same init), for the loss that
+  applies the output projection one sequence chunk at a time."""
+
+  cfg: ModelConfig
+  shape: tuple[int, ...]
+  names: tuple[str, ...]
+
+  @nn.compact
+  def __call__(self) -> jax.Array:
+    return self.param("kernel", dense_init(self.cfg, self.names), self.shape,
+                      jnp.dtype(self.cfg.param_dtype)).astype(self.cfg.dtype)
+
+
 class Decoder(nn.Module):
-  """Maps a batch's `tokens`, `positions`, `token_index`, `segment_ids` to float32 logits.
+  """Maps a batch's `tokens`, `positions`, `token_index`, `segment_ids` to float32 logits,
+  or, given `targets`, to per-token losses (and with `predictions` whether each argmax is
+  its target) computed in sequence chunks without the whole logits (model/loss.py).
 
   The blocks are one `nn.scan` so compile time does not grow with depth; parameters of the
   stack gain a leading `layers` axis.
@@ -51,7 +77,8 @@ class Decoder(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens_BS, positions_BS, token_index_BS, segment_ids_BS) -> jax.Array:
+  def __call__(self, tokens_BS, positions_BS, token_index_BS, segment_ids_BS,
+               targets_BS=None, predictions: bool = False):
     cfg = self.cfg
     table_VE = self.param(
         "embedding", nn.with_logical_partitioning(
@@ -73,9 +100,14 @@ class Decoder(nn.Module):
     x_BSE = RMSNorm(cfg, name="final_norm")(x_BSE)
 
     if cfg.tie_embeddings:
-      logits_BSV = jnp.einsum("bse,ve->bsv", x_BSE, table_VE)
+      head_EV = table_VE.T
     else:
-      logits_BSV = Projection(cfg, "bse,ev->bsv", (cfg.d_model, cfg.vocab_size),
-                              ("embed", "vocab"), name="lm_head")(x_BSE)
+      head_EV = _Kernel(cfg, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
+                        name="lm_head")()
+    # Whole rows, gathered once: not inside every chunk of the loss's loop.
+    head_EV = constrain(head_EV, (None, "vocab"))
+    if targets_BS is not None:
+      return chunked_token_scores(x_BSE, head_EV, targets_BS, cfg.loss_chunk, predictions)
+    logits_BSV = jnp.einsum("bse,ev->bsv", x_BSE, head_EV)
     logits_BSV = constrain(logits_BSV, ("activation_batch", "activation_seq", "activation_vocab"))
     return logits_BSV.astype(jnp.float32)

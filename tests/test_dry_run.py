@@ -77,3 +77,41 @@ def test_plan_names_a_device_count_it_cannot_have(tiny_config):
   assert jax.device_count() == 8
   with pytest.raises(ConfigError, match="needs 16 CPU devices .* already started with 8"):
     dry_run.plan(config)
+
+
+def test_plan_bounds_the_cpu_promotion_and_accounts_for_offload(tiny_config, capsys):
+  config = tiny_config("striped", **{"train.remat": "offload"})
+  plan = dry_run.plan(config)
+  out = capsys.readouterr().out
+  # The floor compiles the same step in float32 and halves its temporaries.
+  assert plan["floor_total_bytes"] <= plan["total_bytes"]
+  assert plan["floor_total_bytes"] == (plan["total_bytes"] - plan["temp_bytes"]
+                                       + min(plan["temp_bytes"], plan["float32_temp_bytes"] // 2))
+  # Offload: the layer inputs of the tiny config (2 layers x 4 rows x 64 tokens x 128 bf16).
+  assert plan["offloaded_bytes"] == 2 * 4 * 64 * 128 * 2
+  assert plan["total_bytes"] == plan["peak_bytes"] + plan["code_bytes"] - plan["offloaded_bytes"]
+  assert "offloaded layer inputs" in out and "float32 compile temps" in out
+
+
+@pytest.mark.parametrize("start, largest", [(256, 6144), (65536, 6144), (256, 100)])
+def test_find_max_seq_len_doubles_then_bisects(tiny_config, monkeypatch, start, largest):
+  # The search alone: a plan that fits up to `largest` tokens (compiles are tested above).
+  probes = []
+
+  def memory_plan(config, memory_gib, floor=True):
+    del memory_gib, floor
+    probes.append(config.data.seq_len)
+    fits = config.data.seq_len <= largest
+    return {"total_bytes": 0, "fits": fits}, None
+
+  monkeypatch.setattr(dry_run, "_memory_plan", memory_plan)
+  config = tiny_config("striped", **{"data.seq_len": start})
+  unit = dry_run.seq_len_unit(config)  # 4 ring devices x 32-token tiles.
+  assert unit == 128
+  found = dry_run.find_max_seq_len(config, 1.0, log=lambda line: None)
+  if largest < unit:
+    assert found == 0
+    return
+  assert found % unit == 0 and found <= largest
+  assert largest - found <= max(unit, found // 16)
+  assert len(probes) <= 12

@@ -102,3 +102,14 @@ def test_no_two_trainer_modules_import_each_other():
 
   for module in graph:
     assert cycle_from(module, []) is None, " -> ".join(cycle_from(module, []))
+
+
+def test_offload_remat_trains_as_full_on_the_cpu_and_says_so_once(tmp_path, tiny_config,
+                                                                   capsys):
+  losses = {}
+  for remat in ("full", "offload"):
+    train(tiny_config(**{"train.steps": 3, "train.log_every": 1, "train.remat": remat}),
+          str(tmp_path / remat))
+    losses[remat] = _losses(tmp_path / remat)
+  assert losses["offload"] == losses["full"]  # Naming the block input changes no value.
+  assert capsys.readouterr().out.count("train.remat='offload' on the CPU") == 1

@@ -42,6 +42,9 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory; default runs/<co
 _DRY_RUN = flags.DEFINE_bool(
     "dry_run", False, "Plan only: compile the train step on fake CPU devices of the config's "
     "mesh from abstract shapes, print memory, FLOPs and step time, and whether it fits.")
+_FIND_MAX = flags.DEFINE_bool(
+    "find_max_seq_len", False, "Dry run: find the longest data.seq_len whose plan fits "
+    "--device_memory_gib, by compiles at doubling then bisected lengths.")
 _MEMORY_GIB = flags.DEFINE_float("device_memory_gib", 80.0,
                                  "Dry run: memory of one accelerator to check the plan against.")
 _PLAN_MFU = flags.DEFINE_float("plan_mfu", 0.4, "Dry run: MFU the step-time estimate assumes.")
@@ -131,8 +134,11 @@ def main(argv: list[str]) -> None:
       for stage in stages.plan(config):  # A staged run: each stage's step, in order.
         if stage.name:
           print(f"{stage.label}:", flush=True)
-        dry_run.plan(stage.config, device_memory_gib=_MEMORY_GIB.value, mfu=_PLAN_MFU.value,
-                     accelerator=_PLAN_ACCELERATOR.value)
+        if _FIND_MAX.value:
+          dry_run.find_max_seq_len(stage.config, _MEMORY_GIB.value)
+        else:
+          dry_run.plan(stage.config, device_memory_gib=_MEMORY_GIB.value, mfu=_PLAN_MFU.value,
+                       accelerator=_PLAN_ACCELERATOR.value)
       return
     if config.cpu_devices:
       jax.config.update("jax_num_cpu_devices", config.cpu_devices)

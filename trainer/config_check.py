@@ -41,7 +41,7 @@ def _check_one(config: ml_collections.ConfigDict, num_devices: int) -> None:
   for field in ("num_layers", "d_model", "num_heads", "num_kv_heads", "d_ff", "vocab_size",
                 "attention_tile"):
     _require(m[field] > 0, f"model.{field}={m[field]} must be positive")
-  for field in ("steps", "batch_size", "log_every"):
+  for field in ("steps", "batch_size", "log_every", "loss_chunk"):
     _require(t[field] > 0, f"train.{field}={t[field]} must be positive")
   _require(d.seq_len > 0, f"data.seq_len={d.seq_len} must be positive")
   _require(m.attention in ATTENTIONS, f"model.attention='{m.attention}' must be one of {ATTENTIONS}")

@@ -19,14 +19,28 @@ parameter, optimizer moment or batch is ever allocated. It then reads back:
   of the per-device program, and the step time and tokens/sec they imply at `mfu` of the
   named accelerator's peak.
 
-Caveat: the numbers come from XLA's CPU compiler. It fuses and schedules differently from
-a GPU/TPU compile and, lacking bf16 arithmetic, keeps some bf16 buffers as float32 (e.g. the
-per-layer residual stream saved for the backward pass), so temporaries are an estimate that
-errs high, not a guarantee. XLA's FLOP count is per device and counts each loop body once.
+The CPU compiler lacks bf16 arithmetic and keeps some bf16 buffers as float32 (e.g. the
+per-layer residual stream saved for the backward pass), so its temporaries err high by an
+amount it does not report. The planner bounds it: it compiles the step a second time with
+float32 compute, where every such buffer is float32; half of those temporaries is what they
+would be were every one of them bf16, a floor under what an accelerator's bf16 step needs
+(buffers that are float32 there too are halved as well). The verdict says "fits" when the
+CPU figure fits, "does NOT fit" when even the floor does not, else "may fit" with both.
+Beyond that, XLA's CPU compiler fuses and schedules differently from a GPU/TPU compile, so
+both figures are estimates. XLA's FLOP count is per device and counts each loop body once.
+
+`train.remat='offload'` keeps each layer's input in pinned host memory on accelerators; the
+CPU compile keeps it on the device (as 'full'), so the planner subtracts those inputs
+(layers x local rows x local tokens x width, in the compute dtype) from both figures and
+reports them as host memory.
+
+`--find_max_seq_len` repeats the plan over sequence lengths (multiples of what the mesh and
+tile need), doubling then bisecting, and reports the longest whose CPU figure fits.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from typing import Any
@@ -111,20 +125,10 @@ def plan(config: ml_collections.ConfigDict, device_memory_gib: float = 80.0, mfu
     raise ConfigError(f"--plan_accelerator={accelerator!r} is not one of "
                       f"{', '.join(flops.PEAK_FLOPS)}")
   start = time.monotonic()
-  count = plan_device_count(config)
-  devices = fake_devices(count)
-  check_config(config, count)
-  mesh = parallelism.make_mesh(config.mesh, devices)
-  compiled, state = compile_step(config, mesh)
+  out, compiled = _memory_plan(config, device_memory_gib)
   compile_s = time.monotonic() - start
 
-  out = {"devices": count, "mesh": dict(mesh.shape),
-         "params": sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)),
-         "param_bytes": shard_bytes(state.params),
-         "opt_state_bytes": shard_bytes(state.opt_state), **memory_figures(compiled)}
-  out["total_bytes"] = out["peak_bytes"] + out["code_bytes"]
-  out["fits"] = out["total_bytes"] <= device_memory_gib * GIB
-
+  count = out["devices"]
   tokens = config.train.batch_size * config.data.seq_len
   out["tokens_per_step"] = tokens
   out["analytic_flops"] = flops.flops_per_token(model_config(config), config.data.seq_len) * tokens
@@ -137,6 +141,98 @@ def plan(config: ml_collections.ConfigDict, device_memory_gib: float = 80.0, mfu
   out["compile_s"] = compile_s
   _print(config, out, device_memory_gib, mfu, accelerator)
   return out
+
+
+def _memory_plan(config: ml_collections.ConfigDict, device_memory_gib: float,
+                 floor: bool = True) -> tuple[dict[str, Any], Any]:
+  """Compiles the step (with `floor`, twice: also in float32) and fills in its memory
+  figures and verdict; the configured compile is returned for its cost analysis."""
+  count = plan_device_count(config)
+  devices = fake_devices(count)
+  check_config(config, count)
+  mesh = parallelism.make_mesh(config.mesh, devices)
+  compiled, state = compile_step(config, mesh)
+  out = {"devices": count, "mesh": dict(mesh.shape),
+         "params": sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)),
+         "param_bytes": shard_bytes(state.params),
+         "opt_state_bytes": shard_bytes(state.opt_state), **memory_figures(compiled)}
+  out["total_bytes"] = out["peak_bytes"] + out["code_bytes"]
+  floor_temps = out["temp_bytes"]
+  if floor and jax.numpy.dtype(config.model.dtype) != jax.numpy.float32:
+    as_float32 = copy.deepcopy(config)
+    as_float32.model.dtype = "float32"
+    float32_temps = compile_step(as_float32, mesh)[0].memory_analysis().temp_size_in_bytes
+    out["float32_temp_bytes"] = float32_temps
+    floor_temps = min(floor_temps, float32_temps // 2)
+  out["floor_total_bytes"] = out["total_bytes"] - out["temp_bytes"] + floor_temps
+  out["offloaded_bytes"] = offloaded_bytes(config, mesh) if config.train.remat == "offload" else 0
+  out["total_bytes"] -= out["offloaded_bytes"]
+  out["floor_total_bytes"] -= out["offloaded_bytes"]
+  limit = device_memory_gib * GIB
+  out["fits"] = out["total_bytes"] <= limit
+  out["may_fit"] = out["floor_total_bytes"] <= limit
+  return out, compiled
+
+
+def offloaded_bytes(config: ml_collections.ConfigDict, mesh) -> int:
+  """Bytes per device of the layer inputs remat 'offload' keeps in host memory."""
+  rows = config.train.batch_size // parallelism.batch_shards(mesh) // config.train.micro_batches
+  tokens = config.data.seq_len // mesh.shape["sequence"]
+  itemsize = jax.numpy.dtype(config.model.dtype).itemsize
+  return config.model.num_layers * rows * tokens * config.model.d_model * itemsize
+
+
+def seq_len_unit(config: ml_collections.ConfigDict) -> int:
+  """What every sequence length of this layout, mesh and tile must be a multiple of."""
+  sequence = config.mesh.sequence if config.mesh.sequence > 0 else 1
+  if config.model.attention == "dense":
+    return sequence
+  return sequence * config.model.attention_tile
+
+
+def find_max_seq_len(config: ml_collections.ConfigDict, device_memory_gib: float = 80.0,
+                     log=print) -> int:
+  """The longest sequence (a multiple of `seq_len_unit`) whose CPU figure fits, by doubling
+  from the config's length and then bisecting to within 1/16; 0 if even one unit does not."""
+  unit = seq_len_unit(config)
+
+  def fits(seq_len: int) -> bool:
+    probe = copy.deepcopy(config)
+    probe.data.seq_len = seq_len
+    started = time.monotonic()
+    out, _ = _memory_plan(probe, device_memory_gib, floor=False)
+    log(f"  {seq_len:>12,} tokens: {out['total_bytes'] / GIB:7.1f} GiB  "
+        f"{'fits' if out['fits'] else 'does not fit'}  [compiled in "
+        f"{time.monotonic() - started:.0f} s]")
+    return out["fits"]
+
+  log(f"longest sequence for {device_memory_gib:g} GiB per device, in multiples of {unit:,}:")
+  length = max(unit, config.data.seq_len // unit * unit)
+  if fits(length):
+    low, high = length, None
+    while high is None:
+      if fits(2 * low):
+        low *= 2
+      else:
+        high = 2 * low
+  else:
+    low, high = 0, length
+    while low == 0 and high > unit:
+      candidate = max(unit, high // 2 // unit * unit)
+      if fits(candidate):
+        low = candidate
+      else:
+        high = candidate
+    if low == 0:
+      log(f"even {unit:,} tokens do not fit")
+      return 0
+  while high - low > max(unit, low // 16):
+    middle = (low + high) // 2 // unit * unit
+    if middle in (low, high):
+      break
+    low, high = (middle, high) if fits(middle) else (low, middle)
+  log(f"longest that fits: {low:,} tokens ({high:,} does not)")
+  return low
 
 
 def _gib(n: float) -> str:
@@ -170,7 +266,11 @@ def _print(config, out: dict[str, Any], memory_gib: float, mfu: float, accelerat
       f"  temporaries            {_gib(out['temp_bytes'])}   activations, gradients, scratch",
       f"  generated code         {_gib(out['code_bytes'])}",
       f"  peak estimate          {_gib(out['peak_bytes'])}   args + temps + outputs - aliased",
-      f"  total                  {_gib(out['total_bytes'])}   peak + code: the verdict's figure",
+      *([f"  offloaded layer inputs {_gib(out['offloaded_bytes'])}   remat 'offload' keeps "
+         f"them in pinned host memory (the CPU compile does not)"]
+        if out["offloaded_bytes"] else []),
+      f"  total                  {_gib(out['total_bytes'])}   peak + code"
+      f"{' - offloaded' if out['offloaded_bytes'] else ''}: the verdict's figure",
       f"FLOPs per step: analytic {out['analytic_flops']:.3e} ({analytic_dev:.3e} per device; "
       f"6 x matmul params + causal attention as half, no remat)",
       f"  XLA cost_analysis      {xla_dev:.3e} per device ({xla_dev / analytic_dev:.2f}x "
@@ -181,8 +281,20 @@ def _print(config, out: dict[str, Any], memory_gib: float, mfu: float, accelerat
       f"{_seconds(out['step_time_s'])}, {out['tokens_per_sec']:,.0f} tokens/s "
       f"({out['tokens_per_sec'] / out['devices']:,.0f} per device)",
   ]
-  total, limit = out["total_bytes"], memory_gib * GIB
-  verdict = "fits in" if out["fits"] else "does NOT fit in"
-  lines.append(f"{verdict} {memory_gib:g} GiB per device ({total / GIB:.1f} GiB, "
-               f"{total / limit:.0%})")
+  total, floor, limit = out["total_bytes"], out["floor_total_bytes"], memory_gib * GIB
+  after_total = [i for i, line in enumerate(lines) if line.startswith("  total ")][0] + 1
+  if "float32_temp_bytes" in out:
+    lines.insert(after_total, f"  float32 compile temps  {_gib(out['float32_temp_bytes'])}   "
+                 f"halved, a floor under bf16 temps (CPU promotion bounded): total "
+                 f"{_gib(floor).strip()}")
+  if out["fits"]:
+    lines.append(f"fits in {memory_gib:g} GiB per device ({total / GIB:.1f} GiB, "
+                 f"{total / limit:.0%})")
+  elif out["may_fit"]:
+    lines.append(f"may fit in {memory_gib:g} GiB per device: between {floor / GIB:.1f} GiB "
+                 f"(floor) and {total / GIB:.1f} GiB (CPU figure), depending on how many "
+                 f"buffers the accelerator keeps in bf16")
+  else:
+    lines.append(f"does NOT fit in {memory_gib:g} GiB per device ({total / GIB:.1f} GiB, "
+                 f"{total / limit:.0%}; floor {floor / GIB:.1f} GiB)")
   print("\n".join(lines), flush=True)

@@ -43,7 +43,8 @@ class NonFiniteError(RuntimeError):
 
 
 def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
-  return ModelConfig(**config.model.to_dict(), remat=config.train.remat)
+  return ModelConfig(**config.model.to_dict(), remat=config.train.remat,
+                     loss_chunk=config.train.loss_chunk)
 
 
 def data_config(config: ml_collections.ConfigDict) -> data.DataConfig:
@@ -82,6 +83,9 @@ def _train(config, workdir: str, start_over: bool, signals: "_StopSignals",
   provenance = run_provenance() if is_writer else None  # For config.json and W&B alike.
   log = (lambda line: print(line, flush=True)) if is_writer else (lambda line: None)
 
+  if jax.default_backend() == "cpu" and any(s.config.train.remat == "offload" for s in plan):
+    log("train.remat='offload' on the CPU: there is no device memory apart from the host's "
+        "to relieve, so the layer inputs stay put and it runs as 'full'")
   # Created after data preparation, and closed on every path: an Orbax manager left open
   # by an early error prints background-thread tracebacks at interpreter exit.
   checkpointer = Checkpointer(workdir, config.checkpoint.every_steps, config.checkpoint.keep,

@@ -30,7 +30,7 @@ from trainer.tracking import scrub
 MAY_CHANGE = (
     "cpu_devices", "accelerator", "peak_flops_per_device", "mesh.", "checkpoint.", "wandb.",
     "model.attention", "model.kernel", "model.attention_tile", "model.dtype",
-    "train.steps", "train.micro_batches", "train.remat", "train.on_nonfinite",
+    "train.steps", "train.micro_batches", "train.remat", "train.loss_chunk", "train.on_nonfinite",
     "train.log_every", "train.eval_every", "train.eval_steps", "train.lr",
     "train.schedule_steps", "train.min_lr_ratio", "train.warmup_steps", "train.weight_decay",
     "train.b1", "train.b2", "train.grad_clip",

@@ -14,15 +14,12 @@ from model import Decoder
 from trainer.state import TrainState
 
 
-def _logits(model: Decoder, params, batch: dict[str, jax.Array]) -> jax.Array:
+def _token_scores(model: Decoder, params, batch: dict[str, jax.Array],
+                  predictions: bool = False) -> dict[str, jax.Array]:
+  """Per-token float32 losses (and argmax hits), in sequence chunks: never the whole logits."""
   return model.apply({"params": params}, batch["tokens"], batch["positions"],
-                     batch["token_index"], batch["segment_ids"])
-
-
-def token_losses(logits_BSV: jax.Array, targets_BS: jax.Array) -> jax.Array:
-  """Per-token cross-entropy in float32."""
-  return optax.softmax_cross_entropy_with_integer_labels(logits_BSV.astype(jnp.float32),
-                                                         targets_BS)
+                     batch["token_index"], batch["segment_ids"], batch["targets"],
+                     predictions)
 
 
 def _micro_batches(batch: dict[str, jax.Array], count: int) -> dict[str, jax.Array]:
@@ -51,7 +48,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: Decoder
   num_tokens = jnp.maximum(jnp.sum(mask_BS), 1.0)
 
   def loss_sum_fn(params, part):
-    losses_BS = token_losses(_logits(model, params, part), part["targets"])
+    losses_BS = _token_scores(model, params, part)["loss"]
     return jnp.sum(losses_BS * part["loss_mask"].astype(jnp.float32)) / num_tokens
 
   if micro_batches == 1:
@@ -102,9 +99,8 @@ def eval_step(params, batch: dict[str, jax.Array], *, model: Decoder,
               evaluator: data.Evaluator | None = None) -> dict[str, jax.Array]:
   """Sums (not means) so that batches of an eval add up exactly; plus the dataset's own."""
   mask_BS = batch["loss_mask"].astype(jnp.float32)
-  logits_BSV = _logits(model, params, batch)
-  sums = {"loss_sum": jnp.sum(token_losses(logits_BSV, batch["targets"]) * mask_BS),
-          "tokens": jnp.sum(mask_BS)}
+  scores = _token_scores(model, params, batch, predictions=evaluator is not None)
+  sums = {"loss_sum": jnp.sum(scores["loss"] * mask_BS), "tokens": jnp.sum(mask_BS)}
   if evaluator is not None:
-    sums.update(evaluator.sums(logits_BSV, batch))
+    sums.update(evaluator.sums(scores["correct"], batch))
   return sums

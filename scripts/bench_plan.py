@@ -1,0 +1,80 @@
+"""The dry-run planner's per-device memory for one config at several sequence lengths.
+
+  python scripts/bench_plan.py --config configs/7b_256k_striped.py \
+      --seq_lens 262144,524288,1048576 [--remat full] [--sequence 16] [--memory_gib 80]
+
+Calls `trainer.dry_run.plan` (what `python -m trainer --dry_run` prints) once per length on
+fake CPU devices and appends one JSON line per plan to results/bench_plan.jsonl, with the
+commit measured, so plans before and after a change sit side by side. Compile-only: no
+accelerator is needed and nothing is allocated.
+"""
+
+import os
+import sys
+
+if __name__ == "__main__":
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import subprocess  # noqa: E402
+
+from trainer import dry_run  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "results", "bench_plan.jsonl")
+GIB = 2.0 ** 30
+
+
+def _load_config(path: str):
+  spec = importlib.util.spec_from_file_location("plan_config", os.path.join(ROOT, path))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--config", required=True)
+  parser.add_argument("--seq_lens", required=True, help="comma-separated token counts")
+  parser.add_argument("--remat", default="", help="override train.remat")
+  parser.add_argument("--sequence", type=int, default=0, help="override mesh.sequence")
+  parser.add_argument("--memory_gib", type=float, default=80.0)
+  parser.add_argument("--no_save", action="store_true")
+  args = parser.parse_args()
+  commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT,
+                          capture_output=True, text=True, check=False).stdout.strip()
+  stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+  rows = []
+  for seq_len in (int(s) for s in args.seq_lens.split(",")):
+    config = _load_config(args.config)
+    config.data.seq_len = seq_len
+    if args.remat:
+      config.train.remat = args.remat
+    if args.sequence:
+      config.mesh.sequence = args.sequence
+    out = dry_run.plan(config, device_memory_gib=args.memory_gib)
+    record = {"config": args.config, "seq_len": seq_len, "remat": config.train.remat,
+              "attention": config.model.attention, "commit": commit, "time": stamp,
+              **{key: value for key, value in out.items() if key != "mesh"},
+              "mesh": out["mesh"]}
+    rows.append(record)
+    if not args.no_save:
+      os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+      with open(RESULTS, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+  print(f"\n{'seq_len':>10} {'remat':>8} {'total GiB':>10} {'floor GiB':>10} "
+        f"{'temps GiB':>10}  verdict at {args.memory_gib:g} GiB")
+  for r in rows:
+    floor = r.get("floor_total_bytes")
+    verdict = ("fits" if r["fits"] else "may fit" if r.get("may_fit") else "does not fit")
+    print(f"{r['seq_len']:>10,} {r['remat']:>8} {r['total_bytes'] / GIB:>10.1f} "
+          f"{floor / GIB if floor is not None else float('nan'):>10.1f} "
+          f"{r['temp_bytes'] / GIB:>10.1f}  {verdict}")
+
+
+if __name__ == "__main__":
+  main()
