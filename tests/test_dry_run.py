@@ -40,7 +40,8 @@ def test_plan_matches_real_step_and_allocates_nothing(tiny_config, capsys):
   config = tiny_config("striped")
   assert jax.device_count() == 8  # the backend is up with the 8 test devices: plan reuses them
   before = {id(x) for x in jax.live_arrays()}
-  plan = dry_run.plan(config, device_memory_gib=80.0, mfu=0.4, accelerator="h100")
+  plan = dry_run.plan(config, device_memory_gib=80.0, mfu=0.4, accelerator="h100",
+                      floor=False)  # The floor's compile is tested on its own below.
   new = [x for x in jax.live_arrays() if id(x) not in before]
   assert "fits in 80 GiB per device" in capsys.readouterr().out
 

@@ -115,17 +115,18 @@ def memory_figures(compiled) -> dict[str, int]:
 
 
 def plan(config: ml_collections.ConfigDict, device_memory_gib: float = 80.0, mfu: float = 0.4,
-         accelerator: str = "h100") -> dict[str, Any]:
+         accelerator: str = "h100", floor: bool = True) -> dict[str, Any]:
   """Compiles the config's train step on fake devices and prints (and returns) the plan.
 
   Byte figures are per device; FLOPs are per step, for the whole mesh unless named
-  `per_device`. Raises ConfigError for a config that cannot run or an unknown accelerator.
+  `per_device`. `floor` adds the float32 compile that bounds the CPU's promotion. Raises
+  ConfigError for a config that cannot run or an unknown accelerator.
   """
   if accelerator not in flops.PEAK_FLOPS:
     raise ConfigError(f"--plan_accelerator={accelerator!r} is not one of "
                       f"{', '.join(flops.PEAK_FLOPS)}")
   start = time.monotonic()
-  out, compiled = _memory_plan(config, device_memory_gib)
+  out, compiled = _memory_plan(config, device_memory_gib, floor)
   compile_s = time.monotonic() - start
 
   count = out["devices"]
