@@ -10,7 +10,7 @@ from jax.ad_checkpoint import checkpoint_name
 import parallelism
 from model.attention import Attention
 from model.config import ModelConfig
-from model.layers import RMSNorm, SwiGLU, constrain, dense_init
+from model.layers import RMSNorm, SwiGLU, constrain, projection_kernel
 from model.loss import chunked_token_scores
 
 _ACTIVATION_BSE = ("activation_batch", "activation_seq", "activation_embed")
@@ -52,8 +52,8 @@ def _remat_policy(name: str):
 
 
 class _Kernel(nn.Module):
-  """A Projection's kernel alone (same path `<name>/kernel`, same init), for the loss that
-  applies the output projection one sequence chunk at a time."""
+  """A Projection's kernel alone (same path `<name>/kernel`, same init), in the parameter
+  dtype, for the loss that applies the output projection one sequence chunk at a time."""
 
   cfg: ModelConfig
   shape: tuple[int, ...]
@@ -61,8 +61,7 @@ class _Kernel(nn.Module):
 
   @nn.compact
   def __call__(self) -> jax.Array:
-    return self.param("kernel", dense_init(self.cfg, self.names), self.shape,
-                      jnp.dtype(self.cfg.param_dtype)).astype(self.cfg.dtype)
+    return projection_kernel(self, self.cfg, self.shape, self.names)
 
 
 class Decoder(nn.Module):
@@ -80,13 +79,13 @@ class Decoder(nn.Module):
   def __call__(self, tokens_BS, positions_BS, token_index_BS, segment_ids_BS,
                targets_BS=None, predictions: bool = False):
     cfg = self.cfg
-    table_VE = self.param(
+    param_VE = self.param(
         "embedding", nn.with_logical_partitioning(
             nn.initializers.normal(cfg.init_std), ("vocab", "embed")),
-        (cfg.vocab_size, cfg.d_model), jnp.dtype(cfg.param_dtype)).astype(cfg.dtype)
+        (cfg.vocab_size, cfg.d_model), jnp.dtype(cfg.param_dtype))
     # Gather the table's `embed` shards before the lookup: a row gather from a table sharded
     # along its width would otherwise be replicated and re-split by the partitioner.
-    table_VE = constrain(table_VE, ("vocab", None))
+    table_VE = constrain(param_VE.astype(cfg.dtype), ("vocab", None))
     x_BSE = constrain(jnp.take(table_VE, tokens_BS, axis=0), _ACTIVATION_BSE)
 
     block = Block
@@ -100,7 +99,7 @@ class Decoder(nn.Module):
     x_BSE = RMSNorm(cfg, name="final_norm")(x_BSE)
 
     if cfg.tie_embeddings:
-      head_EV = table_VE.T
+      head_EV = param_VE.T
     else:
       head_EV = _Kernel(cfg, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
                         name="lm_head")()
@@ -108,6 +107,6 @@ class Decoder(nn.Module):
     head_EV = constrain(head_EV, (None, "vocab"))
     if targets_BS is not None:
       return chunked_token_scores(x_BSE, head_EV, targets_BS, cfg.loss_chunk, predictions)
-    logits_BSV = jnp.einsum("bse,ev->bsv", x_BSE, head_EV)
+    logits_BSV = jnp.einsum("bse,ev->bsv", x_BSE, head_EV.astype(cfg.dtype))
     logits_BSV = constrain(logits_BSV, ("activation_batch", "activation_seq", "activation_vocab"))
     return logits_BSV.astype(jnp.float32)

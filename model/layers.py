@@ -33,9 +33,14 @@ class Projection(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    kernel = self.param("kernel", dense_init(self.cfg, self.names), self.shape,
-                        jnp.dtype(self.cfg.param_dtype))
+    kernel = projection_kernel(self, self.cfg, self.shape, self.names)
     return jnp.einsum(self.equation, x.astype(self.cfg.dtype), kernel.astype(self.cfg.dtype))
+
+
+def projection_kernel(module: nn.Module, cfg: ModelConfig, shape: tuple[int, ...],
+                      names: Sequence[str]) -> jax.Array:
+  """`module`'s parameter `kernel`, in the parameter dtype, named by logical axes."""
+  return module.param("kernel", dense_init(cfg, names), shape, jnp.dtype(cfg.param_dtype))
 
 
 def constrain(x: jax.Array, names: Sequence[str]) -> jax.Array:

@@ -45,11 +45,16 @@ def chunked_token_scores(x_BSE: jax.Array, head_EV: jax.Array, targets_BS: jax.A
   """Per-token cross-entropy [B, S] (float32) of `x_BSE @ head_EV` against `targets_BS`, and
   with `predictions` whether the argmax is the target, without the whole [B, S, V] logits.
 
-  `x_BSE` and `head_EV` are in the compute dtype; each chunk's logits are computed in it and
-  cast to float32, as the full logits are.
+  `x_BSE` is in the compute dtype; `head_EV` in its parameter dtype: it is cast to the
+  compute dtype inside each chunk, so that the loop sums the head's gradient over the
+  chunks in the parameter dtype (float32), not in bf16. Each chunk's logits are computed in
+  the compute dtype and cast to float32, as the full logits are.
   """
   batch, seq_len, width = x_BSE.shape
   shards = sequence_shards()
+  if seq_len % shards:
+    raise ValueError(f"the loss splits a {seq_len}-token sequence over {shards} devices "
+                     f"(mesh.rules' activation_seq): it must divide evenly")
   local = seq_len // shards
   length = chunk_length(local, chunk)
   count = local // length
@@ -62,7 +67,7 @@ def chunked_token_scores(x_BSE: jax.Array, head_EV: jax.Array, targets_BS: jax.A
 
   @jax.checkpoint  # Saves nothing: the backward recomputes a chunk's logits, one at a time.
   def scores(x_BNCE, t_BNC):
-    logits_BNCV = jnp.einsum("bnce,ev->bncv", x_BNCE, head_EV)
+    logits_BNCV = jnp.einsum("bnce,ev->bncv", x_BNCE, head_EV.astype(x_BNCE.dtype))
     logits_BNCV = constrain(logits_BNCV, _CHUNK_BNCV).astype(jnp.float32)
     is_target_BNCV = jax.lax.broadcasted_iota(jnp.int32, logits_BNCV.shape, 3) == t_BNC[..., None]
     target_BNC = jnp.sum(jnp.where(is_target_BNCV, logits_BNCV, 0.0), axis=-1)

@@ -84,14 +84,18 @@ def test_plan_bounds_the_cpu_promotion_and_accounts_for_offload(tiny_config, cap
   config = tiny_config("striped", **{"train.remat": "offload"})
   plan = dry_run.plan(config)
   out = capsys.readouterr().out
-  # The floor compiles the same step in float32 and halves its temporaries.
-  assert plan["floor_total_bytes"] <= plan["total_bytes"]
-  assert plan["floor_total_bytes"] == (plan["total_bytes"] - plan["temp_bytes"]
-                                       + min(plan["temp_bytes"], plan["float32_temp_bytes"] // 2))
   # Offload: the layer inputs of the tiny config (2 layers x 4 rows x 64 tokens x 128 bf16).
   assert plan["offloaded_bytes"] == 2 * 4 * 64 * 128 * 2
   assert plan["total_bytes"] == plan["peak_bytes"] + plan["code_bytes"] - plan["offloaded_bytes"]
   assert "offloaded layer inputs" in out and "float32 compile temps" in out
+  # The float32 compile's temporaries, halved, lie below the CPU's: a floor, and a verdict
+  # between the two for a memory between them.
+  assert plan["float32_temp_bytes"] // 2 < plan["temp_bytes"]
+  floor, total = plan["floor_total_bytes"], plan["total_bytes"]
+  assert floor < total
+  between = dry_run.plan(config, device_memory_gib=(floor + total) / 2 / dry_run.GIB)
+  assert not between["fits"] and between["may_fit"]
+  assert f"between {floor / dry_run.GIB:.1f} GiB (floor)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("start, largest", [(256, 6144), (65536, 6144), (256, 100)])

@@ -26,7 +26,7 @@ def test_chunk_length_divides_the_local_sequence():
 
 
 @pytest.mark.parametrize("tie, mesh_shape, chunk", [
-    (False, (1, 2, 2, 2), 24),  # 32 local tokens in chunks of 16; vocabulary over `tensor`.
+    (False, (1, 2, 2, 2), 24),  # 64 local tokens in 4 chunks of 16; vocabulary over `tensor`.
     (True, (1, 1, 4, 2), 8),  # Tied head; four chunks per device.
     (False, (2, 1, 4, 1), 4096),  # One chunk: the whole local sequence.
 ])

@@ -122,6 +122,8 @@ def main(argv: list[str]) -> None:
   logging.set_verbosity(logging.WARNING)  # JAX's INFO lines (absent TPU etc.) are noise here.
   console.fold_orbax_logs(logging.get_absl_logger())
   config = _config()
+  if _FIND_MAX.value and not _DRY_RUN.value:
+    sys.exit("error: --find_max_seq_len is a planning search: pass it with --dry_run")
   try:
     if config.init.from_hf:  # Sets the model's shape and tokenizer: before any check or plan.
       print(hf_import.apply_to_config(config), flush=True)

@@ -52,10 +52,12 @@ import ml_collections
 import parallelism
 from data import packing
 from trainer import flops
+from model.config import layout_of
 from trainer.config_check import ConfigError, check_config
 from trainer.loop import build_training, model_config
 
 GIB = 2.0 ** 30
+MAX_SEARCHED_SEQ_LEN = 1 << 27  # --find_max_seq_len doubles up to 128M tokens at most.
 # The per-token arrays of a batch and their dtypes, as the packer makes them; the batch is a
 # ShapeDtypeStruct, so no data is read or prepared.
 # What the loop sends to the train step (the rest of a row stays on the host).
@@ -184,11 +186,15 @@ def offloaded_bytes(config: ml_collections.ConfigDict, mesh) -> int:
 
 
 def seq_len_unit(config: ml_collections.ConfigDict) -> int:
-  """What every sequence length of this layout, mesh and tile must be a multiple of."""
-  sequence = config.mesh.sequence if config.mesh.sequence > 0 else 1
+  """What every sequence length of this layout, mesh and tile must be a multiple of (the
+  rule `check_config` applies: the layout's divisor, and ring shards x the full tile)."""
+  shape = dict(zip(parallelism.MESH_AXES, parallelism.resolve_mesh_shape(
+      config.mesh, plan_device_count(config))))
+  shards = shape["sequence"]
+  divisor = parallelism.layouts.required_divisor(layout_of(config.model.attention), shards)
   if config.model.attention == "dense":
-    return sequence
-  return sequence * config.model.attention_tile
+    return divisor
+  return math.lcm(divisor, shards * config.model.attention_tile)
 
 
 def find_max_seq_len(config: ml_collections.ConfigDict, device_memory_gib: float = 80.0,
@@ -212,6 +218,9 @@ def find_max_seq_len(config: ml_collections.ConfigDict, device_memory_gib: float
   if fits(length):
     low, high = length, None
     while high is None:
+      if 2 * low > MAX_SEARCHED_SEQ_LEN:
+        log(f"{low:,} tokens fit; the search stops at {MAX_SEARCHED_SEQ_LEN:,}")
+        return low
       if fits(2 * low):
         low *= 2
       else:

@@ -97,10 +97,12 @@ def _train(config, workdir: str, start_over: bool, signals: "_StopSignals",
       check = compatibility_check(config, workdir, tokenizer_file, tokenizer_sha256, changes)
 
       def check_with_stage(step: int, meta: dict) -> None:
-        check(step, meta)
+        # The stage first: it names the change (stages added or removed, a begun stage's
+        # steps moved) that the config comparison would report as a bare field.
         problem = stages.check_checkpoint(plan, step, meta)
         if problem:
           raise ConfigError(problem)
+        check(step, meta)
 
       # Each checkpoint is read as the state of the stage that wrote it.
       restored = checkpointer.restore(
@@ -120,7 +122,7 @@ def _train(config, workdir: str, start_over: bool, signals: "_StopSignals",
           parts = build_training(stage.config, mesh)
           stage_model_cfg = model_config(stage.config)
           if state is None:
-            state = _initial_state(stage.config, stage_model_cfg, parts, is_writer)
+            state = _initial_state(stage.config, stage_model_cfg, parts, log)
           elif step == stage.first_step - 1 and stage.index > 0:
             state = stages.carry_over(state, parts.optimizer, parts.shardings,
                                       stage.keep_optimizer)
@@ -187,13 +189,11 @@ def _combined(summaries: list[dict[str, Any]]) -> dict[str, Any]:
   return summary
 
 
-def _initial_state(config, model_cfg: ModelConfig, parts: "Training",
-                   is_writer: bool) -> TrainState:
+def _initial_state(config, model_cfg: ModelConfig, parts: "Training", log) -> TrainState:
   """Step 0's state: random weights from the seed, or a Hugging Face checkpoint's."""
   if not config.init.from_hf:
     return init_state(parts.model, parts.optimizer, parts.shardings, config.seed,
                       parts.init_rows, config.data.seq_len)
-  log = (lambda line: print(line, flush=True)) if is_writer else (lambda line: None)
   log(f"loading weights from {config.init.from_hf}")
   params = hf_import.load_params(config.init.from_hf, model_cfg, parts.abstract_state.params,
                                  log)
@@ -428,7 +428,8 @@ class _Run:
     if self.trackers and self.records:
       speed = (f"{summary['median_tokens_per_sec']:,.0f} tok/s median after warm-up"
                if timed else "too few steps to time")
-      print(f"{self.stage.label + ' ' if self.stage.name else ''}done: step {summary['steps']}, loss {summary['first_loss']:.4f} -> "
+      label = f"{self.stage.label} " if self.stage.name else ""
+      print(f"{label}done: step {summary['steps']}, loss {summary['first_loss']:.4f} -> "
             f"{summary['last_loss']:.4f}, {speed}", flush=True)
     elif self.trackers and not stopped:
       print(f"nothing to do: the run is already at step {self.start_step}", flush=True)

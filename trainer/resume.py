@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import ml_collections
 
+from trainer import fields
 from trainer.config_check import ConfigError
 from trainer.tracking import scrub
 
@@ -62,21 +63,6 @@ def checkpoint_meta(config: ml_collections.ConfigDict, tokenizer_sha256: str) ->
           "tokenizer_sha256": tokenizer_sha256}
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
-  """Dotted names; a list of groups (the stages) by index: `stages[1].train.lr`."""
-  flat = {}
-  for key, value in tree.items():
-    name = f"{prefix}{key}"
-    if isinstance(value, dict):
-      flat.update(_flatten(value, name + "."))
-    elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
-      for index, item in enumerate(value):
-        flat.update(_flatten(item, f"{name}[{index}]."))
-    elif value != [] or key != "stages":  # No stages is the same as the older configs' none.
-      flat[name] = value
-  return flat
-
-
 _STAGE_FIELD = re.compile(r"stages\[(\d+)\]\.(.+)")
 
 
@@ -89,14 +75,13 @@ def _may_change(name: str, started_stages: int | None = None) -> bool:
     index, name = int(stage_field.group(1)), stage_field.group(2)
     if started_stages is not None and index >= started_stages:
       return True
-  return any(name == field or (field.endswith(".") and name.startswith(field))
-             for field in MAY_CHANGE)
+  return fields.matches(name, MAY_CHANGE)
 
 
 def compare(stored: dict[str, Any], config: ml_collections.ConfigDict,
             trained_with: str = "the checkpoint", started_stages: int | None = None) -> list[str]:
   """Changed allowed fields as 'name: old -> new'; raises ConfigError on any other change."""
-  old, new = _flatten(stored), _flatten(config_dict(config))
+  old, new = fields.flatten(stored), fields.flatten(config_dict(config))
   changed = sorted(name for name in old.keys() | new.keys() if old.get(name) != new.get(name))
   fixed = [name for name in changed if not _may_change(name, started_stages)]
   if fixed:

@@ -31,6 +31,7 @@ import ml_collections
 import numpy as np
 import optax
 
+from trainer import fields
 from trainer.state import TrainState, state_from_params
 
 # The fields a stage may set: what grows the context and how the stage trains. The model's
@@ -68,10 +69,10 @@ class Stage:
 
 
 def stage(name: str, steps: int, seq_len: int | None = None, keep_optimizer: bool = False,
-          **fields) -> ml_collections.ConfigDict:
+          **settings) -> ml_collections.ConfigDict:
   """A stage for `config.stages`, written as in the module docstring.
 
-  `fields` are the stage's other settings by their last name: `lr`, `warmup_steps` and every
+  `settings` are the stage's other fields by their last name: `lr`, `warmup_steps` and every
   other `train.*` field, `rope_theta`, `rope_scaling` (a dict of `model.rope_scaling.*`),
   `attention`, `kernel`, `attention_tile`.
   """
@@ -79,25 +80,10 @@ def stage(name: str, steps: int, seq_len: int | None = None, keep_optimizer: boo
   if seq_len is not None:
     spec["data"] = {"seq_len": seq_len}
   model_fields = ("rope_theta", "rope_scaling", "attention", "kernel", "attention_tile")
-  for key, value in fields.items():
+  for key, value in settings.items():
     group = "model" if key in model_fields else "train"
     spec.setdefault(group, {})[key] = value
   return ml_collections.ConfigDict(spec)
-
-
-def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
-  out = {}
-  for key, value in tree.items():
-    if isinstance(value, dict):
-      out.update(_flat(value, f"{prefix}{key}."))
-    else:
-      out[f"{prefix}{key}"] = value
-  return out
-
-
-def _settable(name: str) -> bool:
-  return any(name == field or (field.endswith(".") and name.startswith(field))
-             for field in STAGE_FIELDS)
 
 
 def _has_field(config: ml_collections.ConfigDict, name: str) -> bool:
@@ -127,10 +113,10 @@ def problem(config: ml_collections.ConfigDict) -> str | None:
     if spec.get("keep_optimizer") and index == 0:
       return (f"{where}.keep_optimizer: the first stage has no earlier optimizer state to "
               f"keep")
-    for field in _flat(spec.to_dict()):
+    for field in fields.flatten(spec.to_dict()):
       if field in _OWN_FIELDS:
         continue
-      if not _settable(field):
+      if not fields.matches(field, STAGE_FIELDS):
         return (f"{where}.{field} cannot be set by a stage (a stage may set "
                 f"{', '.join(f + '*' if f.endswith('.') else f for f in STAGE_FIELDS)})")
       if not _has_field(config, field):
@@ -156,7 +142,7 @@ def plan(config: ml_collections.ConfigDict) -> list[Stage]:
     resolved = copy.deepcopy(config)
     with resolved.unlocked():
       resolved.stages = ()
-      for field, value in _flat(spec.to_dict()).items():
+      for field, value in fields.flatten(spec.to_dict()).items():
         if field in _OWN_FIELDS:
           continue
         *groups, last = field.split(".")
