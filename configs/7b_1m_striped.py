@@ -15,10 +15,10 @@ configs/7b_256k_striped.py at four times the length, on one ring of 16 devices (
 The planner's figures per device (`--dry_run`, CPU compile, results/bench_plan.jsonl):
 
     devices  remat    CPU figure  floor     verdict at 80 GiB
-    16       offload   66.1 GiB   31.2 GiB  fits
-    16       full      82.1 GiB   47.2 GiB  may fit
-     8       offload  130.7 GiB   61.7 GiB  may fit
-     8       full     162.7 GiB   93.7 GiB  does not fit
+    16       offload   66.3 GiB   31.2 GiB  fits
+    16       full      82.3 GiB   47.2 GiB  may fit
+     8       offload  130.9 GiB   61.7 GiB  may fit
+     8       full     162.9 GiB   93.7 GiB  does not fit
 
 The CPU figure errs high (the CPU compiler keeps bf16 buffers such as the saved layer inputs
 as float32 too); the floor is what the step would need were every such buffer bf16. So 8
