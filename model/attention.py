@@ -46,7 +46,16 @@ def dense_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
 
 
 class Attention(nn.Module):
+  """Self-attention of a whole row (training, eval, a sampler's prefill) or, with `decode`,
+  of one new token per row over the `cache` collection a prefill left (for sampling).
+
+  A prefill (an apply, not an init) with the `cache` collection mutable stores each layer's roped keys and
+  values there, in the row's layout order; a decode step writes the new token's into the
+  slot of its position and attends to the whole cache by `parallelism.decode_attention`.
+  """
+
   cfg: ModelConfig
+  decode: bool = False
 
   @nn.compact
   def __call__(self, x_BSE: jax.Array, positions_BS: jax.Array, token_index_BS: jax.Array,
@@ -66,7 +75,13 @@ class Attention(nn.Module):
     k_BSKD = constrain(apply_rope(k_BSKD, positions_BS, inv_freq_F, rope_factor),
                        ("activation_batch", "activation_seq", "activation_kv_heads", None))
 
-    if cfg.attention == "dense":
+    if self.decode:
+      out_BSHD, key_cache, value_cache = parallelism.decode_attention(
+          q_BSHD, k_BSKD, v_BSKD, self.get_variable("cache", "key"),
+          self.get_variable("cache", "value"), positions_BS[:, 0], layout=cfg.layout,
+          rules=nn.get_logical_axis_rules())
+      k_BSKD, v_BSKD = key_cache, value_cache
+    elif cfg.attention == "dense":
       out_BSHD = dense_attention(q_BSHD, k_BSKD, v_BSKD, token_index_BS, segment_ids_BS)
     else:
       # The ring's shardings come from the rules table the activations above are pinned by;
@@ -75,6 +90,9 @@ class Attention(nn.Module):
           q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, layout=cfg.layout,
           rules=nn.get_logical_axis_rules(),
           kernel=cfg.kernel, tile_size=cfg.attention_tile)
+    if self.is_mutable_collection("cache") and not self.is_initializing():
+      self.put_variable("cache", "key", k_BSKD)
+      self.put_variable("cache", "value", v_BSKD)
     # Named so that the `save_attention` remat policy can keep it (the ring names its
     # backward's residuals itself).
     out_BSHD = checkpoint_name(out_BSHD, "attention_out")

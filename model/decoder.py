@@ -21,13 +21,14 @@ class Block(nn.Module):
   """One pre-norm residual block; shaped (carry, broadcast...) -> (carry, None) for nn.scan."""
 
   cfg: ModelConfig
+  decode: bool = False
 
   @nn.compact
   def __call__(self, x_BSE, positions_BS, token_index_BS, segment_ids_BS):
     cfg = self.cfg
     x_BSE = checkpoint_name(x_BSE, BLOCK_INPUT)  # What remat 'offload' keeps in host memory.
     h_BSE = RMSNorm(cfg, name="attention_norm")(x_BSE)
-    x_BSE = x_BSE + Attention(cfg, name="attention")(
+    x_BSE = x_BSE + Attention(cfg, self.decode, name="attention")(
         h_BSE, positions_BS, token_index_BS, segment_ids_BS)
     h_BSE = RMSNorm(cfg, name="mlp_norm")(x_BSE)
     x_BSE = constrain(x_BSE + SwiGLU(cfg, name="mlp")(h_BSE), _ACTIVATION_BSE)
@@ -70,14 +71,20 @@ class Decoder(nn.Module):
   its target) computed in sequence chunks without the whole logits (model/loss.py).
 
   The blocks are one `nn.scan` so compile time does not grow with depth; parameters of the
-  stack gain a leading `layers` axis.
+  stack gain a leading `layers` axis (and so does the `cache` collection of sampling).
+
+  For sampling (trainer/sample.py): `logits_at_B` returns the logits of one position per row
+  only ([B, 1, V], the slot of the prompt's last token); with the `cache` collection mutable
+  the call is a prefill that keeps every layer's keys and values; `decode=True` makes the
+  call one step of one token per row over that cache.
   """
 
   cfg: ModelConfig
+  decode: bool = False
 
   @nn.compact
   def __call__(self, tokens_BS, positions_BS, token_index_BS, segment_ids_BS,
-               targets_BS=None, predictions: bool = False):
+               targets_BS=None, predictions: bool = False, logits_at_B=None):
     cfg = self.cfg
     param_VE = self.param(
         "embedding", nn.with_logical_partitioning(
@@ -92,10 +99,10 @@ class Decoder(nn.Module):
     if cfg.remat != "none":
       block = nn.remat(Block, policy=_remat_policy(cfg.remat), prevent_cse=False)
     blocks = nn.scan(
-        block, variable_axes={"params": 0}, split_rngs={"params": True},
+        block, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True},
         in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.num_layers,
         metadata_params={nn.PARTITION_NAME: "layers"})
-    x_BSE, _ = blocks(cfg, name="blocks")(x_BSE, positions_BS, token_index_BS, segment_ids_BS)
+    x_BSE, _ = blocks(cfg, self.decode, name="blocks")(x_BSE, positions_BS, token_index_BS, segment_ids_BS)
     x_BSE = RMSNorm(cfg, name="final_norm")(x_BSE)
 
     if cfg.tie_embeddings:
@@ -107,6 +114,13 @@ class Decoder(nn.Module):
     head_EV = constrain(head_EV, (None, "vocab"))
     if targets_BS is not None:
       return chunked_token_scores(x_BSE, head_EV, targets_BS, cfg.loss_chunk, predictions)
+    logits_names = ("activation_batch", "activation_seq", "activation_vocab")
+    if logits_at_B is not None:
+      # A masked sum over the sharded sequence (one all-reduce of [B, E]), not a gather
+      # that would bring the whole row's hidden states to every device.
+      picked_BS = jnp.arange(x_BSE.shape[1])[None, :] == logits_at_B[:, None]
+      x_BSE = jnp.sum(jnp.where(picked_BS[:, :, None], x_BSE, 0), axis=1, keepdims=True)
+      logits_names = ("activation_batch", None, "activation_vocab")
     logits_BSV = jnp.einsum("bse,ev->bsv", x_BSE, head_EV.astype(cfg.dtype))
-    logits_BSV = constrain(logits_BSV, ("activation_batch", "activation_seq", "activation_vocab"))
+    logits_BSV = constrain(logits_BSV, logits_names)
     return logits_BSV.astype(jnp.float32)

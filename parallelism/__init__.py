@@ -1,6 +1,7 @@
-"""Mesh, logical axis rules, sequence layouts, the static ring schedule and ring attention
-(see DESIGN.md)."""
+"""Mesh, logical axis rules, sequence layouts, the static ring schedule, ring attention and
+the sampler's decode attention over a sharded KV cache (see DESIGN.md)."""
 
+from parallelism.decoding import CACHE_NAMES, cache_positions, decode_attention, decode_rules
 from parallelism.kernels import KERNELS
 from parallelism.layouts import LAYOUTS, check_seq_len, permute, unpermute
 from parallelism.mesh import (MESH_AXES, batch_sharding, batch_shards, check_rules, logical_to_spec,

@@ -75,6 +75,12 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules) -> P:
   return P(*spec)
 
 
+def spec_on_mesh(spec: P, mesh) -> P:
+  """`spec` without the mesh axes `mesh` does not have."""
+  kept = [tuple(a for a in as_axes(entry) if a in mesh.axis_names) for entry in spec]
+  return P(*(None if not axes else axes[0] if len(axes) == 1 else axes for axes in kept))
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   """Per-token batch arrays [batch, seq]: rows over data+fsdp, sequence over `sequence`."""
   return NamedSharding(mesh, P(BATCH_AXES, "sequence"))

@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from parallelism import kernels
 from parallelism.layouts import check_seq_len
-from parallelism.mesh import Rules, as_axes, logical_to_spec
+from parallelism.mesh import Rules, as_axes, logical_to_spec, spec_on_mesh
 from parallelism.schedule import RingSchedule, ring_schedule
 
 Q_NAMES = ("activation_batch", "activation_seq", "activation_heads", None)
@@ -333,7 +333,7 @@ def _ring_axis(mesh, rules: Rules) -> str:
 def operand_specs(mesh, rules: Rules, q_shape, num_kv: int) -> tuple[P, P, P]:
   """PartitionSpecs of q/out, k/v and segment ids from the rules table (mesh axes the mesh
   lacks are dropped); checks that the heads pair up and that everything divides."""
-  specs = [_on_mesh(logical_to_spec(names, rules), mesh)
+  specs = [spec_on_mesh(logical_to_spec(names, rules), mesh)
            for names in (Q_NAMES, KV_NAMES, SEGMENT_NAMES)]
   q_spec, kv_spec, _ = specs
   if q_spec[2] != kv_spec[2]:
@@ -348,12 +348,6 @@ def operand_specs(mesh, rules: Rules, q_shape, num_kv: int) -> tuple[P, P, P]:
       raise ValueError(f"{what} ({size}) must be divisible by the mesh axes {as_axes(axes)} "
                        f"they shard over (size {shards})")
   return tuple(specs)
-
-
-def _on_mesh(spec: P, mesh) -> P:
-  """`spec` without the mesh axes `mesh` does not have."""
-  kept = [tuple(a for a in as_axes(entry) if a in mesh.axis_names) for entry in spec]
-  return P(*(None if not axes else axes[0] if len(axes) == 1 else axes for axes in kept))
 
 
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None,

@@ -70,6 +70,15 @@ def _check_one(config: ml_collections.ConfigDict, num_devices: int) -> None:
   _require(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables)")
   _require(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
   _require(t.eval_every >= 0 and t.eval_steps >= 0, "train.eval_every and train.eval_steps must be >= 0")
+  if t.eval_needle_lengths:
+    from trainer import needle  # pylint: disable=g-import-not-at-top
+    try:
+      needle.parse_lengths(t.eval_needle_lengths)
+      needle.parse_depths(t.eval_needle_depths)
+    except needle.NeedleError as error:
+      raise ConfigError(f"train.eval_needle_*: {error}") from None
+    _require(t.eval_needle_trials >= 1,
+             f"train.eval_needle_trials={t.eval_needle_trials} must be at least 1")
   _require(config.checkpoint.every_steps > 0,
            f"checkpoint.every_steps={config.checkpoint.every_steps} must be positive")
   _require(config.checkpoint.keep >= 1, f"checkpoint.keep={config.checkpoint.keep} must be >= 1")

@@ -38,7 +38,7 @@ from trainer import stages
 from trainer.checkpointing import CheckpointError, Checkpointer
 from trainer.loop import data_config, model_config
 from trainer.optimizer import make_optimizer
-from trainer.resume import file_sha256
+from trainer.resume import tokenizer_problem
 from trainer.state import abstract_state
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory holding checkpoints/.")
@@ -130,12 +130,9 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str = "bfloat
 
 
 def _run_tokenizer(path: str, recorded_sha256: str | None) -> str:
-  if not os.path.isfile(path):
-    raise ExportError(f"the run's tokenizer {path} is not there (data paths are relative to "
-                      f"where the run started); pass --tokenizer=PATH")
-  if recorded_sha256 and file_sha256(path) != recorded_sha256:
-    raise ExportError(f"{path} is not the tokenizer this checkpoint was trained with (its "
-                      f"SHA-256 differs from the recorded one); pass --tokenizer=PATH")
+  problem = tokenizer_problem(path, recorded_sha256)
+  if problem:
+    raise ExportError(f"{problem}; pass --tokenizer=PATH")
   return path
 
 

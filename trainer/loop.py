@@ -314,6 +314,7 @@ class _Run:
     self.peak = flops.peak_flops(config, jax.devices()[0].device_kind)
     self.records: list[dict[str, Any]] = []
     self.skipped = 0
+    self.sampler = None  # For the needle eval, made at the first.
 
   def loop(self, state, step_fn, start: int,
            signals: _StopSignals) -> tuple[TrainState, dict[str, Any]]:
@@ -411,8 +412,28 @@ class _Run:
               **self.stage.record()}
     if self.evaluator:
       record.update(self.evaluator.metrics(totals))
+    if cfg.train.eval_needle_lengths:
+      record.update(self._needles(state))
     for tracker in self.trackers:
       tracker.log(record)
+
+  def _needles(self, state) -> dict[str, float]:
+    """The eval's needle grid (trainer/needle.py): accuracy overall and per length."""
+    from trainer import needle, sample  # pylint: disable=g-import-not-at-top
+    cfg = self.config.train
+    if jax.process_count() > 1:  # The sampler reads its tokens on one host.
+      return {}
+    if self.sampler is None:  # Kept: its compiled steps serve every eval of the stage.
+      self.sampler = sample.Sampler(self.config, self.mesh, state.params,
+                                    data.load_tokenizer(data_config(self.config)),
+                                    log=lambda line: None)
+    self.sampler.params = state.params
+    lengths = needle.parse_lengths(cfg.eval_needle_lengths)
+    rows = needle.evaluate(self.sampler, lengths, needle.parse_depths(cfg.eval_needle_depths),
+                           cfg.eval_needle_trials, log=lambda line: None)
+    found = lambda length: [r["correct"] for r in rows if length in (None, r["length"])]
+    return {"eval_needle_accuracy": statistics.mean(found(None)),
+            **{f"eval_needle_accuracy_{n}": statistics.mean(found(n)) for n in lengths}}
 
   def _restart_clock(self, step: int) -> None:
     """Starts step timing afresh after host work (save, eval) with nothing in flight."""

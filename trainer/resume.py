@@ -32,7 +32,8 @@ MAY_CHANGE = (
     "cpu_devices", "accelerator", "peak_flops_per_device", "mesh.", "checkpoint.", "wandb.",
     "model.attention", "model.kernel", "model.attention_tile", "model.dtype",
     "train.steps", "train.micro_batches", "train.remat", "train.loss_chunk", "train.on_nonfinite",
-    "train.log_every", "train.eval_every", "train.eval_steps", "train.lr",
+    "train.log_every", "train.eval_every", "train.eval_steps", "train.eval_needle_lengths",
+    "train.eval_needle_depths", "train.eval_needle_trials", "train.lr",
     "train.schedule_steps", "train.min_lr_ratio", "train.warmup_steps", "train.weight_decay",
     "train.b1", "train.b2", "train.grad_clip",
     "data.data_dir", "data.tokenizer", "data.prefetch", "data.eval_split",
@@ -55,6 +56,17 @@ def file_sha256(path: str) -> str:
     for chunk in iter(lambda: f.read(1 << 20), b""):
       digest.update(chunk)
   return digest.hexdigest()
+
+
+def tokenizer_problem(path: str, recorded_sha256: str | None) -> str | None:
+  """Why `path` cannot be the tokenizer a checkpoint recorded by hash (None if it can)."""
+  if not os.path.isfile(path):
+    return (f"the run's tokenizer {path} is not there (data paths are relative to where "
+            f"the run started)")
+  if recorded_sha256 and file_sha256(path) != recorded_sha256:
+    return (f"{path} is not the tokenizer this checkpoint was trained with (its SHA-256 "
+            f"differs from the recorded one)")
+  return None
 
 
 def checkpoint_meta(config: ml_collections.ConfigDict, tokenizer_sha256: str) -> dict[str, Any]:

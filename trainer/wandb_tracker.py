@@ -108,6 +108,17 @@ class WandbTracker:
       self._last = step
       _save_state(self._state_path, self._run.id, step)
 
+  def log_table_and_image(self, step: int, name: str, columns: list[str], rows: list[list],
+                          image_path: str) -> None:
+    """An evaluation's table and picture, at `step` or the run's last logged step if later
+    (W&B drops values logged at a step it has passed)."""
+    import wandb  # pylint: disable=g-import-not-at-top
+    try:
+      self._run.log({f"{name}/table": wandb.Table(columns=columns, data=rows),
+                     f"{name}/heatmap": wandb.Image(image_path)}, step=max(step, self._last))
+    except Exception as error:  # pylint: disable=broad-except
+      _warn(f"W&B logging failed ({_first_line(error)}); the files on disk have it all")
+
   def close(self) -> None:
     try:
       self._run.finish()

@@ -1,0 +1,110 @@
+"""One new token's attention over a KV cache sharded along the sequence, for sampling.
+
+The cache is what a prefill with ring attention leaves behind: each layer's roped keys and
+values for `capacity` positions, in the layout's order, sharded over the ring's mesh axis
+(the cache slot of position p is `layouts.inverse_permutation(layout, capacity, N)[p]`).
+Decoding position p writes the new key/value into the slot that holds p, on whichever device
+owns it, and attends to every slot whose position is not after p. Each device computes its
+partial softmax over its own slots; the parts merge by log-sum-exp (a max and two sums over
+the ring axis), so no device ever holds another device's keys or values.
+
+During decoding the one-token activations are not split along the sequence: the rules
+table's `activation_seq` entry moves to `activation_cache_seq` (`decode_rules`), which only
+the cache uses.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from parallelism.layouts import permutation
+from parallelism.mesh import Rules, as_axes, logical_to_spec, spec_on_mesh
+
+CACHE_SEQ = "activation_cache_seq"
+CACHE_NAMES = ("activation_batch", CACHE_SEQ, "activation_kv_heads", None)
+
+
+def decode_rules(rules: Rules) -> Rules:
+  """`rules` for one-token steps: `activation_seq` replicated, its axes kept for the cache."""
+  table = dict(rules)
+  if CACHE_SEQ in table:
+    return tuple(rules)
+  seq_axes = table.get("activation_seq")
+  return tuple((name, None if name == "activation_seq" else axes) for name, axes in rules) + (
+      (CACHE_SEQ, seq_axes),)
+
+
+def cache_positions(layout: str, capacity: int, num_shards: int) -> np.ndarray:
+  """The original position each cache slot holds (the layout's permutation)."""
+  return permutation(layout, capacity, num_shards)
+
+
+def decode_attention(q_B1HD: jax.Array, k_B1KD: jax.Array, v_B1KD: jax.Array,
+                     key_cache_BCKD: jax.Array, value_cache_BCKD: jax.Array,
+                     position_B: jax.Array, *, layout: str, rules: Rules,
+                     mesh=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Attention of the token at `position_B` (one per row) over the cache, after writing its
+  own key and value into it. Returns (out [B,1,Hq,D] in q's dtype, key cache, value cache).
+
+  `rules` are the decode rules (`decode_rules`); the cache shards as `CACHE_NAMES` map, q
+  and the new key/value as the heads do. `mesh=None` uses the mesh set by `jax.set_mesh`;
+  with no mesh at all the cache is one local block.
+  """
+  capacity = key_cache_BCKD.shape[1]
+  mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+  cache_spec = spec_on_mesh(logical_to_spec(CACHE_NAMES, rules), mesh)
+  seq_axes = as_axes(cache_spec[1])
+  num_shards = math.prod(mesh.shape[a] for a in seq_axes) if seq_axes else 1
+  slot_positions_C = jnp.asarray(cache_positions(layout, capacity, num_shards))
+
+  def per_device(q, k, v, key_cache, value_cache, slot_positions, position):
+    return _local_attention(q, k, v, key_cache, value_cache, slot_positions, position,
+                            seq_axes)
+
+  if mesh.empty:
+    return per_device(q_B1HD, k_B1KD, v_B1KD, key_cache_BCKD, value_cache_BCKD,
+                      slot_positions_C, position_B)
+  batch, _, heads, _ = cache_spec
+  token_spec = P(batch, None, heads, None)
+  return jax.shard_map(
+      per_device, mesh=mesh,
+      in_specs=(token_spec, token_spec, token_spec, cache_spec, cache_spec,
+                P(cache_spec[1]), P(batch)),
+      out_specs=(token_spec, cache_spec, cache_spec), check_vma=False)(
+          q_B1HD, k_B1KD, v_B1KD, key_cache_BCKD, value_cache_BCKD, slot_positions_C,
+          position_B)
+
+
+def _local_attention(q_B1HD, k_B1KD, v_B1KD, key_cache_BcKD, value_cache_BcKD,
+                     slot_positions_c, position_B, seq_axes):
+  """One device's slots: write, then a partial softmax merged over `seq_axes`."""
+  batch, _, num_heads, head_dim = q_B1HD.shape
+  num_kv = k_B1KD.shape[2]
+  holds_new_Bc = slot_positions_c[None, :] == position_B[:, None]
+  key_cache_BcKD = jnp.where(holds_new_Bc[:, :, None, None], k_B1KD, key_cache_BcKD)
+  value_cache_BcKD = jnp.where(holds_new_Bc[:, :, None, None], v_B1KD, value_cache_BcKD)
+  visible_Bc = slot_positions_c[None, :] <= position_B[:, None]
+
+  q_BKGD = q_B1HD.reshape(batch, num_kv, num_heads // num_kv, head_dim)
+  scores_BKGc = jnp.einsum("bkgd,bckd->bkgc", q_BKGD, key_cache_BcKD,
+                           preferred_element_type=jnp.float32) / jnp.sqrt(head_dim)
+  scores_BKGc = jnp.where(visible_Bc[:, None, None, :], scores_BKGc, -jnp.inf)
+  # The merge: the global max first (a device may see nothing: -inf, kept out of the max),
+  # then the weights' sum and the weighted values summed over the ring.
+  local_max_BKG = jnp.max(scores_BKGc, axis=-1)
+  global_max_BKG = lax.pmax(local_max_BKG, seq_axes) if seq_axes else local_max_BKG
+  weights_BKGc = jnp.exp(scores_BKGc - global_max_BKG[..., None])
+  denom_BKG = jnp.sum(weights_BKGc, axis=-1)
+  out_BKGD = jnp.einsum("bkgc,bckd->bkgd", weights_BKGc.astype(value_cache_BcKD.dtype),
+                        value_cache_BcKD, preferred_element_type=jnp.float32)
+  if seq_axes:
+    denom_BKG, out_BKGD = lax.psum((denom_BKG, out_BKGD), seq_axes)
+  # The token sees at least itself, so the denominator is positive.
+  out_B1HD = (out_BKGD / denom_BKG[..., None]).reshape(batch, 1, num_heads, head_dim)
+  return out_B1HD.astype(q_B1HD.dtype), key_cache_BcKD, value_cache_BcKD

@@ -1,0 +1,93 @@
+"""Needle in a haystack on a run's checkpoint: is a fact found at every length and depth?
+
+    python scripts/eval_needle.py --workdir runs/tiny_cpu --lengths 128,256,512
+        [--depths 0,0.25,0.5,0.75,1] [--trials 4] [--step N | --untrained]
+        [--config.model.attention=striped ...]
+
+Hides a key-value fact at each depth of filler text from the run's eval split, for each
+prompt length, asks for it and scores exact retrieval of greedy answers (trainer/needle.py).
+Writes `<workdir>/needle/<step>.json` (every trial, the grid, the command) and `<step>.png`
+(the length x depth heatmap), `untrained.*` with --untrained, and prints the grid. When the
+run logs to W&B and no training holds its workdir, the table and the heatmap go to its run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import flags  # noqa: E402  (after the path fix above)
+
+from trainer import needle, sample, wandb_tracker  # noqa: E402
+from trainer import workdir as workdir_lock  # noqa: E402
+
+
+def define_flags() -> None:
+  flags.DEFINE_string("lengths", "128,256,512", "Prompt lengths in tokens (1k = 1024).")
+  flags.DEFINE_string("depths", "0,0.25,0.5,0.75,1", "Needle depths: 0 starts, 1 ends the "
+                      "filler.")
+  flags.DEFINE_integer("trials", 4, "Needles (key, value) per cell.")
+  flags.DEFINE_integer("seed", 0, "Which keys and values the needles use.")
+  flags.DEFINE_bool("untrained", False, "Evaluate the model as step 0 would start it "
+                    "(the baseline), not a checkpoint.")
+
+
+def main(argv: list[str]) -> None:
+  f = sample.parse_run_flags(argv, define_flags)
+  try:
+    lengths, depths = needle.parse_lengths(f.lengths), needle.parse_depths(f.depths)
+    if f.untrained:
+      sampler, name, step = sample.untrained(f.config), "untrained", 0
+    else:
+      sampler, step = sample.load(f.workdir, f.config, f.step)
+      name = str(step)
+    print(f"needles in {sampler.model_cfg.attention} attention, {name}: lengths "
+          f"{lengths}, depths {depths}, {f.trials} per cell", flush=True)
+    started = time.monotonic()
+    rows = needle.evaluate(sampler, lengths, depths, f.trials, f.seed)
+  except (sample.SampleError, needle.NeedleError) as error:
+    sys.exit(f"error: {error}")
+  accuracy = needle.grid(rows, lengths, depths)
+  out_dir = os.path.join(f.workdir, "needle")
+  os.makedirs(out_dir, exist_ok=True)
+  json_path, png_path = (os.path.join(out_dir, f"{name}.{ext}") for ext in ("json", "png"))
+  title = (f"{os.path.basename(os.path.normpath(f.workdir))} {name}: needle retrieval "
+           f"({sampler.model_cfg.attention}, trained at {sampler.config.data.seq_len} tokens)")
+  needle.heatmap(accuracy, lengths, depths, png_path, title)
+  workdir_lock.write_atomically(json_path, json.dumps({
+      "step": step, "lengths": lengths, "depths": depths, "trials": f.trials,
+      "accuracy": accuracy.tolist(), "mean_accuracy": float(accuracy.mean()),
+      "seconds": time.monotonic() - started, "command": " ".join(argv), "rows": rows},
+      indent=1))
+  print(f"\n{'tokens':>8} " + " ".join(f"{d:>6g}" for d in depths))
+  for length, line in zip(lengths, accuracy):
+    print(f"{length:>8,} " + " ".join(f"{a:>6.0%}" for a in line))
+  print(f"mean {accuracy.mean():.1%}; wrote {json_path} and {png_path}")
+  _log_to_wandb(f.config, f.workdir, step, rows, png_path)
+
+
+def _log_to_wandb(config, workdir: str, step: int, rows: list[dict], png_path: str) -> None:
+  if wandb_tracker.resolve_mode(config.wandb.mode) == "disabled":
+    return
+  try:
+    workdir_lock.claim(workdir)  # The run's W&B is the training process's while it runs.
+  except workdir_lock.WorkdirError:
+    print("W&B: not logged, a process holds the workdir (training?); the files have it all")
+    return
+  try:
+    tracker = wandb_tracker.make(config, workdir)
+    if isinstance(tracker, wandb_tracker.WandbTracker):
+      columns = list(rows[0])
+      tracker.log_table_and_image(step, "needle", columns, [[r[c] for c in columns]
+                                                             for r in rows], png_path)
+      tracker.close()
+  finally:
+    workdir_lock.release(workdir)
+
+
+if __name__ == "__main__":
+  main(sys.argv)

@@ -1,0 +1,184 @@
+"""Sampling (trainer/sample.py): a ring prefill plus decoding over a KV cache sharded along
+the ring gives, token for token, the greedy tokens of the dense model recomputing the whole
+row at every step; bad input stops in one line."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import flax.linen as nn
+
+import data
+import parallelism
+from model import Decoder
+from trainer import sample
+from trainer.loop import data_config, model_config
+
+NEW_TOKENS = 8
+REFERENCE_LENGTH = 128  # Every reference forward pads to this: one compile for all steps.
+
+
+def _float32(config):
+  config.model.dtype = "float32"  # Greedy ties must not hinge on bf16 rounding.
+  return config
+
+
+def _random_params(config):
+  model = Decoder(dataclasses.replace(model_config(config), attention="dense"))
+  tokens_BS = jnp.zeros((1, 16), jnp.int32)
+  positions_BS = jnp.arange(16)[None]
+  boxed = model.init(jax.random.key(1), tokens_BS, positions_BS, positions_BS,
+                     jnp.ones_like(tokens_BS))["params"]
+  return nn.meta.unbox(boxed)
+
+
+_DENSE_FORWARDS = {}
+
+
+def _dense_forward(config):
+  """Logits of a row padded to REFERENCE_LENGTH, dense attention, jitted once per model."""
+  model_cfg = dataclasses.replace(model_config(config), attention="dense", remat="none")
+  if repr(model_cfg) not in _DENSE_FORWARDS:
+    model = Decoder(model_cfg)
+    positions_BS = jnp.arange(REFERENCE_LENGTH)[None]
+    _DENSE_FORWARDS[repr(model_cfg)] = jax.jit(lambda params, tokens_BS: model.apply(
+        {"params": params}, tokens_BS, positions_BS, positions_BS, jnp.ones_like(tokens_BS)))
+  return _DENSE_FORWARDS[repr(model_cfg)]
+
+
+def _dense_greedy(config, params, prompt, count, eos_id):
+  """The reference: the whole row through dense attention at every step, no cache."""
+  forward = _dense_forward(config)
+  ids = list(prompt)
+  for _ in range(count):
+    tokens = np.zeros((1, REFERENCE_LENGTH), np.int32)
+    tokens[0, :len(ids)] = ids
+    token = int(jnp.argmax(forward(params, tokens)[0, len(ids) - 1]))
+    if token == eos_id:
+      break
+    ids.append(token)
+  return ids[len(prompt):]
+
+
+@pytest.fixture
+def tokenizer(tiny_config):
+  config = tiny_config()
+  data.prepare(data_config(config))
+  return data.Tokenizer(data.tokenizer_path(data_config(config)))
+
+
+@pytest.mark.parametrize("attention,prompt_length", [
+    ("striped", 5), ("zigzag", 37)])
+def test_sharded_decoding_gives_the_dense_greedy_tokens(tiny_config, tokenizer, attention,
+                                                        prompt_length):
+  config = _float32(tiny_config(attention))
+  params = _random_params(config)
+  prompt = list(np.random.default_rng(prompt_length).integers(4, 500, prompt_length))
+  sampler = sample.Sampler(config, parallelism.make_mesh(config.mesh), params, tokenizer)
+  ours, stats = sampler.generate(prompt, NEW_TOKENS)
+  assert ours == _dense_greedy(config, params, prompt, NEW_TOKENS, tokenizer.eos_id)
+  # The prompt is padded at the end to a multiple of what the layout needs (striped and
+  # ring: the 4 shards; zigzag: 8), prompt plus new tokens included.
+  assert stats["capacity"] % (8 if attention == "zigzag" else 4) == 0
+  assert stats["capacity"] >= prompt_length + NEW_TOKENS
+  layers, rows, capacity, kv_heads, head_dim = stats["cache_shape"]
+  assert capacity == stats["capacity"] and rows == 2  # One row per fsdp shard.
+  # Each device holds 1/4 of the cache's positions (and 1/2 of the rows).
+  assert stats["cache_shard_shape"] == (layers, rows // 2, capacity // 4, kv_heads, head_dim)
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, shared_data_dir):
+  """A tiny striped run of 2 steps, trained by the trainer, with its checkpoint."""
+  import importlib
+  from trainer.loop import train
+  config = importlib.import_module("configs.tiny_cpu").get_config("striped")
+  config.data.data_dir = shared_data_dir
+  config.train.steps = config.checkpoint.every_steps = config.train.eval_every = 2
+  config.train.eval_needle_lengths = "64"  # The periodic eval's needle grid, sampled too.
+  config.train.eval_needle_depths = "0,1"
+  workdir = str(tmp_path_factory.mktemp("sample_run"))
+  train(config, workdir)
+  return workdir
+
+
+def test_the_periodic_eval_scores_needles(trained_run):
+  import json
+  with open(f"{trained_run}/metrics.jsonl") as f:
+    evals = [r for r in map(json.loads, f) if "eval_loss" in r]
+  assert len(evals) == 1 and 0 <= evals[0]["eval_needle_accuracy"] <= 1
+  assert evals[0]["eval_needle_accuracy_64"] == evals[0]["eval_needle_accuracy"]
+
+
+def test_a_needle_prompt_hides_the_fact_at_its_depth(tokenizer, tiny_config):
+  from trainer import needle
+  config = tiny_config()
+  fmt = needle.format_of(config.data.dataset)
+  sentences = needle.filler_sentences(data_config(config), tokenizer, fmt, 600)
+  filler = " ".join(s for s, _ in sentences)
+  assert not {w for w in filler.split()} & set(fmt.keys + fmt.values)  # Nothing competes.
+  fact, question = "the code of mira is amber .", "what is the code of mira ? it is"
+  for depth in (0, 0.5, 1):
+    ids = needle.build_prompt(sentences, tokenizer, fact, question, 512, depth)
+    text = tokenizer.decode(ids)
+    assert 480 <= len(ids) <= 512 and text.endswith(question)
+    where = text.index(fact) / (len(text) - len(question))
+    assert abs(where - depth) < 0.05, (depth, where)
+  assert needle.parse_lengths("128, 1k,4K") == [128, 1024, 4096]
+  for bad in ("12", "abc", ""):
+    with pytest.raises(needle.NeedleError):
+      needle.parse_lengths(bad)
+  with pytest.raises(needle.NeedleError):
+    needle.parse_depths("0,1.5")
+
+
+def test_a_checkpoint_samples_alike_under_striped_and_dense(trained_run):
+  """The CLI's path in-process: the run's config, overridden to dense attention, samples the
+  same greedy tokens; a prompt past the trained length is said once and proceeds."""
+  logged = []
+  striped_config, dense_config = (_float32(sample.run_config(trained_run)) for _ in range(2))
+  dense_config.model.attention = "dense"
+  striped, step = sample.load(trained_run, striped_config, log=logged.append)
+  dense, _ = sample.load(trained_run, dense_config, log=logged.append)
+  assert step == 2 and striped.model_cfg.attention == "striped"
+  prompt = sample.prompt_ids(striped.tokenizer, "the code of mira is amber . " * 25)
+  assert len(prompt) + NEW_TOKENS > striped.config.data.seq_len  # Past the trained length.
+  ours, _ = striped.generate(prompt, NEW_TOKENS)
+  striped.generate(prompt, NEW_TOKENS)
+  assert ours == dense.generate(prompt, NEW_TOKENS)[0]
+  assert sum("trained sequence length" in line for line in logged) == 2  # Once per sampler.
+
+
+def _cli(*args, check=False):
+  import subprocess
+  import sys
+  result = subprocess.run([sys.executable, "-m", "trainer.sample", *args],
+                          capture_output=True, text=True, timeout=300)
+  return result
+
+
+def test_the_command_line_prints_json_and_stops_bad_input_in_one_line(trained_run, tmp_path):
+  import json
+  result = _cli(f"--workdir={trained_run}", "--prompt=the code of mira is", "--json",
+                "--max_new_tokens=3")
+  assert result.returncode == 0, result.stderr
+  printed = json.loads(result.stdout)
+  sampler, _ = sample.load(trained_run, sample.run_config(trained_run))
+  assert printed["prompt_ids"] == sample.prompt_ids(sampler.tokenizer, "the code of mira is")
+  assert printed["generated_ids"] == sampler.generate(printed["prompt_ids"], 3)[0]
+  assert printed["text"] == sampler.tokenizer.decode(printed["generated_ids"])
+
+  for args, message in [
+      ((f"--workdir={trained_run}", "--prompt=  "), "error: the prompt is empty"),
+      ((f"--workdir={trained_run}", "--prompt=x", "--step=7"),
+       "error: --step=7 is not a checkpoint of"),
+      ((f"--workdir={tmp_path}", "--prompt=x"), "holds no run (no config.json)")]:
+    result = _cli(*args)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1 and message in lines[0], result.stderr
+
+  (tmp_path / "config.json").write_text(open(f"{trained_run}/config.json").read())
+  with pytest.raises(sample.SampleError, match="has no checkpoints/ directory"):
+    sample.load(str(tmp_path), sample.run_config(str(tmp_path)))

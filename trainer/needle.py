@@ -1,0 +1,179 @@
+"""Needle in a haystack: does a run find a fact hidden at any depth of a long prompt?
+
+A fact (the needle) is placed at a fraction `depth` of filler text from the run's own eval
+split, in a prompt of about `length` tokens that ends with a question about it. The sampler
+answers greedily; a trial is correct when the answer's first word is the fact's value, and a
+cell's score is the fraction of its trials that are.
+
+The needle is worded as the dataset words facts: the synthetic corpus states and asks them
+in exactly this form ("the code of mira is amber ." ... "what is the code of mira ? it is"),
+so a model trained on it knows the format; any other dataset gets an English sentence about
+a number, the common "magic number" needle. Filler sentences that mention a needle key or
+value are dropped, so the haystack holds no competing answer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Callable
+
+import numpy as np
+
+import data
+from data import sources, synthetic
+from trainer.sample import Sampler, capacity_for, prompt_ids
+
+
+class NeedleError(RuntimeError):
+  """A grid that cannot be built (e.g. too little filler); the message says what to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class NeedleFormat:
+  fact: str  # With {key} and {value}.
+  question: str  # With {key}; the answer's first word follows it.
+  keys: tuple[str, ...]
+  values: tuple[str, ...]
+
+
+SYNTHETIC = NeedleFormat("the code of {key} is {value} .", "what is the code of {key} ? it is",
+                         synthetic.KEYS, synthetic.VALUES)
+ENGLISH = NeedleFormat(
+    "The special magic number of {key} is {value}.",
+    "What is the special magic number of {key}? The special magic number of {key} is",
+    tuple(key.capitalize() for key in synthetic.KEYS),
+    tuple(str(n) for n in range(1013, 10000, 797)))
+
+
+def format_of(dataset: str) -> NeedleFormat:
+  return SYNTHETIC if dataset == "synthetic_longrange" else ENGLISH
+
+
+def parse_lengths(text: str) -> list[int]:
+  """'1k,4k,16000' -> [1024, 4096, 16000]."""
+  lengths = []
+  for part in filter(None, (p.strip().lower() for p in text.split(","))):
+    scale = 1024 if part.endswith("k") else 1
+    try:
+      lengths.append(int(float(part.rstrip("k")) * scale))
+    except ValueError:
+      raise NeedleError(f"cannot read the length '{part}' (write e.g. 512,1k,4k)") from None
+  if not lengths or min(lengths) < 16:
+    raise NeedleError(f"lengths '{text}' must be a list of at least 16 tokens each")
+  return lengths
+
+
+def parse_depths(text: str) -> list[float]:
+  try:
+    depths = [float(part) for part in text.split(",") if part.strip()]
+  except ValueError:
+    raise NeedleError(f"cannot read the depths '{text}' (write e.g. 0,0.25,0.5,0.75,1)") from None
+  if not depths or any(not 0 <= d <= 1 for d in depths):
+    raise NeedleError(f"depths '{text}' must be fractions between 0 and 1")
+  return depths
+
+
+def filler_sentences(data_cfg: data.DataConfig, tokenizer: data.Tokenizer, fmt: NeedleFormat,
+                     tokens: int) -> list[tuple[str, int]]:
+  """(sentence, its token count) from the eval split, in order, until `tokens` are reached;
+  sentences naming a needle key or value are left out."""
+  # A key or a value in the filler would compete with the needle ("it is amber ." is a
+  # sentence of its own once the synthetic corpus's questions are split at "?").
+  banned = {word.lower() for word in fmt.keys + fmt.values}
+  sentences, total = [], 0
+  source = sources.split_source(data_cfg, data_cfg.eval_split)
+  for index in range(len(source)):
+    text = sources.text_of(data_cfg, source[index])
+    for sentence in re.split(r"(?<=[.?!])\s+", text.strip()):
+      if not sentence or banned & set(re.findall(r"\w+", sentence.lower())):
+        continue
+      count = len(tokenizer.encode(sentence))
+      sentences.append((sentence, count))
+      total += count
+      if total >= tokens:
+        return sentences
+  raise NeedleError(f"the eval split '{data_cfg.eval_split}' holds only {total:,} filler tokens "
+                    f"without a needle key, fewer than the longest length ({tokens:,})")
+
+
+def build_prompt(sentences: list[tuple[str, int]], tokenizer: data.Tokenizer, fact: str,
+                 question: str, length: int, depth: float) -> list[int]:
+  """BOS, filler with `fact` after the sentence nearest `depth` of it, then `question`: about
+  `length` tokens (sentences are whole, so a little short)."""
+  budget = length - len(prompt_ids(tokenizer, f"{fact} {question}"))
+  used, total = [], 0
+  for sentence, count in sentences:
+    if total + count > budget:
+      break
+    used.append((sentence, count))
+    total += count
+  cumulative = np.cumsum([0] + [count for _, count in used])
+  at = int(np.argmin(np.abs(cumulative - depth * total)))
+  words = [s for s, _ in used[:at]] + [fact] + [s for s, _ in used[at:]] + [question]
+  return prompt_ids(tokenizer, " ".join(words))
+
+
+def evaluate(sampler: Sampler, lengths: list[int], depths: list[float], trials: int = 3,
+             seed: int = 0, log: Callable[[str], None] = print) -> list[dict]:
+  """One row per trial: length, depth, prompt tokens, key, expected value, answer, correct."""
+  tokenizer = sampler.tokenizer
+  fmt = format_of(sampler.config.data.dataset)
+  sentences = filler_sentences(sampler.data_cfg, tokenizer, fmt, max(lengths))
+  rng = np.random.default_rng(seed)
+  rows = []
+  for length in lengths:
+    prompts = []
+    for depth in depths:
+      for trial in range(trials):
+        key = fmt.keys[rng.integers(len(fmt.keys))]
+        value = fmt.values[rng.integers(len(fmt.values))]
+        ids = build_prompt(sentences, tokenizer, fmt.fact.format(key=key, value=value),
+                           fmt.question.format(key=key), length, depth)
+        prompts.append((depth, trial, key, value, ids))
+    # Room for the value's tokens and one more; one capacity (one compile) per length.
+    new_tokens = max(len(tokenizer.encode(value)) for *_, value, _ in prompts) + 1
+    capacity = capacity_for(max(len(p[-1]) for p in prompts) + new_tokens, sampler.config,
+                            sampler.num_shards)
+    for depth, trial, key, value, ids in prompts:
+      answer_ids, _ = sampler.generate(ids, new_tokens, capacity=capacity)
+      answer = tokenizer.decode(answer_ids).strip()
+      first = re.findall(r"\w+", answer)
+      rows.append({"length": length, "depth": depth, "trial": trial,
+                   "prompt_tokens": len(ids), "key": key, "expected": value,
+                   "answer": answer, "correct": bool(first) and first[0] == value})
+    cell = [r["correct"] for r in rows if r["length"] == length]
+    log(f"  length {length:>7,}: {np.mean(cell):.0%} of {len(cell)} needles found")
+  return rows
+
+
+def grid(rows: list[dict], lengths: list[int], depths: list[float]) -> np.ndarray:
+  """Accuracy [length, depth]."""
+  accuracy = np.zeros((len(lengths), len(depths)))
+  for i, length in enumerate(lengths):
+    for j, depth in enumerate(depths):
+      cell = [r["correct"] for r in rows if r["length"] == length and r["depth"] == depth]
+      accuracy[i, j] = np.mean(cell)
+  return accuracy
+
+
+def heatmap(accuracy: np.ndarray, lengths: list[int], depths: list[float], path: str,
+            title: str) -> None:
+  """Length x depth accuracy as a PNG, green where found."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  from matplotlib import pyplot  # pylint: disable=g-import-not-at-top
+  figure, axes = pyplot.subplots(figsize=(1.2 * len(depths) + 2.5, 0.6 * len(lengths) + 1.8))
+  image = axes.imshow(accuracy, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+  axes.set_xticks(range(len(depths)), [f"{d:g}" for d in depths])
+  axes.set_yticks(range(len(lengths)), [f"{n:,}" for n in lengths])
+  axes.set_xlabel("depth of the needle in the prompt")
+  axes.set_ylabel("prompt tokens")
+  for i in range(len(lengths)):
+    for j in range(len(depths)):
+      axes.text(j, i, f"{accuracy[i, j]:.0%}", ha="center", va="center", fontsize=9)
+  axes.set_title(title, fontsize=10)
+  figure.colorbar(image, ax=axes, label="retrieved")
+  figure.tight_layout()
+  figure.savefig(path, dpi=120)
+  pyplot.close(figure)
