@@ -61,6 +61,7 @@ def main(argv: list[str]) -> None:
   workdir_lock.write_atomically(json_path, json.dumps({
       "step": step, "lengths": lengths, "depths": depths, "trials": f.trials,
       "accuracy": accuracy.tolist(), "mean_accuracy": float(accuracy.mean()),
+      "answered_a_value": sum(r["a_value"] for r in rows) / len(rows),
       "seconds": time.monotonic() - started, "command": " ".join(argv), "rows": rows},
       indent=1))
   print(f"\n{'tokens':>8} " + " ".join(f"{d:>6g}" for d in depths))

@@ -47,3 +47,18 @@ def tiny_config(shared_data_dir):
     return config
 
   return make
+
+
+def pytest_collection_modifyitems(items):
+  """The slow tests first, longest first (`@pytest.mark.slow(SECONDS)`): with two xdist
+  workers, a test of minutes that starts last leaves the other worker idle for its length.
+  A slow test that uses a module-scoped fixture stays in its module (moved, it would set the
+  fixture up twice)."""
+  def seconds(item):
+    marker = item.get_closest_marker("slow")
+    if marker is None or any(defs[-1].scope == "module"
+                             for defs in item._fixtureinfo.name2fixturedefs.values()):
+      return 0
+    return marker.args[0] if marker.args else 60
+
+  items.sort(key=lambda item: -seconds(item))  # Stable: the rest keep their order.

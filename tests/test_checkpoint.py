@@ -194,6 +194,7 @@ def _cli(workdir, *overrides, **popen):
        *overrides], cwd=ROOT, text=True, **popen)
 
 
+@pytest.mark.slow(60)
 def test_sigterm_saves_at_the_signal_step_and_resumes_exactly(tmp_path, tiny_config,
                                                               shared_data_dir):
   common = (f"--config.data.data_dir={shared_data_dir}", "--config.checkpoint.every_steps=1000")

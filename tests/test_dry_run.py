@@ -80,6 +80,7 @@ def test_plan_names_a_device_count_it_cannot_have(tiny_config):
     dry_run.plan(config)
 
 
+@pytest.mark.slow(70)
 def test_plan_bounds_the_cpu_promotion_and_accounts_for_offload(tiny_config, capsys):
   config = tiny_config("striped", **{"train.remat": "offload"})
   plan = dry_run.plan(config)

@@ -74,6 +74,7 @@ def _optimizer():
       "warmup_steps": 1, "steps": 2, "schedule_steps": 0, "min_lr_ratio": 0.1}))
 
 
+@pytest.mark.slow(60)
 def test_the_compiled_step_never_holds_the_whole_logits(tiny_config):
   """With a wide vocabulary, chunking the loss saves more than two float32 copies of the
   whole local logits (logits and their gradient) against one chunk the size of the local

@@ -83,6 +83,7 @@ def test_layouts_train_to_the_same_losses(tmp_path, tiny_config, reference_losse
   np.testing.assert_allclose(losses, reference_losses, rtol=1e-4)
 
 
+@pytest.mark.slow(30)
 def test_micro_batches_equal_one_big_batch(tmp_path, tiny_config):
   losses = {}
   for micro in (1, 4):
@@ -133,7 +134,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(45)
 def test_two_processes_log_the_losses_of_one(tmp_path, shared_data_dir, tiny_config):
   """2 processes x 4 CPU devices, a real jax.distributed runtime on loopback, vs 1 x 8."""
   steps = 5

@@ -140,7 +140,7 @@ def without_persistent_cache():
   compilation_cache.reset_cache()
 
 
-@pytest.mark.slow
+@pytest.mark.slow(180)
 def test_two_stages_train_and_resume_exactly_after_a_kill_inside_stage_2(
     tmp_path, shared_data_dir, without_persistent_cache):
   # In this process, resuming at a stage's last step: stage 1 alone, then both stages in its

@@ -116,7 +116,8 @@ def build_prompt(sentences: list[tuple[str, int]], tokenizer: data.Tokenizer, fa
 
 def evaluate(sampler: Sampler, lengths: list[int], depths: list[float], trials: int = 3,
              seed: int = 0, log: Callable[[str], None] = print) -> list[dict]:
-  """One row per trial: length, depth, prompt tokens, key, expected value, answer, correct."""
+  """One row per trial: length, depth, prompt tokens, key, expected value, answer, whether
+  it is correct, and whether it is a value at all (`a_value`)."""
   tokenizer = sampler.tokenizer
   fmt = format_of(sampler.config.data.dataset)
   sentences = filler_sentences(sampler.data_cfg, tokenizer, fmt, max(lengths))
@@ -141,9 +142,12 @@ def evaluate(sampler: Sampler, lengths: list[int], depths: list[float], trials: 
       first = re.findall(r"\w+", answer)
       rows.append({"length": length, "depth": depth, "trial": trial,
                    "prompt_tokens": len(ids), "key": key, "expected": value,
-                   "answer": answer, "correct": bool(first) and first[0] == value})
-    cell = [r["correct"] for r in rows if r["length"] == length]
-    log(f"  length {length:>7,}: {np.mean(cell):.0%} of {len(cell)} needles found")
+                   "answer": answer, "correct": bool(first) and first[0] == value,
+                   # Some value, right or wrong: the model knows the question's form.
+                   "a_value": bool(first) and first[0] in fmt.values})
+    cell = [r for r in rows if r["length"] == length]
+    log(f"  length {length:>7,}: {np.mean([r['correct'] for r in cell]):.0%} of {len(cell)} "
+        f"needles found; {np.mean([r['a_value'] for r in cell]):.0%} answered with a value")
   return rows
 
 
