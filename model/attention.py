@@ -49,9 +49,10 @@ class Attention(nn.Module):
   """Self-attention of a whole row (training, eval, a sampler's prefill) or, with `decode`,
   of one new token per row over the `cache` collection a prefill left (for sampling).
 
-  A prefill (an apply, not an init) with the `cache` collection mutable stores each layer's roped keys and
-  values there, in the row's layout order; a decode step writes the new token's into the
-  slot of its position and attends to the whole cache by `parallelism.decode_attention`.
+  A prefill (an apply, not an init) with the `cache` collection mutable stores each layer's
+  roped keys and values there, in the row's layout order; a decode step writes the new
+  token's into the slot of its position and attends to the whole cache by
+  `parallelism.decode_attention`.
   """
 
   cfg: ModelConfig

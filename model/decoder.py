@@ -102,7 +102,8 @@ class Decoder(nn.Module):
         block, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True},
         in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.num_layers,
         metadata_params={nn.PARTITION_NAME: "layers"})
-    x_BSE, _ = blocks(cfg, self.decode, name="blocks")(x_BSE, positions_BS, token_index_BS, segment_ids_BS)
+    x_BSE, _ = blocks(cfg, self.decode, name="blocks")(
+        x_BSE, positions_BS, token_index_BS, segment_ids_BS)
     x_BSE = RMSNorm(cfg, name="final_norm")(x_BSE)
 
     if cfg.tie_embeddings:

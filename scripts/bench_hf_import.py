@@ -93,7 +93,7 @@ def measure(directory: str) -> dict:
   from configs import base
   from model import Decoder
   from trainer import hf_import
-  from trainer.loop import model_config
+  from trainer.training import model_config
   from trainer.optimizer import make_optimizer
   from trainer.state import abstract_state
 

@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 
 import data  # noqa: E402
 from trainer import sample  # noqa: E402
-from trainer.loop import data_config  # noqa: E402
+from trainer.training import data_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "results", "bench_sample.jsonl")

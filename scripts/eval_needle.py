@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import flags  # noqa: E402  (after the path fix above)
 
-from trainer import needle, sample, wandb_tracker  # noqa: E402
+from trainer import needle, needle_grid, sample, wandb_tracker  # noqa: E402
 from trainer import workdir as workdir_lock  # noqa: E402
 
 
@@ -39,7 +39,8 @@ def define_flags() -> None:
 def main(argv: list[str]) -> None:
   f = sample.parse_run_flags(argv, define_flags)
   try:
-    lengths, depths = needle.parse_lengths(f.lengths), needle.parse_depths(f.depths)
+    lengths = needle_grid.parse_lengths(f.lengths)
+    depths = needle_grid.parse_depths(f.depths)
     if f.untrained:
       sampler, name, step = sample.untrained(f.config), "untrained", 0
     else:
@@ -49,7 +50,7 @@ def main(argv: list[str]) -> None:
           f"{lengths}, depths {depths}, {f.trials} per cell", flush=True)
     started = time.monotonic()
     rows = needle.evaluate(sampler, lengths, depths, f.trials, f.seed)
-  except (sample.SampleError, needle.NeedleError) as error:
+  except (sample.SampleError, needle_grid.NeedleError) as error:
     sys.exit(f"error: {error}")
   accuracy = needle.grid(rows, lengths, depths)
   out_dir = os.path.join(f.workdir, "needle")

@@ -13,7 +13,7 @@ import data
 import parallelism
 from trainer import dry_run
 from trainer.config_check import ConfigError
-from trainer.loop import build_training
+from trainer.training import build_training
 from trainer.state import init_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

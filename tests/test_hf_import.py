@@ -19,7 +19,8 @@ from configs import base
 from model import Decoder
 from model.hf_format import HFFormatError
 from trainer import export, hf_import
-from trainer.loop import model_config, train
+from trainer.loop import train
+from trainer.training import model_config
 from trainer.optimizer import make_optimizer
 from trainer.state import abstract_state
 

@@ -19,6 +19,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import parallelism
+from model import Decoder
 from trainer import loop
 from trainer.loop import train
 from trainer.optimizer import make_optimizer
@@ -96,7 +97,7 @@ def test_micro_batches_equal_one_big_batch(tmp_path, tiny_config):
 def test_every_parameter_is_sharded_as_the_rules_say(tiny_config):
   config = _config(tiny_config, mesh=(1, 2, 2, 2))
   mesh = parallelism.make_mesh(config.mesh)
-  model = loop.Decoder(loop.model_config(config))
+  model = Decoder(loop.model_config(config))
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.mesh.rules):
     shardings = shardings_of(abstract_state(model, make_optimizer(config.train), mesh,
                                             config.mesh.rules, 2, config.data.seq_len))

@@ -14,7 +14,7 @@ import data
 import parallelism
 from model import Decoder
 from trainer import sample
-from trainer.loop import data_config, model_config
+from trainer.training import data_config, model_config
 
 NEW_TOKENS = 8
 REFERENCE_LENGTH = 128  # Every reference forward pads to this: one compile for all steps.
@@ -113,7 +113,7 @@ def test_the_periodic_eval_scores_needles(trained_run):
 
 
 def test_a_needle_prompt_hides_the_fact_at_its_depth(tokenizer, tiny_config):
-  from trainer import needle
+  from trainer import needle, needle_grid
   config = tiny_config()
   fmt = needle.format_of(config.data.dataset)
   sentences = needle.filler_sentences(data_config(config), tokenizer, fmt, 600)
@@ -126,12 +126,12 @@ def test_a_needle_prompt_hides_the_fact_at_its_depth(tokenizer, tiny_config):
     assert 480 <= len(ids) <= 512 and text.endswith(question)
     where = text.index(fact) / (len(text) - len(question))
     assert abs(where - depth) < 0.05, (depth, where)
-  assert needle.parse_lengths("128, 1k,4K") == [128, 1024, 4096]
+  assert needle_grid.parse_lengths("128, 1k,4K") == [128, 1024, 4096]
   for bad in ("12", "abc", ""):
-    with pytest.raises(needle.NeedleError):
-      needle.parse_lengths(bad)
-  with pytest.raises(needle.NeedleError):
-    needle.parse_depths("0,1.5")
+    with pytest.raises(needle_grid.NeedleError):
+      needle_grid.parse_lengths(bad)
+  with pytest.raises(needle_grid.NeedleError):
+    needle_grid.parse_depths("0,1.5")
 
 
 def test_a_checkpoint_samples_alike_under_striped_and_dense(trained_run):
@@ -182,3 +182,22 @@ def test_the_command_line_prints_json_and_stops_bad_input_in_one_line(trained_ru
   (tmp_path / "config.json").write_text(open(f"{trained_run}/config.json").read())
   with pytest.raises(sample.SampleError, match="has no checkpoints/ directory"):
     sample.load(str(tmp_path), sample.run_config(str(tmp_path)))
+
+
+def test_a_hugging_face_checkpoint_samples_what_transformers_predicts():
+  """`--from_hf`: greedy first tokens under striped attention and the sharded cache are the
+  argmax of the logits `transformers` recorded for the same prefix (tests/hf_fixtures)."""
+  import os
+  from safetensors.numpy import load_file
+  from trainer import hf_import
+  directory = os.path.join(os.path.dirname(__file__), "hf_fixtures", "llama3_rope")
+  config = sample.hf_config(directory)
+  config.model.attention, config.model.dtype = "striped", "float32"
+  config.mesh.update(fsdp=2, sequence=4)
+  hf_import.apply_to_config(config)
+  sampler = sample.from_hf(config, log=lambda line: None)
+  recorded = load_file(os.path.join(directory, "expected.safetensors"))
+  ids = [int(i) for i in recorded["input_ids"]]
+  for length in (37, 90, 128):  # One capacity, one compile.
+    first, _ = sampler.generate(ids[:length], 1, capacity=132, ignore_eos=True)
+    assert first == [int(np.argmax(recorded["logits"][length - 1]))], length

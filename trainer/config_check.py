@@ -10,7 +10,7 @@ import ml_collections
 import jax.numpy as jnp
 
 import parallelism
-from trainer import flops, stages
+from trainer import flops, needle_grid, stages
 from model import ATTENTIONS, KERNELS, REMAT_POLICIES
 from model.config import layout_of
 from model.rope import RopeScaling
@@ -71,11 +71,10 @@ def _check_one(config: ml_collections.ConfigDict, num_devices: int) -> None:
   _require(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
   _require(t.eval_every >= 0 and t.eval_steps >= 0, "train.eval_every and train.eval_steps must be >= 0")
   if t.eval_needle_lengths:
-    from trainer import needle  # pylint: disable=g-import-not-at-top
     try:
-      needle.parse_lengths(t.eval_needle_lengths)
-      needle.parse_depths(t.eval_needle_depths)
-    except needle.NeedleError as error:
+      needle_grid.parse_lengths(t.eval_needle_lengths)
+      needle_grid.parse_depths(t.eval_needle_depths)
+    except needle_grid.NeedleError as error:
       raise ConfigError(f"train.eval_needle_*: {error}") from None
     _require(t.eval_needle_trials >= 1,
              f"train.eval_needle_trials={t.eval_needle_trials} must be at least 1")

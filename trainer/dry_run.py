@@ -54,7 +54,7 @@ from data import packing
 from trainer import flops
 from model.config import layout_of
 from trainer.config_check import ConfigError, check_config
-from trainer.loop import build_training, model_config
+from trainer.training import build_training, model_config
 
 GIB = 2.0 ** 30
 MAX_SEARCHED_SEQ_LEN = 1 << 27  # --find_max_seq_len doubles up to 128M tokens at most.

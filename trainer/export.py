@@ -36,7 +36,7 @@ from model import Decoder
 from model.hf_format import hf_config_of, hf_shapes, tensor_names, to_hf
 from trainer import stages
 from trainer.checkpointing import CheckpointError, Checkpointer
-from trainer.loop import data_config, model_config
+from trainer.training import data_config, model_config
 from trainer.optimizer import make_optimizer
 from trainer.resume import tokenizer_problem
 from trainer.state import abstract_state

@@ -12,43 +12,32 @@ import os
 import signal
 import statistics
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 import flax.linen as nn
 import jax
 import ml_collections
-import optax
 from jax.experimental import multihost_utils
 
 import data
 import parallelism
-from model import Decoder, ModelConfig
+from model import ModelConfig
 from trainer import flops, hf_import, stages
 from trainer.checkpointing import CheckpointError, Checkpointer
 from trainer.config_check import ConfigError
-from trainer.optimizer import make_optimizer, make_schedule
 from trainer.provenance import run_provenance
 from trainer import workdir as workdir_lock
 from trainer.resume import (checkpoint_meta, compatibility_check, config_dict,
                             config_path, file_sha256)
-from trainer.state import (TrainState, abstract_state, init_state, shardings_of,
-                           state_from_params)
-from trainer.step import eval_step, jit_train_step
+from trainer.state import TrainState, init_state, state_from_params
+from trainer.step import eval_step
+from trainer.training import Training, build_training, data_config, model_config
 from trainer import wandb_tracker
 from trainer.tracking import ConsoleTracker, JsonlTracker, Tracker, device_memory_bytes
 
 
 class NonFiniteError(RuntimeError):
   """The loss or gradient of a step was NaN or Inf and the config says stop."""
-
-
-def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
-  return ModelConfig(**config.model.to_dict(), remat=config.train.remat,
-                     loss_chunk=config.train.loss_chunk)
-
-
-def data_config(config: ml_collections.ConfigDict) -> data.DataConfig:
-  return data.DataConfig(**config.data.to_dict())
 
 
 def train(config: ml_collections.ConfigDict, workdir: str,
@@ -206,33 +195,6 @@ def make_trackers(config: ml_collections.ConfigDict, workdir: str,
   return [JsonlTracker(os.path.join(workdir, "metrics.jsonl")),
           ConsoleTracker(total_steps),
           wandb_tracker.make(config, workdir, provenance)]
-
-
-class Training(NamedTuple):
-  """What a config trains with on a mesh; nothing in it holds an allocated array."""
-  model: Decoder
-  optimizer: optax.GradientTransformation
-  shardings: TrainState  # NamedShardings of every state leaf, from the rules table.
-  abstract_state: TrainState  # ShapeDtypeStructs with those shardings (restores, AOT).
-  init_rows: int  # Smallest batch that shards: enough for init shapes.
-  batch_sharding: jax.sharding.NamedSharding
-  step_fn: Any  # The jitted train step.
-
-
-def build_training(config: ml_collections.ConfigDict, mesh) -> Training:
-  """Model, optimizer, state shardings and the jitted train step of `config` on `mesh`.
-
-  Shared by the loop and the dry-run planner; call it under `jax.set_mesh(mesh)` and the
-  config's logical axis rules.
-  """
-  model, optimizer = Decoder(model_config(config)), make_optimizer(config.train)
-  rows, seq_len = parallelism.batch_shards(mesh), config.data.seq_len
-  batch_sharding = parallelism.batch_sharding(mesh)
-  state = abstract_state(model, optimizer, mesh, config.mesh.rules, rows, seq_len)
-  shardings = shardings_of(state)
-  step_fn = jit_train_step(model, optimizer, make_schedule(config.train),
-                           config.train.micro_batches, shardings, batch_sharding)
-  return Training(model, optimizer, shardings, state, rows, batch_sharding, step_fn)
 
 
 def _prepare_data(data_cfg: data.DataConfig, is_writer: bool) -> None:
@@ -419,7 +381,7 @@ class _Run:
 
   def _needles(self, state) -> dict[str, float]:
     """The eval's needle grid (trainer/needle.py): accuracy overall and per length."""
-    from trainer import needle, sample  # pylint: disable=g-import-not-at-top
+    from trainer import needle, needle_grid, sample  # pylint: disable=g-import-not-at-top
     cfg = self.config.train
     if jax.process_count() > 1:  # The sampler reads its tokens on one host.
       return {}
@@ -428,8 +390,8 @@ class _Run:
                                     data.load_tokenizer(data_config(self.config)),
                                     log=lambda line: None)
     self.sampler.params = state.params
-    lengths = needle.parse_lengths(cfg.eval_needle_lengths)
-    rows = needle.evaluate(self.sampler, lengths, needle.parse_depths(cfg.eval_needle_depths),
+    lengths = needle_grid.parse_lengths(cfg.eval_needle_lengths)
+    rows = needle.evaluate(self.sampler, lengths, needle_grid.parse_depths(cfg.eval_needle_depths),
                            cfg.eval_needle_trials, log=lambda line: None)
     found = lambda length: [r["correct"] for r in rows if length in (None, r["length"])]
     return {"eval_needle_accuracy": statistics.mean(found(None)),

@@ -22,11 +22,8 @@ import numpy as np
 
 import data
 from data import sources, synthetic
+from trainer.needle_grid import NeedleError
 from trainer.sample import Sampler, capacity_for, prompt_ids
-
-
-class NeedleError(RuntimeError):
-  """A grid that cannot be built (e.g. too little filler); the message says what to change."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,30 +45,6 @@ ENGLISH = NeedleFormat(
 
 def format_of(dataset: str) -> NeedleFormat:
   return SYNTHETIC if dataset == "synthetic_longrange" else ENGLISH
-
-
-def parse_lengths(text: str) -> list[int]:
-  """'1k,4k,16000' -> [1024, 4096, 16000]."""
-  lengths = []
-  for part in filter(None, (p.strip().lower() for p in text.split(","))):
-    scale = 1024 if part.endswith("k") else 1
-    try:
-      lengths.append(int(float(part.rstrip("k")) * scale))
-    except ValueError:
-      raise NeedleError(f"cannot read the length '{part}' (write e.g. 512,1k,4k)") from None
-  if not lengths or min(lengths) < 16:
-    raise NeedleError(f"lengths '{text}' must be a list of at least 16 tokens each")
-  return lengths
-
-
-def parse_depths(text: str) -> list[float]:
-  try:
-    depths = [float(part) for part in text.split(",") if part.strip()]
-  except ValueError:
-    raise NeedleError(f"cannot read the depths '{text}' (write e.g. 0,0.25,0.5,0.75,1)") from None
-  if not depths or any(not 0 <= d <= 1 for d in depths):
-    raise NeedleError(f"depths '{text}' must be fractions between 0 and 1")
-  return depths
 
 
 def filler_sentences(data_cfg: data.DataConfig, tokenizer: data.Tokenizer, fmt: NeedleFormat,

@@ -3,10 +3,12 @@
     python -m trainer.sample --workdir runs/tiny_cpu_striped --prompt "the code of mira is"
         [--prompt_file F] [--step N] [--max_new_tokens 32] [--temperature 0 --top_p 1 --seed 0]
         [--json] [--config.model.attention=dense ...]
+    python -m trainer.sample --from_hf /models/Llama-2-7b-hf --prompt ... [--config.*]
 
 The run's own config (its `config.json`, and the stage that wrote the step) gives the model,
-the mesh and the attention; `--config.*` overrides it as in training, e.g. to sample the
-same checkpoint with dense attention. The prompt is prefilled with the run's attention over
+the mesh and the attention (`--from_hf`: `configs/base.py` with the checkpoint's model);
+`--config.*` overrides it as in training, e.g. to sample the same checkpoint with dense
+attention. The prompt is prefilled with the run's attention over
 the `sequence` axis, so a prompt longer than one device's memory works; its keys and values
 stay where the prefill left them, sharded over `sequence`, and each new token attends to
 them by `parallelism.decode_attention` (partial softmaxes merged by log-sum-exp).
@@ -62,11 +64,41 @@ def run_config(workdir: str) -> ml_collections.ConfigDict:
   return config
 
 
+def hf_config(directory: str) -> ml_collections.ConfigDict:
+  """The config to sample a Hugging Face LLaMA directory with: `configs/base.py` (dense
+  attention, every device on fsdp) starting from it, its trained length as `data.seq_len`.
+  Call `hf_import.apply_to_config` after any overrides (it sets the model's shape)."""
+  from configs import base  # pylint: disable=g-import-not-at-top
+  config = base.get_config()
+  config.init.from_hf = directory
+  try:
+    with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
+      trained = json.load(f).get("max_position_embeddings")
+  except (OSError, json.JSONDecodeError) as error:
+    raise SampleError(f"--from_hf={directory}: cannot read config.json ({error})") from None
+  if trained:
+    config.data.seq_len = int(trained)
+  return config
+
+
+def from_hf(config: ml_collections.ConfigDict, log: Callable[[str], None] = print) -> Sampler:
+  """A sampler of the Hugging Face checkpoint in `config.init.from_hf` (after
+  `hf_import.apply_to_config`), its weights read one tensor at a time onto the mesh."""
+  from trainer import hf_import  # pylint: disable=g-import-not-at-top
+  from trainer.training import build_training, model_config  # pylint: disable=g-import-not-at-top
+  mesh = parallelism.make_mesh(config.mesh)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(config.mesh.rules):
+    abstract = build_training(config, mesh).abstract_state
+    params = hf_import.load_params(config.init.from_hf, model_config(config), abstract.params,
+                                   log)
+  return Sampler(config, mesh, params, data.Tokenizer(config.data.tokenizer), log)
+
+
 def untrained(config: ml_collections.ConfigDict,
               log: Callable[[str], None] = print) -> Sampler:
   """A sampler of the run's model as step 0 would start it (its seed): the baseline that a
   trained checkpoint should beat."""
-  from trainer.loop import build_training, data_config  # pylint: disable=g-import-not-at-top
+  from trainer.training import build_training, data_config  # pylint: disable=g-import-not-at-top
   from trainer.state import init_state  # pylint: disable=g-import-not-at-top
   config = stages.plan(config)[0].config
   mesh = parallelism.make_mesh(config.mesh)
@@ -83,7 +115,7 @@ def load(workdir: str, config: ml_collections.ConfigDict, step: int | None = Non
   """A sampler for step `step` (default the newest) of `workdir`, with `config` (the run's,
   overrides applied) resolved to the stage that wrote the step. Reads with a read-only
   checkpointer, verified against the step's fingerprints; a run training there is safe."""
-  from trainer.loop import build_training, data_config  # pylint: disable=g-import-not-at-top
+  from trainer.training import build_training, data_config  # pylint: disable=g-import-not-at-top
   if not os.path.isdir(os.path.join(workdir, "checkpoints")):
     raise SampleError(f"--workdir={workdir} has no checkpoints/ directory")
   checkpointer = Checkpointer(workdir, 1, 1, use_async=False, read_only=True)
@@ -133,7 +165,7 @@ class Sampler:
   log: Callable[[str], None] = print
 
   def __post_init__(self):
-    from trainer.loop import data_config, model_config  # pylint: disable=g-import-not-at-top
+    from trainer.training import data_config, model_config  # pylint: disable=g-import-not-at-top
     # No gradient here: nothing to rematerialise.
     self.model_cfg: ModelConfig = dataclasses.replace(model_config(self.config), remat="none")
     self.data_cfg: data.DataConfig = data_config(self.config)
@@ -297,24 +329,30 @@ def _argv_value(argv: list[str], name: str) -> str | None:
   return None
 
 
-def parse_run_flags(argv: list[str], define_flags: Callable[[], None]):
-  """Parses a command line over a run: --workdir (read first, for the run's config), --step,
-  `--config.*` overrides of that config, and what `define_flags` defines. Flags are defined
-  here, not at import, because the config flag's fields are the run's own. Returns absl's
-  FLAGS; a bad flag or run exits with one line."""
+def parse_run_flags(argv: list[str], define_flags: Callable[[], None], allow_hf: bool = False):
+  """Parses a command line over a run: --workdir (read first, for the run's config; or, with
+  `allow_hf`, --from_hf for a Hugging Face directory's), --step, `--config.*` overrides of
+  that config, and what `define_flags` defines. Flags are defined here, not at import,
+  because the config flag's fields are the run's own. Returns absl's FLAGS; a bad flag or
+  run exits with one line."""
   from absl import flags, logging  # pylint: disable=g-import-not-at-top
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
   from trainer import console  # pylint: disable=g-import-not-at-top
 
-  workdir = _argv_value(argv, "--workdir")
-  if not workdir:
-    sys.exit("error: --workdir=RUN is required (a run directory of `python -m trainer`)")
+  workdir, hf_dir = _argv_value(argv, "--workdir"), _argv_value(argv, "--from_hf")
+  if bool(workdir) == bool(hf_dir and allow_hf):
+    sys.exit("error: pass --workdir=RUN (a run directory of `python -m trainer`)"
+             + (" or --from_hf=DIR (a Hugging Face LLaMA directory)" if allow_hf else ""))
   try:
-    config = run_config(workdir)
+    config = run_config(workdir) if workdir else hf_config(hf_dir)
   except SampleError as error:
     sys.exit(f"error: {error}")
   flags.DEFINE_string("workdir", None, "Run directory (holds config.json and checkpoints/).")
   flags.DEFINE_integer("step", None, "Checkpoint step; default the newest.")
+  if allow_hf:
+    flags.DEFINE_string("from_hf", None, "Sample a Hugging Face LLaMA directory instead "
+                        "(configs/base.py: dense attention, devices on fsdp; override with "
+                        "--config.*).")
   config_flags.DEFINE_config_dict("config", config, "The run's config; override fields with "
                                   "--config.FIELD=VALUE as in training.")
   define_flags()
@@ -333,6 +371,8 @@ def parse_run_flags(argv: list[str], define_flags: Callable[[], None]):
 def main(argv: list[str]) -> None:
   """The command line (module docstring)."""
   from absl import flags  # pylint: disable=g-import-not-at-top
+  from model.hf_format import HFFormatError  # pylint: disable=g-import-not-at-top
+  from trainer import hf_import  # pylint: disable=g-import-not-at-top
 
   def define_flags():
     flags.DEFINE_string("prompt", None, "Prompt text.")
@@ -345,8 +385,7 @@ def main(argv: list[str]) -> None:
     flags.DEFINE_bool("json", False, "Print one JSON object (ids, text, timings) at the end "
                       "instead of streaming text.")
 
-  f = parse_run_flags(argv, define_flags)
-  workdir = f.workdir
+  f = parse_run_flags(argv, define_flags, allow_hf=True)
   if (f.prompt is None) == (f.prompt_file is None):
     sys.exit("error: pass exactly one of --prompt=TEXT and --prompt_file=FILE")
   if f.prompt_file is not None:
@@ -362,9 +401,14 @@ def main(argv: list[str]) -> None:
   config = f.config
   info = lambda line: print(line, file=sys.stderr, flush=True)
   try:
-    sampler, step = load(workdir, config, f.step, info)
+    if f.from_hf:
+      info(hf_import.apply_to_config(config))
+      sampler, step = from_hf(config, info), None
+    else:
+      sampler, step = load(f.workdir, config, f.step, info)
     ids = prompt_ids(sampler.tokenizer, text)
-    info(f"step {step}, {sampler.model_cfg.attention} attention over "
+    info(f"{'step ' + str(step) if step is not None else 'from ' + f.from_hf}, "
+         f"{sampler.model_cfg.attention} attention over "
          f"{sampler.num_shards} sequence shard(s), prompt {len(ids)} tokens")
     shown = []
 
@@ -375,10 +419,11 @@ def main(argv: list[str]) -> None:
 
     new_ids, timing = sampler.generate(ids, f.max_new_tokens, f.temperature, f.top_p, f.seed,
                                        on_token=None if f.json else stream)
-  except SampleError as error:
+  except (SampleError, HFFormatError) as error:
     sys.exit(f"error: {error}")
   if f.json:
-    print(json.dumps({"workdir": workdir, "step": step, "prompt": text, "prompt_ids": ids,
+    print(json.dumps({"workdir": f.workdir, "from_hf": f.from_hf, "step": step,
+                      "prompt": text, "prompt_ids": ids,
                       "generated_ids": new_ids,
                       "text": sampler.tokenizer.decode(new_ids), **timing}))
     return
