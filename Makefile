@@ -13,12 +13,11 @@ train: $(STAMP)
 	$(VENV)/bin/python -m trainer --config configs/tiny_cpu.py $(ARGS)
 
 # Two workers: most tests wait on one single-threaded XLA compile, so two cores overlap two.
-# One test handed out at a time, in the order tests/conftest.py sets (slow tests first,
-# longest first): xdist's default hands out runs of ~36 tests, which put every slow test on
-# one worker.
+# Whole modules to a worker (a module-scoped fixture runs once), in the order
+# tests/conftest.py sets: modules with slow tests first, the slowest first.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --maxschedchunk 1 $(ARGS)
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder $(ARGS)
 
 # Striped vs ring with one process per core (scripts/compare_demo.py): the gain the tiny
 # default cannot show.

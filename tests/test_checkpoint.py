@@ -194,11 +194,11 @@ def _cli(workdir, *overrides, **popen):
        *overrides], cwd=ROOT, text=True, **popen)
 
 
-@pytest.mark.slow(60)
+@pytest.mark.slow(45)
 def test_sigterm_saves_at_the_signal_step_and_resumes_exactly(tmp_path, tiny_config,
                                                               shared_data_dir):
   common = (f"--config.data.data_dir={shared_data_dir}", "--config.checkpoint.every_steps=1000")
-  process = _cli(tmp_path / "stopped", "--config.train.steps=60", *common,
+  process = _cli(tmp_path / "stopped", "--config.train.steps=20", *common,
                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
   for line in process.stdout:
     if line.startswith("step") and line.split()[1].startswith("8/"):
@@ -208,11 +208,11 @@ def test_sigterm_saves_at_the_signal_step_and_resumes_exactly(tmp_path, tiny_con
   assert process.returncode == 0, output
   stopped_at = int(output.split("stopping at step ")[1].split()[0])
   assert os.listdir(tmp_path / "stopped" / "checkpoints") == [str(stopped_at)]
-  resumed = _cli(tmp_path / "stopped", "--config.train.steps=60", *common,
+  resumed = _cli(tmp_path / "stopped", "--config.train.steps=20", *common,
                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
   assert f"resuming from step {stopped_at}" in resumed.communicate(timeout=180)[0]
   assert resumed.returncode == 0
-  config = tiny_config(**{"train.steps": 60, "train.log_every": 1, "train.schedule_steps": 60,
+  config = tiny_config(**{"train.steps": 20, "train.log_every": 1, "train.schedule_steps": 20,
                           "checkpoint.every_steps": 1000})
   train(config, str(tmp_path / "straight"))
   assert _losses(tmp_path / "stopped") == _losses(tmp_path / "straight")

@@ -171,10 +171,14 @@ def _memory_plan(config: ml_collections.ConfigDict, device_memory_gib: float,
   out["offloaded_bytes"] = offloaded_bytes(config, mesh) if config.train.remat == "offload" else 0
   out["total_bytes"] -= out["offloaded_bytes"]
   out["floor_total_bytes"] -= out["offloaded_bytes"]
+  return with_verdict(out, device_memory_gib), compiled
+
+
+def with_verdict(out: dict[str, Any], device_memory_gib: float) -> dict[str, Any]:
+  """`out` with `fits` (the CPU figure fits) and `may_fit` (the floor does) for a memory."""
   limit = device_memory_gib * GIB
-  out["fits"] = out["total_bytes"] <= limit
-  out["may_fit"] = out["floor_total_bytes"] <= limit
-  return out, compiled
+  return {**out, "fits": out["total_bytes"] <= limit,
+          "may_fit": out["floor_total_bytes"] <= limit}
 
 
 def offloaded_bytes(config: ml_collections.ConfigDict, mesh) -> int:
@@ -291,20 +295,23 @@ def _print(config, out: dict[str, Any], memory_gib: float, mfu: float, accelerat
       f"{_seconds(out['step_time_s'])}, {out['tokens_per_sec']:,.0f} tokens/s "
       f"({out['tokens_per_sec'] / out['devices']:,.0f} per device)",
   ]
-  total, floor, limit = out["total_bytes"], out["floor_total_bytes"], memory_gib * GIB
   after_total = [i for i, line in enumerate(lines) if line.startswith("  total ")][0] + 1
   if "float32_temp_bytes" in out:
     lines.insert(after_total, f"  float32 compile temps  {_gib(out['float32_temp_bytes'])}   "
                  f"halved, a floor under bf16 temps (CPU promotion bounded): total "
-                 f"{_gib(floor).strip()}")
-  if out["fits"]:
-    lines.append(f"fits in {memory_gib:g} GiB per device ({total / GIB:.1f} GiB, "
-                 f"{total / limit:.0%})")
-  elif out["may_fit"]:
-    lines.append(f"may fit in {memory_gib:g} GiB per device: between {floor / GIB:.1f} GiB "
-                 f"(floor) and {total / GIB:.1f} GiB (CPU figure), depending on how many "
-                 f"buffers the accelerator keeps in bf16")
-  else:
-    lines.append(f"does NOT fit in {memory_gib:g} GiB per device ({total / GIB:.1f} GiB, "
-                 f"{total / limit:.0%}; floor {floor / GIB:.1f} GiB)")
+                 f"{_gib(out['floor_total_bytes']).strip()}")
+  lines.append(verdict_line(out, memory_gib))
   print("\n".join(lines), flush=True)
+
+
+def verdict_line(out: dict[str, Any], memory_gib: float) -> str:
+  """The plan's last line: fits, may fit (between floor and CPU figure), or does NOT fit."""
+  total, floor, limit = out["total_bytes"], out["floor_total_bytes"], memory_gib * GIB
+  if out["fits"]:
+    return f"fits in {memory_gib:g} GiB per device ({total / GIB:.1f} GiB, {total / limit:.0%})"
+  if out["may_fit"]:
+    return (f"may fit in {memory_gib:g} GiB per device: between {floor / GIB:.1f} GiB "
+            f"(floor) and {total / GIB:.1f} GiB (CPU figure), depending on how many "
+            f"buffers the accelerator keeps in bf16")
+  return (f"does NOT fit in {memory_gib:g} GiB per device ({total / GIB:.1f} GiB, "
+          f"{total / limit:.0%}; floor {floor / GIB:.1f} GiB)")

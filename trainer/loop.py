@@ -383,7 +383,11 @@ class _Run:
     """The eval's needle grid (trainer/needle.py): accuracy overall and per length."""
     from trainer import needle, needle_grid, sample  # pylint: disable=g-import-not-at-top
     cfg = self.config.train
-    if jax.process_count() > 1:  # The sampler reads its tokens on one host.
+    if jax.process_count() > 1:  # The sampler reads each new token from row 0 on this host.
+      if self.sampler is None:
+        self.sampler = False
+        print("warning: train.eval_needle_lengths is skipped with several processes (the "
+              "sampler runs in one); run scripts/eval_needle.py on a checkpoint", flush=True)
       return {}
     if self.sampler is None:  # Kept: its compiled steps serve every eval of the stage.
       self.sampler = sample.Sampler(self.config, self.mesh, state.params,
