@@ -6,5 +6,6 @@ from parallelism.kernels import KERNELS
 from parallelism.layouts import LAYOUTS, check_seq_len, permute, unpermute
 from parallelism.mesh import (MESH_AXES, batch_sharding, batch_shards, check_rules, logical_to_spec,
                               make_mesh, resolve_mesh_shape)
-from parallelism.ring_attention import SAVED_NAMES, block_tile, ring_attention
+from parallelism.ring_attention import (SAVED_NAMES, block_tile, ring_attention,
+                                        shortest_ring_length)
 from parallelism.schedule import RingSchedule, ring_schedule

@@ -33,11 +33,9 @@ CACHE_NAMES = ("activation_batch", CACHE_SEQ, "activation_kv_heads", None)
 def decode_rules(rules: Rules) -> Rules:
   """`rules` for one-token steps: `activation_seq` replicated, its axes kept for the cache."""
   table = dict(rules)
-  if CACHE_SEQ in table:
-    return tuple(rules)
-  seq_axes = table.get("activation_seq")
-  return tuple((name, None if name == "activation_seq" else axes) for name, axes in rules) + (
-      (CACHE_SEQ, seq_axes),)
+  seq_axes = table.get(CACHE_SEQ, table.get("activation_seq"))  # Applied twice: the same.
+  return tuple((name, None if name == "activation_seq" else axes) for name, axes in rules
+               if name != CACHE_SEQ) + ((CACHE_SEQ, seq_axes),)
 
 
 def cache_positions(layout: str, capacity: int, num_shards: int) -> np.ndarray:

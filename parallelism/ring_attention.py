@@ -40,7 +40,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from parallelism import kernels
-from parallelism.layouts import check_seq_len
+from parallelism.layouts import check_seq_len, required_divisor
 from parallelism.mesh import Rules, as_axes, logical_to_spec, spec_on_mesh
 from parallelism.schedule import RingSchedule, ring_schedule
 
@@ -304,6 +304,18 @@ def _check_shapes(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS) -> None:
 def block_tile(seq_len: int, num_shards: int, tile_size: int) -> int:
   """The tile the kernels use: `tile_size` clipped to the per-device block."""
   return min(tile_size, seq_len // num_shards)
+
+
+def shortest_ring_length(length: int, layout: str, num_shards: int, tile_size: int) -> int:
+  """The smallest sequence length >= `length` that ring attention of `layout` takes on
+  `num_shards` devices (the rule `_tile_for` checks): a multiple of the layout's divisor,
+  and of shards x tile once a device's block is longer than one tile."""
+  unit = required_divisor(layout, num_shards)
+  seq_len = -(-length // unit) * unit
+  if seq_len // num_shards > tile_size:
+    unit = math.lcm(unit, num_shards * tile_size)
+    seq_len = -(-length // unit) * unit
+  return seq_len
 
 
 def _tile_for(seq_len: int, num_shards: int, tile_size: int, axis: str) -> int:

@@ -38,6 +38,8 @@ def define_flags() -> None:
 
 def main(argv: list[str]) -> None:
   f = sample.parse_run_flags(argv, define_flags)
+  if f.trials < 1:
+    sys.exit(f"error: --trials={f.trials} must be at least 1")
   try:
     lengths = needle_grid.parse_lengths(f.lengths)
     depths = needle_grid.parse_depths(f.depths)
@@ -50,7 +52,7 @@ def main(argv: list[str]) -> None:
           f"{lengths}, depths {depths}, {f.trials} per cell", flush=True)
     started = time.monotonic()
     rows = needle.evaluate(sampler, lengths, depths, f.trials, f.seed)
-  except (sample.SampleError, needle_grid.NeedleError) as error:
+  except sample.RUN_ERRORS + (needle_grid.NeedleError,) as error:
     sys.exit(f"error: {error}")
   accuracy = needle.grid(rows, lengths, depths)
   out_dir = os.path.join(f.workdir, "needle")

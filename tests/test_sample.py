@@ -97,6 +97,7 @@ def trained_run(tmp_path_factory, shared_data_dir):
   config = importlib.import_module("configs.tiny_cpu").get_config("striped")
   config.data.data_dir = shared_data_dir
   config.train.steps = config.checkpoint.every_steps = config.train.eval_every = 2
+  config.train.warmup_steps = 1  # Within the 2 steps, as the trainer's config check wants.
   config.train.eval_needle_lengths = "64"  # The periodic eval's needle grid, sampled too.
   config.train.eval_needle_depths = "0,1"
   workdir = str(tmp_path_factory.mktemp("sample_run"))
@@ -201,3 +202,21 @@ def test_a_hugging_face_checkpoint_samples_what_transformers_predicts():
   for length in (37, 90, 128):  # One capacity, one compile.
     first, _ = sampler.generate(ids[:length], 1, capacity=132, ignore_eos=True)
     assert first == [int(np.argmax(recorded["logits"][length - 1]))], length
+
+
+def test_top_p_keeps_the_smallest_set_reaching_its_mass():
+  logits_BV = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+  draws = lambda top_p: {int(sample._choose(logits_BV, jax.random.key(seed), temperature=1.0,
+                                            top_p=top_p)[0]) for seed in range(60)}
+  assert draws(0.4) == {0} and draws(0.7) == {0, 1} and draws(1.0) == {0, 1, 2, 3}
+  assert int(sample._choose(logits_BV, jax.random.key(0), temperature=0.0, top_p=1.0)[0]) == 0
+
+
+def test_bad_sampling_settings_stop_before_any_compile(tiny_config, tokenizer):
+  config = tiny_config()
+  sampler = sample.Sampler(config, parallelism.make_mesh(config.mesh), {}, tokenizer)
+  for kwargs in ({"top_p": 0.0}, {"top_p": 1.5}, {"temperature": -1.0}, {"max_new_tokens": 0}):
+    with pytest.raises(sample.SampleError):
+      sampler.generate([1, 2, 3], **{"max_new_tokens": 4, **kwargs})
+  with pytest.raises(sample.SampleError, match="empty"):
+    sampler.generate([], 4)

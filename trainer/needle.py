@@ -73,7 +73,7 @@ def filler_sentences(data_cfg: data.DataConfig, tokenizer: data.Tokenizer, fmt: 
 def build_prompt(sentences: list[tuple[str, int]], tokenizer: data.Tokenizer, fact: str,
                  question: str, length: int, depth: float) -> list[int]:
   """BOS, filler with `fact` after the sentence nearest `depth` of it, then `question`: about
-  `length` tokens (sentences are whole, so a little short)."""
+  `length` tokens (whole sentences, counted one by one: joined, a few more or fewer)."""
   budget = length - len(prompt_ids(tokenizer, f"{fact} {question}"))
   used, total = [], 0
   for sentence, count in sentences:

@@ -9,9 +9,10 @@ The run's own config (its `config.json`, and the stage that wrote the step) give
 the mesh and the attention (`--from_hf`: `configs/base.py` with the checkpoint's model);
 `--config.*` overrides it as in training, e.g. to sample the same checkpoint with dense
 attention. The prompt is prefilled with the run's attention over
-the `sequence` axis, so a prompt longer than one device's memory works; its keys and values
-stay where the prefill left them, sharded over `sequence`, and each new token attends to
-them by `parallelism.decode_attention` (partial softmaxes merged by log-sum-exp).
+the `sequence` axis, so with N > 1 ring devices a prompt longer than one device's memory
+works; its keys and values stay where the prefill left them, 1/N on each device, and each
+new token attends to them by `parallelism.decode_attention` (partial softmaxes merged by
+log-sum-exp). The prompt fills every batch shard (data x fsdp) alike.
 
 The cache holds `capacity` positions: prompt plus new tokens, rounded up to what the layout
 and tile need. The prompt is padded at the end up to the capacity; the padding's keys are
@@ -23,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import os
 import sys
 import time
@@ -41,7 +41,8 @@ import data
 import parallelism
 from model import Decoder, ModelConfig
 from trainer import stages
-from trainer.checkpointing import Checkpointer
+from trainer.checkpointing import CheckpointError, Checkpointer
+from trainer.config_check import ConfigError
 from trainer.resume import config_path, tokenizer_problem
 
 
@@ -54,8 +55,13 @@ def run_config(workdir: str) -> ml_collections.ConfigDict:
   path = config_path(workdir)
   if not os.path.isfile(path):
     raise SampleError(f"--workdir={workdir} holds no run (no config.json)")
-  with open(path, encoding="utf-8") as f:
-    stored = json.load(f)
+  try:
+    with open(path, encoding="utf-8") as f:
+      stored = json.load(f)
+  except (OSError, json.JSONDecodeError) as error:
+    raise SampleError(f"cannot read {path} ({error})") from None
+  if not isinstance(stored, dict) or "mesh" not in stored or "model" not in stored:
+    raise SampleError(f"{path} is not the config.json of a run of `python -m trainer`")
   stored.pop("provenance", None)
   config = ml_collections.ConfigDict(stored)
   # JSON has no tuples; the rules table is pairs of (logical name, mesh axes).
@@ -81,16 +87,26 @@ def hf_config(directory: str) -> ml_collections.ConfigDict:
   return config
 
 
+def _on_mesh(config: ml_collections.ConfigDict):
+  """(mesh, what the config trains with on it) after the trainer's own config check, so a
+  config that cannot run here (the device count, overrides) stops in one line."""
+  from trainer.config_check import check_config  # pylint: disable=g-import-not-at-top
+  from trainer.training import build_training  # pylint: disable=g-import-not-at-top
+  check_config(config, jax.device_count())
+  mesh = parallelism.make_mesh(config.mesh)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(config.mesh.rules):
+    return mesh, build_training(config, mesh)
+
+
 def from_hf(config: ml_collections.ConfigDict, log: Callable[[str], None] = print) -> Sampler:
   """A sampler of the Hugging Face checkpoint in `config.init.from_hf` (after
   `hf_import.apply_to_config`), its weights read one tensor at a time onto the mesh."""
   from trainer import hf_import  # pylint: disable=g-import-not-at-top
-  from trainer.training import build_training, model_config  # pylint: disable=g-import-not-at-top
-  mesh = parallelism.make_mesh(config.mesh)
+  from trainer.training import model_config  # pylint: disable=g-import-not-at-top
+  mesh, parts = _on_mesh(config)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.mesh.rules):
-    abstract = build_training(config, mesh).abstract_state
-    params = hf_import.load_params(config.init.from_hf, model_config(config), abstract.params,
-                                   log)
+    params = hf_import.load_params(config.init.from_hf, model_config(config),
+                                   parts.abstract_state.params, log)
   return Sampler(config, mesh, params, data.Tokenizer(config.data.tokenizer), log)
 
 
@@ -98,16 +114,14 @@ def untrained(config: ml_collections.ConfigDict,
               log: Callable[[str], None] = print) -> Sampler:
   """A sampler of the run's model as step 0 would start it (its seed): the baseline that a
   trained checkpoint should beat."""
-  from trainer.training import build_training, data_config  # pylint: disable=g-import-not-at-top
+  from trainer.training import data_config  # pylint: disable=g-import-not-at-top
   from trainer.state import init_state  # pylint: disable=g-import-not-at-top
   config = stages.plan(config)[0].config
-  mesh = parallelism.make_mesh(config.mesh)
+  mesh, parts = _on_mesh(config)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.mesh.rules):
-    parts = build_training(config, mesh)
     state = init_state(parts.model, parts.optimizer, parts.shardings, config.seed,
                        parts.init_rows, config.data.seq_len)
-  path = data.tokenizer_path(data_config(config))
-  return Sampler(config, mesh, state.params, data.Tokenizer(path), log)
+  return Sampler(config, mesh, state.params, data.load_tokenizer(data_config(config)), log)
 
 
 def load(workdir: str, config: ml_collections.ConfigDict, step: int | None = None,
@@ -115,7 +129,7 @@ def load(workdir: str, config: ml_collections.ConfigDict, step: int | None = Non
   """A sampler for step `step` (default the newest) of `workdir`, with `config` (the run's,
   overrides applied) resolved to the stage that wrote the step. Reads with a read-only
   checkpointer, verified against the step's fingerprints; a run training there is safe."""
-  from trainer.training import build_training, data_config  # pylint: disable=g-import-not-at-top
+  from trainer.training import data_config  # pylint: disable=g-import-not-at-top
   if not os.path.isdir(os.path.join(workdir, "checkpoints")):
     raise SampleError(f"--workdir={workdir} has no checkpoints/ directory")
   checkpointer = Checkpointer(workdir, 1, 1, use_async=False, read_only=True)
@@ -128,11 +142,9 @@ def load(workdir: str, config: ml_collections.ConfigDict, step: int | None = Non
       raise SampleError(f"--step={step} is not a checkpoint of {workdir}; it holds steps "
                         f"{', '.join(map(str, steps))}")
     config = stages.holding(stages.plan(config), step).config
-    mesh = parallelism.make_mesh(config.mesh)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(config.mesh.rules):
-      abstract = build_training(config, mesh).abstract_state
+    mesh, parts = _on_mesh(config)
     log(f"reading {checkpointer.directory}/{step}")
-    state, meta = checkpointer.read_step(step, lambda meta: abstract)
+    state, meta = checkpointer.read_step(step, lambda meta: parts.abstract_state)
   finally:
     checkpointer.close()
   path = data.tokenizer_path(data_config(config))
@@ -143,15 +155,12 @@ def load(workdir: str, config: ml_collections.ConfigDict, step: int | None = Non
 
 
 def capacity_for(length: int, config: ml_collections.ConfigDict, num_shards: int) -> int:
-  """The smallest cache length >= `length` that the config's attention can prefill: a
-  multiple of the layout's divisor, and of shards x tile once a block exceeds one tile."""
-  layout = config.model.attention if config.model.attention != "dense" else "ring"
-  unit = parallelism.layouts.required_divisor(layout, num_shards)
-  capacity = -(-length // unit) * unit
-  if config.model.attention != "dense" and capacity // num_shards > config.model.attention_tile:
-    unit = math.lcm(unit, num_shards * config.model.attention_tile)
-    capacity = -(-length // unit) * unit
-  return capacity
+  """The smallest cache length >= `length` that the config's attention can prefill."""
+  if config.model.attention == "dense":
+    unit = parallelism.layouts.required_divisor("ring", num_shards)
+    return -(-length // unit) * unit
+  return parallelism.shortest_ring_length(length, config.model.attention, num_shards,
+                                          config.model.attention_tile)
 
 
 @dataclasses.dataclass
@@ -193,6 +202,9 @@ class Sampler:
       raise SampleError("the prompt is empty")
     if max_new_tokens < 1:
       raise SampleError(f"--max_new_tokens={max_new_tokens} must be at least 1")
+    if temperature < 0 or not 0 < top_p <= 1:
+      raise SampleError(f"--temperature={temperature} must be >= 0 (0: greedy) and "
+                        f"--top_p={top_p} in (0, 1]")
     length = len(prompt_ids)
     trained = self.config.data.seq_len
     if length + max_new_tokens > trained and not self._warned_length:
@@ -233,7 +245,7 @@ class Sampler:
     token_B, cache = prefill(self.params, *prefill_args, last_slot_B, key)
     first = int(token_B[0])
     prefill_s = time.monotonic() - started
-    new_ids = []
+    new_ids, decode_steps = [], 0
     started = time.monotonic()
     token = first
     for i in range(max_new_tokens):
@@ -248,8 +260,9 @@ class Sampler:
       token_B, cache = decode(self.params, cache, token_B, position_B,
                               jax.random.fold_in(key, i + 1))
       token = int(token_B[0])
-    decode_s = time.monotonic() - started
-    steps = max(len(new_ids) - 1, 0)
+      decode_steps += 1
+    decode_s = time.monotonic() - started  # With `on_token`'s time: what a user waits.
+    steps = decode_steps
     key_cache = jax.tree.leaves(cache)[0]
     return new_ids, {
         "prompt_tokens": length, "new_tokens": len(new_ids), "capacity": capacity,
@@ -308,11 +321,17 @@ def _choose(logits_BV: jax.Array, key: jax.Array, *, temperature: float,
     mass_BV = jnp.cumsum(jax.nn.softmax(sorted_BV, axis=-1), axis=-1)
     # The cut-off logit: the last one needed to reach top_p (the first always stays).
     cut_B = jnp.sum(mass_BV - jax.nn.softmax(sorted_BV, axis=-1) < top_p, axis=-1)
+    cut_B = jnp.maximum(cut_B, 1)
     threshold_B = jnp.take_along_axis(sorted_BV, cut_B[:, None] - 1, axis=-1)
     logits_BV = jnp.where(logits_BV >= threshold_B, logits_BV, -jnp.inf)
   # One key for every row: the rows hold the same prompt and give the same draw.
   return jax.vmap(lambda logits_V: jax.random.categorical(key, logits_V))(
       logits_BV).astype(jnp.int32)
+
+
+# What loading and sampling a run raise for a problem of the run or the flags, each with a
+# one-line message (the command lines print it and exit 1).
+RUN_ERRORS = (SampleError, CheckpointError, ConfigError, data.DataError)
 
 
 def prompt_ids(tokenizer: data.Tokenizer, text: str) -> list[int]:
@@ -419,7 +438,7 @@ def main(argv: list[str]) -> None:
 
     new_ids, timing = sampler.generate(ids, f.max_new_tokens, f.temperature, f.top_p, f.seed,
                                        on_token=None if f.json else stream)
-  except (SampleError, HFFormatError) as error:
+  except RUN_ERRORS + (HFFormatError,) as error:
     sys.exit(f"error: {error}")
   if f.json:
     print(json.dumps({"workdir": f.workdir, "from_hf": f.from_hf, "step": step,
