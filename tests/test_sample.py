@@ -48,15 +48,16 @@ def _dense_forward(config):
   return _DENSE_FORWARDS[repr(model_cfg)]
 
 
-def _dense_greedy(config, params, prompt, count, eos_id):
-  """The reference: the whole row through dense attention at every step, no cache."""
+def _dense_greedy(config, params, prompt, count, tokenizer):
+  """The reference: the whole row through dense attention at every step, no cache; the
+  argmax over the ids the tokenizer has, as the sampler chooses."""
   forward = _dense_forward(config)
   ids = list(prompt)
   for _ in range(count):
     tokens = np.zeros((1, REFERENCE_LENGTH), np.int32)
     tokens[0, :len(ids)] = ids
-    token = int(jnp.argmax(forward(params, tokens)[0, len(ids) - 1]))
-    if token == eos_id:
+    token = int(jnp.argmax(forward(params, tokens)[0, len(ids) - 1, :tokenizer.vocab_size]))
+    if token == tokenizer.eos_id:
       break
     ids.append(token)
   return ids[len(prompt):]
@@ -78,7 +79,7 @@ def test_sharded_decoding_gives_the_dense_greedy_tokens(tiny_config, tokenizer, 
   prompt = list(np.random.default_rng(prompt_length).integers(4, 500, prompt_length))
   sampler = sample.Sampler(config, parallelism.make_mesh(config.mesh), params, tokenizer)
   ours, stats = sampler.generate(prompt, NEW_TOKENS)
-  assert ours == _dense_greedy(config, params, prompt, NEW_TOKENS, tokenizer.eos_id)
+  assert ours == _dense_greedy(config, params, prompt, NEW_TOKENS, tokenizer)
   # The prompt is padded at the end to a multiple of what the layout needs (striped and
   # ring: the 4 shards; zigzag: 8), prompt plus new tokens included.
   assert stats["capacity"] % (8 if attention == "zigzag" else 4) == 0
@@ -162,6 +163,7 @@ def _cli(*args, check=False):
 
 def test_the_command_line_prints_json_and_stops_bad_input_in_one_line(trained_run, tmp_path):
   import json
+  import os
   result = _cli(f"--workdir={trained_run}", "--prompt=the code of mira is", "--json",
                 "--max_new_tokens=3")
   assert result.returncode == 0, result.stderr
@@ -179,6 +181,14 @@ def test_the_command_line_prints_json_and_stops_bad_input_in_one_line(trained_ru
     result = _cli(*args)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 1 and len(lines) == 1 and message in lines[0], result.stderr
+
+  # A Hugging Face directory whose model vocabulary (384) is padded past its tokenizer's.
+  fixture = os.path.join(os.path.dirname(__file__), "hf_fixtures", "llama3_rope")
+  result = _cli(f"--from_hf={fixture}", "--prompt=hello world", "--json", "--max_new_tokens=3",
+                "--ignore_eos")
+  assert result.returncode == 0, result.stderr
+  printed = json.loads(result.stdout)
+  assert len(printed["generated_ids"]) == 3 and max(printed["generated_ids"]) < 320
 
   (tmp_path / "config.json").write_text(open(f"{trained_run}/config.json").read())
   with pytest.raises(sample.SampleError, match="has no checkpoints/ directory"):
@@ -210,6 +220,10 @@ def test_top_p_keeps_the_smallest_set_reaching_its_mass():
                                             top_p=top_p)[0]) for seed in range(60)}
   assert draws(0.4) == {0} and draws(0.7) == {0, 1} and draws(1.0) == {0, 1, 2, 3}
   assert int(sample._choose(logits_BV, jax.random.key(0), temperature=0.0, top_p=1.0)[0]) == 0
+  # A model vocabulary padded past the tokenizer's: the padding ids are never chosen.
+  assert draws(1.0) == {0, 1, 2, 3}
+  assert {int(sample._choose(logits_BV, jax.random.key(seed), temperature=1.0, top_p=1.0,
+                             vocab=2)[0]) for seed in range(60)} == {0, 1}
 
 
 def test_bad_sampling_settings_stop_before_any_compile(tiny_config, tokenizer):

@@ -232,7 +232,8 @@ class Sampler:
     last_slot_B = jax.device_put(np.full(self.rows, inverse[length - 1], np.int32),
                                  rows_sharding)
     key = jax.random.key(seed)
-    choice = functools.partial(_choose, temperature=temperature, top_p=top_p)
+    choice = functools.partial(_choose, temperature=temperature, top_p=top_p,
+                               vocab=self.tokenizer.vocab_size)
 
     started = time.monotonic()
     signature = (capacity, temperature, top_p)
@@ -309,10 +310,14 @@ class Sampler:
     return compiled_prefill, compiled_decode
 
 
-def _choose(logits_BV: jax.Array, key: jax.Array, *, temperature: float,
-            top_p: float) -> jax.Array:
+def _choose(logits_BV: jax.Array, key: jax.Array, *, temperature: float, top_p: float,
+            vocab: int | None = None) -> jax.Array:
   """Greedy at temperature 0; else a draw from the tempered softmax cut to its top-p mass
-  (the smallest set of most likely tokens whose probability reaches `top_p`)."""
+  (the smallest set of most likely tokens whose probability reaches `top_p`). Only ids below
+  `vocab` (the tokenizer's size) are chosen: a model's vocabulary may be padded past the
+  tokenizer's, and an id it cannot decode is no text."""
+  if vocab is not None and vocab < logits_BV.shape[-1]:
+    logits_BV = jnp.where(jnp.arange(logits_BV.shape[-1]) < vocab, logits_BV, -jnp.inf)
   if temperature <= 0:
     return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
   logits_BV = logits_BV / temperature
@@ -403,6 +408,7 @@ def main(argv: list[str]) -> None:
     flags.DEFINE_integer("seed", 0, "Sampling seed.")
     flags.DEFINE_bool("json", False, "Print one JSON object (ids, text, timings) at the end "
                       "instead of streaming text.")
+    flags.DEFINE_bool("ignore_eos", False, "Generate all --max_new_tokens, past EOS.")
 
   f = parse_run_flags(argv, define_flags, allow_hf=True)
   if (f.prompt is None) == (f.prompt_file is None):
@@ -437,7 +443,8 @@ def main(argv: list[str]) -> None:
       print(sampler.tokenizer.decode(shown)[len(before):], end="", flush=True)
 
     new_ids, timing = sampler.generate(ids, f.max_new_tokens, f.temperature, f.top_p, f.seed,
-                                       on_token=None if f.json else stream)
+                                       on_token=None if f.json else stream,
+                                       ignore_eos=f.ignore_eos)
   except RUN_ERRORS + (HFFormatError,) as error:
     sys.exit(f"error: {error}")
   if f.json:
