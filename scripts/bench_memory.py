@@ -29,16 +29,13 @@ if __name__ == "__main__":
 import argparse  # noqa: E402
 import datetime  # noqa: E402
 import importlib  # noqa: E402
-import json  # noqa: E402
-import subprocess  # noqa: E402
 import time  # noqa: E402
 
+import bench_results  # noqa: E402  (scripts/, first on the path)
 import parallelism  # noqa: E402
 from trainer import dry_run  # noqa: E402
 from trainer.config_check import check_config  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                       "results", "bench_memory.jsonl")
 DEVICES = 8
 MAX_RATIO = 2.1
 
@@ -54,17 +51,11 @@ def measure(seq_len: int, remat: str, tile: int, devices) -> dict:
   mesh = parallelism.make_mesh(config.mesh, devices)
   start = time.monotonic()
   compiled, _ = dry_run.compile_step(config, mesh)
-  return {"seq_len": seq_len, "remat": remat, "attention": "striped", "commit": _commit(),
+  return {"seq_len": seq_len, "remat": remat, "attention": "striped", "commit": bench_results.commit(),
           "loss_chunk": config.train.get("loss_chunk"),
           "tile": config.model.attention_tile, "devices": DEVICES,
           "tokens_per_device": seq_len // DEVICES, **dry_run.memory_figures(compiled),
           "compile_s": round(time.monotonic() - start, 1)}
-
-
-def _commit() -> str:
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  return subprocess.run(["git", "describe", "--always", "--dirty"], cwd=root, capture_output=True,
-                        text=True, check=False).stdout.strip()
 
 
 def main() -> None:
@@ -92,10 +83,7 @@ def main() -> None:
   print(f"\nlinear: every doubling of tokens stays within {MAX_RATIO}x bytes" if linear else
         f"\nNOT linear: a doubling of tokens grows bytes by more than {MAX_RATIO}x")
   if not args.no_save:
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "a", encoding="utf-8") as f:
-      for record in records:
-        f.write(json.dumps(record) + "\n")
+    bench_results.append("bench_memory.jsonl", records)
 
 
 if __name__ == "__main__":

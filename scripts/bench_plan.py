@@ -19,13 +19,11 @@ if __name__ == "__main__":
 import argparse  # noqa: E402
 import datetime  # noqa: E402
 import importlib.util  # noqa: E402
-import json  # noqa: E402
-import subprocess  # noqa: E402
 
+import bench_results  # noqa: E402  (scripts/, first on the path)
 from trainer import dry_run  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "results", "bench_plan.jsonl")
 GIB = 2.0 ** 30
 
 
@@ -45,8 +43,7 @@ def main() -> None:
   parser.add_argument("--memory_gib", type=float, default=80.0)
   parser.add_argument("--no_save", action="store_true")
   args = parser.parse_args()
-  commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT,
-                          capture_output=True, text=True, check=False).stdout.strip()
+  commit = bench_results.commit()
   stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
   rows = []
   for seq_len in (int(s) for s in args.seq_lens.split(",")):
@@ -63,9 +60,7 @@ def main() -> None:
               "mesh": out["mesh"]}
     rows.append(record)
     if not args.no_save:
-      os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-      with open(RESULTS, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
+      bench_results.append("bench_plan.jsonl", [record])
   print(f"\n{'seq_len':>10} {'remat':>8} {'total GiB':>10} {'floor GiB':>10} "
         f"{'temps GiB':>10}  verdict at {args.memory_gib:g} GiB")
   for r in rows:

@@ -20,19 +20,16 @@ if __name__ == "__main__":
 import argparse  # noqa: E402
 import datetime  # noqa: E402
 import importlib  # noqa: E402
-import json  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+import bench_results  # noqa: E402  (scripts/, first on the path)
 import data  # noqa: E402
 from trainer import sample  # noqa: E402
 from trainer.training import data_config  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "results", "bench_sample.jsonl")
 
 
 def _sampler(attention: str, workdir: str | None):
@@ -55,8 +52,7 @@ def main() -> None:
   parser.add_argument("--no_save", action="store_true")
   args = parser.parse_args()
   jax.config.update("jax_num_cpu_devices", 8)  # Before the first device use.
-  commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT,
-                          capture_output=True, text=True, check=False).stdout.strip()
+  commit = bench_results.commit()
   stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
   print(f"{'attention':>10} {'prompt':>7} {'capacity':>8} {'prefill tok/s':>14} "
         f"{'decode tok/s':>13} {'compile s':>10}")
@@ -81,10 +77,7 @@ def main() -> None:
           f"{record['prefill_tokens_per_s']:>14,.0f} {record['decode_tokens_per_s']:>13,.1f} "
           f"{record['compile_s']:>10.1f}", flush=True)
   if not args.no_save:
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "a", encoding="utf-8") as f:
-      for record in records:
-        f.write(json.dumps(record) + "\n")
+    bench_results.append("bench_sample.jsonl", records)
 
 
 if __name__ == "__main__":

@@ -336,3 +336,22 @@ class Checkpointer:
 
   def close(self) -> None:
     self._manager.close()
+
+
+def open_step(workdir: str, step: int | None,
+              error: type[Exception]) -> tuple[Checkpointer, int]:
+  """A read-only checkpointer on `workdir` and the step to read from it (default the newest),
+  for tools beside a run (export, sampling): a run training in the workdir is not disturbed.
+  A workdir without checkpoints, without a committed step, or without `step` raises `error`
+  (the tool's own) with one line naming the flag. The caller closes the checkpointer."""
+  if not os.path.isdir(os.path.join(workdir, "checkpoints")):
+    raise error(f"--workdir={workdir} has no checkpoints/ directory")
+  checkpointer = Checkpointer(workdir, 1, 1, use_async=False, read_only=True)
+  steps = checkpointer.steps()
+  chosen = steps[-1] if step is None and steps else step
+  if not steps or chosen not in steps:
+    checkpointer.close()
+    raise error(f"--workdir={workdir} holds no committed checkpoint" if not steps else
+                f"--step={step} is not a checkpoint of {workdir}; it holds steps "
+                f"{', '.join(map(str, steps))}")
+  return checkpointer, chosen

@@ -35,7 +35,7 @@ import parallelism
 from model import Decoder
 from model.hf_format import hf_config_of, hf_shapes, tensor_names, to_hf
 from trainer import stages
-from trainer.checkpointing import CheckpointError, Checkpointer
+from trainer.checkpointing import CheckpointError, open_step
 from trainer.training import data_config, model_config
 from trainer.optimizer import make_optimizer
 from trainer.resume import tokenizer_problem
@@ -61,17 +61,8 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str = "bfloat
   """Writes step `step` (default the newest) of `workdir` to `out`; returns a summary line."""
   if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
     raise ExportError(f"--out={out} already exists and is not an empty directory")
-  if not os.path.isdir(os.path.join(workdir, "checkpoints")):
-    raise ExportError(f"--workdir={workdir} has no checkpoints/ directory")
-  checkpointer = Checkpointer(workdir, 1, 1, use_async=False, read_only=True)
+  checkpointer, step = open_step(workdir, step, ExportError)
   try:
-    steps = checkpointer.steps()
-    if not steps:
-      raise ExportError(f"--workdir={workdir} holds no committed checkpoint")
-    step = steps[-1] if step is None else step
-    if step not in steps:
-      raise ExportError(f"--step={step} is not a checkpoint of {workdir}; it holds steps "
-                        f"{', '.join(map(str, steps))}")
     # Every local device on fsdp: what the parameters need, whatever mesh trained them.
     mesh = parallelism.make_mesh({"data": 1, "fsdp": -1, "sequence": 1, "tensor": 1})
     found = {}

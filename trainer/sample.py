@@ -41,7 +41,7 @@ import data
 import parallelism
 from model import Decoder, ModelConfig
 from trainer import stages
-from trainer.checkpointing import CheckpointError, Checkpointer
+from trainer.checkpointing import CheckpointError, open_step
 from trainer.config_check import ConfigError
 from trainer.resume import config_path, tokenizer_problem
 
@@ -130,17 +130,8 @@ def load(workdir: str, config: ml_collections.ConfigDict, step: int | None = Non
   overrides applied) resolved to the stage that wrote the step. Reads with a read-only
   checkpointer, verified against the step's fingerprints; a run training there is safe."""
   from trainer.training import data_config  # pylint: disable=g-import-not-at-top
-  if not os.path.isdir(os.path.join(workdir, "checkpoints")):
-    raise SampleError(f"--workdir={workdir} has no checkpoints/ directory")
-  checkpointer = Checkpointer(workdir, 1, 1, use_async=False, read_only=True)
+  checkpointer, step = open_step(workdir, step, SampleError)
   try:
-    steps = checkpointer.steps()
-    if not steps:
-      raise SampleError(f"--workdir={workdir} holds no committed checkpoint")
-    step = steps[-1] if step is None else step
-    if step not in steps:
-      raise SampleError(f"--step={step} is not a checkpoint of {workdir}; it holds steps "
-                        f"{', '.join(map(str, steps))}")
     config = stages.holding(stages.plan(config), step).config
     mesh, parts = _on_mesh(config)
     log(f"reading {checkpointer.directory}/{step}")
@@ -244,11 +235,10 @@ class Sampler:
 
     started = time.monotonic()
     token_B, cache = prefill(self.params, *prefill_args, last_slot_B, key)
-    first = int(token_B[0])
+    token = int(token_B[0])
     prefill_s = time.monotonic() - started
     new_ids, decode_steps = [], 0
     started = time.monotonic()
-    token = first
     for i in range(max_new_tokens):
       if token == self.tokenizer.eos_id and not ignore_eos:
         break
@@ -263,7 +253,6 @@ class Sampler:
       token = int(token_B[0])
       decode_steps += 1
     decode_s = time.monotonic() - started  # With `on_token`'s time: what a user waits.
-    steps = decode_steps
     key_cache = jax.tree.leaves(cache)[0]
     return new_ids, {
         "prompt_tokens": length, "new_tokens": len(new_ids), "capacity": capacity,
@@ -272,7 +261,7 @@ class Sampler:
         "cache_shard_shape": tuple(key_cache.addressable_shards[0].data.shape),
         "compile_s": compile_s, "prefill_s": prefill_s,
         "prefill_tokens_per_s": length / prefill_s,
-        "decode_s": decode_s, "decode_tokens_per_s": steps / decode_s if steps else None}
+        "decode_s": decode_s, "decode_tokens_per_s": decode_steps / decode_s if decode_steps else None}
 
   def _compiled(self, choice, prefill_args, last_slot_B, key):
     """The prefill and decode steps for these shapes, compiled ahead of the timing. Tokens
