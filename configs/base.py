@@ -40,6 +40,11 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
   config.model.tie_embeddings = False  # Share the input embedding with the output projection.
   config.model.init_std = 0.02  # Std of the normal initialiser of every matrix.
   config.model.attention = "dense"  # One of dense, ring, striped, zigzag.
+  # How attention splits the sequence over devices (parallelism/strategies.py): ring (K/V
+  # blocks pass around mesh.sequence), allgather (one all-gather of K/V over mesh.sequence),
+  # ulysses (all-to-all over mesh.ulysses: whole sequence, a shard of the heads) or hybrid
+  # (Ulysses over mesh.ulysses inside a ring over mesh.sequence). Every layout works with each.
+  config.model.sequence_parallel = "ring"
   config.model.kernel = "xla"  # Block kernel of ring layouts (parallelism/kernels.py): xla or pallas.
   config.model.attention_tile = 512  # Query/key tile of the blockwise kernels (tile skipping).
   config.model.dtype = "bfloat16"  # Compute dtype of activations and matmuls.
@@ -49,13 +54,14 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
   config.mesh.data = 1  # Pure data parallelism (replicated parameters).
   config.mesh.fsdp = -1  # Data parallelism with sharded parameters; -1 takes the remaining devices.
   config.mesh.sequence = 1  # Ring size: devices the sequence is split over.
+  config.mesh.ulysses = 1  # Ulysses degree (sequence_parallel ulysses or hybrid): heads split over.
   config.mesh.tensor = 1  # Tensor parallelism over heads and MLP width.
   # Logical axis name -> mesh axes. Parameters use the plain names, activations the
   # `activation_*` ones; a mesh axis may appear once per array (checked at start-up). Ring
-  # attention shards its operands by the same names; activation_seq is its ring.
+  # attention shards its operands by the same names; activation_seq is its ring (then Ulysses).
   config.mesh.rules = (
       ("layers", None),
-      ("embed", ("fsdp", "sequence")),  # ZeRO-3 over the ring too: 7B fits 8 devices.
+      ("embed", ("fsdp", "sequence", "ulysses")),  # ZeRO-3 over the sequence: 7B fits 8 devices.
       ("vocab", "tensor"),
       ("heads", "tensor"),
       ("kv_heads", "tensor"),
@@ -63,7 +69,7 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
       ("head_dim", None),
       ("norm", None),
       ("activation_batch", ("data", "fsdp")),
-      ("activation_seq", "sequence"),
+      ("activation_seq", ("sequence", "ulysses")),  # The ring's axis, then Ulysses'.
       ("activation_embed", None),
       ("activation_heads", "tensor"),
       ("activation_kv_heads", "tensor"),

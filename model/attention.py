@@ -90,7 +90,7 @@ class Attention(nn.Module):
       out_BSHD = parallelism.ring_attention(
           q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, layout=cfg.layout,
           rules=nn.get_logical_axis_rules(),
-          kernel=cfg.kernel, tile_size=cfg.attention_tile)
+          kernel=cfg.kernel, tile_size=cfg.attention_tile, strategy=cfg.sequence_parallel)
     if self.is_mutable_collection("cache") and not self.is_initializing():
       self.put_variable("cache", "key", k_BSKD)
       self.put_variable("cache", "value", v_BSKD)

@@ -34,6 +34,7 @@ class ModelConfig:
   tie_embeddings: bool = False
   init_std: float = 0.02
   attention: str = "dense"
+  sequence_parallel: str = "ring"  # parallelism/strategies.py
   kernel: str = "xla"
   attention_tile: int = 512
   dtype: str = "bfloat16"

@@ -1,11 +1,13 @@
-"""Mesh, logical axis rules, sequence layouts, the static ring schedule, ring attention and
-the sampler's decode attention over a sharded KV cache (see DESIGN.md)."""
+"""Mesh, logical axis rules, sequence layouts, the static ring schedule, sequence-parallel
+attention (ring, all-gather, Ulysses, hybrid) and the sampler's decode attention over a
+sharded KV cache (see DESIGN.md)."""
 
 from parallelism.decoding import CACHE_NAMES, cache_positions, decode_attention, decode_rules
 from parallelism.kernels import KERNELS
 from parallelism.layouts import LAYOUTS, check_seq_len, permute, unpermute
-from parallelism.mesh import (MESH_AXES, batch_sharding, batch_shards, check_rules, logical_to_spec,
-                              make_mesh, resolve_mesh_shape)
+from parallelism.mesh import (MESH_AXES, SEQUENCE_AXES, batch_sharding, batch_shards, check_rules,
+                              logical_to_spec, make_mesh, resolve_mesh_shape)
 from parallelism.ring_attention import (SAVED_NAMES, block_tile, ring_attention,
                                         shortest_ring_length)
 from parallelism.schedule import RingSchedule, ring_schedule
+from parallelism.strategies import STRATEGIES, ULYSSES, kv_repeat

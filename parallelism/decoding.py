@@ -15,8 +15,6 @@ the cache uses.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,8 +56,10 @@ def decode_attention(q_B1HD: jax.Array, k_B1KD: jax.Array, v_B1KD: jax.Array,
   mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
   cache_spec = spec_on_mesh(logical_to_spec(CACHE_NAMES, rules), mesh)
   seq_axes = as_axes(cache_spec[1])
-  num_shards = math.prod(mesh.shape[a] for a in seq_axes) if seq_axes else 1
-  slot_positions_C = jnp.asarray(cache_positions(layout, capacity, num_shards))
+  # The layout permutes for the ring, the first sequence axis; a second (Ulysses) splits
+  # each ring block further, so the slots' order is the ring's.
+  ring_shards = mesh.shape[seq_axes[0]] if seq_axes else 1
+  slot_positions_C = jnp.asarray(cache_positions(layout, capacity, ring_shards))
 
   def per_device(q, k, v, key_cache, value_cache, slot_positions, position):
     return _local_attention(q, k, v, key_cache, value_cache, slot_positions, position,

@@ -9,14 +9,18 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "sequence", "tensor")
+# `sequence` is the ring; `ulysses` the all-to-all of Ulysses attention (size 1 unless
+# model.sequence_parallel uses it), inside the ring so that a node's devices share it.
+MESH_AXES = ("data", "fsdp", "sequence", "ulysses", "tensor")
 BATCH_AXES = ("data", "fsdp")
+SEQUENCE_AXES = ("sequence", "ulysses")
 Rules = Sequence[tuple[str, str | Sequence[str] | None]]
 
 
 def resolve_mesh_shape(sizes: Mapping[str, int], num_devices: int) -> tuple[int, ...]:
-  """Axis sizes in MESH_AXES order, with at most one -1 filled from the device count."""
-  shape = [int(sizes[name]) for name in MESH_AXES]
+  """Axis sizes in MESH_AXES order, with at most one -1 filled from the device count. An
+  axis `sizes` leaves out has size 1 (a run's stored config from before the axis existed)."""
+  shape = [int(sizes.get(name, 1)) for name in MESH_AXES]
   unknown = [name for name, size in zip(MESH_AXES, shape) if size == -1]
   if len(unknown) > 1 or any(size == 0 or size < -1 for size in shape):
     raise ValueError(f"mesh sizes {dict(zip(MESH_AXES, shape))}: each must be >= 1, "
@@ -82,8 +86,9 @@ def spec_on_mesh(spec: P, mesh) -> P:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """Per-token batch arrays [batch, seq]: rows over data+fsdp, sequence over `sequence`."""
-  return NamedSharding(mesh, P(BATCH_AXES, "sequence"))
+  """Per-token batch arrays [batch, seq]: rows over data+fsdp, sequence over the ring and,
+  within each ring block, over `ulysses`."""
+  return NamedSharding(mesh, P(BATCH_AXES, SEQUENCE_AXES))
 
 
 def batch_shards(mesh: Mesh) -> int:

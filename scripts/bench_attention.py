@@ -105,7 +105,7 @@ def block_medians(seq_len: int, repeats: int) -> dict[str, float]:
   import jax
   import jax.numpy as jnp
 
-  from parallelism.ring_attention import RingDevice
+  from parallelism.ring import RingDevice
 
   num_shards, tile = TIMED_DEVICES, TIMED_TILE
   block_len = seq_len // num_shards

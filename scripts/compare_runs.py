@@ -21,7 +21,7 @@ import matplotlib
 matplotlib.use("Agg")  # Files only; no display needed.
 from matplotlib import figure as mpl_figure  # noqa: E402  (after the backend is chosen)
 
-_AXES = ("data", "fsdp", "sequence", "tensor")
+_AXES = ("data", "fsdp", "sequence", "ulysses", "tensor")
 
 
 @dataclasses.dataclass
@@ -32,7 +32,12 @@ class Run:
 
   @property
   def layout(self) -> str:
-    return self.config["model"]["attention"]
+    """The attention layout, and the sequence-parallel strategy when it is not the ring."""
+    model = self.config["model"]
+    strategy = model.get("sequence_parallel", "ring")
+    if model["attention"] == "dense" or strategy == "ring":
+      return model["attention"]
+    return f"{model['attention']}/{strategy}"
 
   @property
   def seq_len(self) -> int:
@@ -40,8 +45,9 @@ class Run:
 
   @property
   def mesh(self) -> str:
-    """data x fsdp x sequence x tensor, a -1 filled from the device count in the metrics."""
-    sizes = [self.config["mesh"][axis] for axis in _AXES]
+    """data x fsdp x sequence x ulysses x tensor, a -1 filled from the device count in the
+    metrics (runs from before the ulysses axis existed had it at 1)."""
+    sizes = [self.config["mesh"].get(axis, 1) for axis in _AXES]
     if -1 in sizes and self.records and self.records[-1].get("tokens_per_sec_per_device"):
       last = self.records[-1]
       devices = round(last["tokens_per_sec"] / last["tokens_per_sec_per_device"])
@@ -85,7 +91,7 @@ def load_run(path: str) -> Run:
 
 
 def table(runs: list[Run]) -> str:
-  header = ("run", "layout", "mesh d x f x s x t", "seq_len", "tok/s (median)", "speedup",
+  header = ("run", "layout", "mesh d x f x s x u x t", "seq_len", "tok/s (median)", "speedup",
             "final loss")
   base = runs[0].median_tokens_per_sec if runs else None
   rows = [header]

@@ -12,6 +12,7 @@ from jax.sharding import AxisType, NamedSharding
 
 from configs import base
 from model import Decoder, ModelConfig
+import parallelism
 from parallelism import logical_to_spec
 from parallelism.layouts import permute
 from parallelism.ring_attention import KV_NAMES, Q_NAMES, SEGMENT_NAMES, ring_attention
@@ -25,8 +26,8 @@ _COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "reduce-scatter", "col
 
 
 def _mesh():
-  return jax.make_mesh((1, 2, 2, 2), ("data", "fsdp", "sequence", "tensor"),
-                       axis_types=(AxisType.Auto,) * 4)
+  return jax.make_mesh((1, 2, 2, 1, 2), parallelism.MESH_AXES,
+                       axis_types=(AxisType.Auto,) * 5)
 
 
 def _collectives(hlo: str) -> dict[str, list[str]]:
@@ -78,8 +79,8 @@ def test_save_attention_runs_the_ring_forward_once():
   keeps the ring's out and lse, so the backward recomputes only the cheap rest. Counted as
   the ring forward's collective-permutes in the compiled gradient of a 1-layer model; all
   three policies give the same gradients."""
-  mesh = jax.make_mesh((1, 1, 4, 2), ("data", "fsdp", "sequence", "tensor"),
-                       axis_types=(AxisType.Auto,) * 4)
+  mesh = jax.make_mesh((1, 1, 4, 1, 2), parallelism.MESH_AXES,
+                       axis_types=(AxisType.Auto,) * 5)
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 128)), jnp.int32)
   index = permute(jnp.broadcast_to(jnp.arange(128, dtype=jnp.int32), (2, 128)), "striped", 4)
   segments = (index >= 50).astype(jnp.int32)  # two documents per row
@@ -121,8 +122,8 @@ def test_the_model_hands_its_rules_to_the_ring(monkeypatch):
                               dtype="float32"))
   tokens = jnp.zeros((2, 64), jnp.int32)
   index = permute(jnp.broadcast_to(jnp.arange(64, dtype=jnp.int32), (2, 64)), "striped", 2)
-  mesh = jax.make_mesh((1, 2, 2, 2), ("data", "fsdp", "sequence", "tensor"),
-                       axis_types=(AxisType.Auto,) * 4)
+  mesh = jax.make_mesh((1, 2, 2, 1, 2), parallelism.MESH_AXES,
+                       axis_types=(AxisType.Auto,) * 5)
   with jax.set_mesh(mesh), nn.logical_axis_rules(_OTHER_RULES):
     jax.eval_shape(model.init, jax.random.key(0), tokens, index, index, jnp.zeros_like(index))
   assert seen and all(tuple(rules) == _OTHER_RULES for rules in seen)

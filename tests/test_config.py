@@ -54,9 +54,19 @@ def test_paper_models_have_the_paper_shapes():
     ({"train.remat": "some"}, "train.remat"),
     ({"train.warmup_steps": 1000}, "train.warmup_steps"),
     ({"wandb.mode": "maybe"}, "wandb.mode"),
+    ({"model.sequence_parallel": "fast"}, "model.sequence_parallel"),
+    # Ulysses axis with a strategy that has none; Ulysses beside a ring; heads that do not
+    # split; a sequence that does not split over sequence x ulysses.
+    ({"mesh.fsdp": 1, "mesh.ulysses": 2}, "mesh.ulysses=2"),
+    ({"model.sequence_parallel": "ulysses", "mesh.fsdp": 1, "mesh.ulysses": 2}, "mesh.sequence=4"),
+    ({"model.sequence_parallel": "hybrid", "mesh.fsdp": 1, "mesh.sequence": 1,
+      "mesh.ulysses": 8}, "model.num_heads=4"),
+    ({"model.sequence_parallel": "hybrid", "mesh.fsdp": 1, "mesh.sequence": 2,
+      "mesh.ulysses": 4, "data.seq_len": 36, "model.attention_tile": 2}, "data.seq_len=36"),
 ])
 def test_impossible_values_name_the_field(overrides, field):
   config = _load("tiny_cpu")
+  config.model.attention = "striped"  # Sequence-parallel: the strategy's checks apply.
   for path, value in overrides.items():
     group, key = path.split(".")
     config[group][key] = value
@@ -100,3 +110,16 @@ def test_rules_the_ring_cannot_use_are_refused(rule):
   with pytest.raises(ConfigError, match=rf"mesh.rules maps .*{rule[0]}") as error:
     check_config(config, num_devices=8)
   assert "\n" not in str(error.value)
+
+
+def test_ulysses_says_when_it_repeats_kv_heads(capsys):
+  """GQA with fewer K/V heads than the Ulysses degree is exact, but costs memory and bytes:
+  start-up says so (tiny_cpu has 2 K/V heads for 4 query heads)."""
+  config = _load("tiny_cpu")
+  config.model.attention, config.model.sequence_parallel = "striped", "ulysses"
+  config.mesh.fsdp, config.mesh.sequence, config.mesh.ulysses = 2, 1, 4
+  check_config(config, num_devices=8)
+  assert "Ulysses repeats each 2 times" in capsys.readouterr().out
+  config.mesh.fsdp, config.mesh.ulysses = 4, 2
+  check_config(config, num_devices=8)
+  assert capsys.readouterr().out == ""

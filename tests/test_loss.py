@@ -35,7 +35,7 @@ def test_chunked_scores_and_gradients_equal_the_full_logits(tie, mesh_shape, chu
   cfg = ModelConfig(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, d_ff=48,
                     vocab_size=256, tie_embeddings=tie, dtype="float32", loss_chunk=chunk)
   batch, seq_len = 4, 128
-  mesh = parallelism.make_mesh(dict(zip(parallelism.MESH_AXES, mesh_shape)))
+  mesh = parallelism.make_mesh(dict(zip(("data", "fsdp", "sequence", "tensor"), mesh_shape)))
   model = Decoder(cfg)
   rng = np.random.default_rng(0)
   tokens, targets = (jnp.asarray(rng.integers(0, 256, (batch, seq_len)), jnp.int32)

@@ -59,7 +59,7 @@ def reference_losses(tmp_path_factory, shared_data_dir):
 
 @pytest.mark.parametrize("attention, mesh", [
     ("striped", (8, 1, 1, 1)), ("striped", (1, 8, 1, 1)), ("striped", (1, 1, 4, 2)),
-    ("striped", (2, 1, 2, 2)), ("ring", (1, 2, 4, 1)), ("ring", (2, 1, 2, 2)),
+    ("striped", (2, 1, 2, 2)), ("ring", (2, 1, 2, 2)),  # ring on (1, 2, 4, 1): the layouts test
 ])
 def test_meshes_give_the_same_losses(tmp_path, tiny_config, reference_losses, attention, mesh):
   train(_config(tiny_config, attention, mesh), str(tmp_path))
@@ -82,6 +82,31 @@ def test_layouts_train_to_the_same_losses(tmp_path, tiny_config, reference_losse
   losses = _losses(tmp_path)
   assert len(losses) == 20
   np.testing.assert_allclose(losses, reference_losses, rtol=1e-4)
+
+
+@pytest.mark.parametrize("attention, strategy, mesh, ulysses", [
+    ("striped", "allgather", (1, 2, 4, 1), 1),
+    ("ring", "ulysses", (1, 2, 1, 1), 4),  # 2 kv heads, each repeated twice
+])
+def test_strategies_train_to_the_same_losses(tmp_path, tiny_config, reference_losses, attention,
+                                             strategy, mesh, ulysses):
+  config = _config(tiny_config, attention, mesh, **{"train.steps": 20,
+                                                    "model.sequence_parallel": strategy})
+  config.mesh.ulysses = ulysses
+  train(config, str(tmp_path))
+  np.testing.assert_allclose(_losses(tmp_path), reference_losses, rtol=1e-4)
+
+
+def test_a_ring_run_resumes_under_hybrid(tmp_path, tiny_config, reference_losses):
+  """10 steps of a striped ring saved, 10 more resumed as Ulysses x ring (2 x 2) on another
+  mesh: the checkpoint does not depend on the strategy, and the losses are the reference's."""
+  config = _config(tiny_config, "striped", **{"checkpoint.every_steps": 10})
+  train(config, str(tmp_path))
+  config = _config(tiny_config, "zigzag", (1, 2, 2, 1), **{
+      "train.steps": 20, "checkpoint.every_steps": 10, "model.sequence_parallel": "hybrid"})
+  config.mesh.ulysses = 2
+  train(config, str(tmp_path))
+  np.testing.assert_allclose(_losses(tmp_path), reference_losses, rtol=1e-4)
 
 
 @pytest.mark.slow(30)

@@ -20,7 +20,8 @@ from jax.sharding import AxisType
 from configs import base as base_config
 from parallelism import kernel_xla
 from parallelism.layouts import LAYOUTS, permute, unpermute
-from parallelism.ring_attention import _merge, _pack, _unpack, ring_attention
+from parallelism.ring import merge, pack, unpack
+from parallelism.ring_attention import ring_attention
 from parallelism.schedule import ring_schedule, schedule_of_order
 
 _F32_TOL = dict(atol=1e-5, rtol=1e-5)
@@ -166,7 +167,7 @@ def test_bf16_under_context_mesh():
                                                       tile_size=16), q, k, v)
     return (out, *vjp(dout))
 
-  mesh = jax.make_mesh((1, 1, n, 2), ("data", "fsdp", "sequence", "tensor"))  # trainer's axes
+  mesh = jax.make_mesh((1, 1, n, 1, 2), ("data", "fsdp", "sequence", "ulysses", "tensor"))
   with jax.set_mesh(mesh):
     got = run(bf16(q), bf16(k), bf16(v), bf16(dout))
   assert all(x.dtype == jnp.bfloat16 for x in got)
@@ -206,10 +207,10 @@ def test_block_kernel_rows_that_see_nothing():
                                       tile=4)
   np.testing.assert_array_equal(np.asarray(out_f), 0.0)
   assert np.all(np.asarray(lse_f) == -np.inf)
-  merged, merged_lse = _merge(out_f, lse_f, out_f, lse_f)
+  merged, merged_lse = merge(out_f, lse_f, out_f, lse_f)
   np.testing.assert_array_equal(np.asarray(merged), 0.0)
   assert np.all(np.asarray(merged_lse) == -np.inf)
-  merged, _ = _merge(out_f, lse_f, out, lse)
+  merged, _ = merge(out_f, lse_f, out, lse)
   np.testing.assert_allclose(np.asarray(merged), np.asarray(out), **_F32_TOL)
 
   # With one block its lse is the global one, so block_bwd is the whole gradient.
@@ -234,11 +235,11 @@ def test_ring_hop_buffer_moves_bits_exactly():
   fp8 = jax.lax.bitcast_convert_type(jnp.asarray(rng.integers(0, 256, (3,), np.uint8)),
                                      jnp.float8_e4m3fn)
   arrays = (k, v, index, small, fp8)
-  buffer = jax.jit(_pack)(*arrays)
+  buffer = jax.jit(pack)(*arrays)
   assert buffer.dtype == jnp.uint8 and buffer.shape == (sum(x.nbytes for x in arrays),)
   # The templates carry only shapes and dtypes, as on the receiving device.
   templates = tuple(jnp.zeros_like(x) for x in arrays)
-  for got, want in zip(jax.jit(_unpack)(buffer, templates), arrays):
+  for got, want in zip(jax.jit(unpack)(buffer, templates), arrays):
     assert got.dtype == want.dtype and got.shape == want.shape
     np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(got, jnp.uint8)),
                                   np.asarray(jax.lax.bitcast_convert_type(want, jnp.uint8)))
@@ -275,8 +276,10 @@ def test_errors_are_clear():
   with pytest.raises(ValueError, match="activation_heads and activation_kv_heads over the same"):
     attend(q, k, v, rules=tensor_rules[:2],
            mesh=jax.make_mesh((2, 2), ("sequence", "tensor"), devices=jax.devices()[:4]))
-  with pytest.raises(ValueError, match="must map activation_seq to one mesh axis"):
+  with pytest.raises(ValueError, match="splits the sequence over 'sequence' only"):
     attend(q, k, v, rules=(("activation_seq", ("sequence", "tensor")),),
            mesh=jax.make_mesh((2, 2), ("sequence", "tensor"), devices=jax.devices()[:4]))
+  with pytest.raises(ValueError, match="must map activation_seq to the ring's mesh axis"):
+    attend(q, k, v, rules=(("activation_seq", ("sequence", "tensor", "data")),), mesh=seq_mesh(4))
   with pytest.raises(ValueError, match="unknown attention kernel 'cuda'"):
     attend(q, k, v, mesh=seq_mesh(4), kernel="cuda")

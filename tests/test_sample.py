@@ -70,18 +70,20 @@ def tokenizer(tiny_config):
   return data.Tokenizer(data.tokenizer_path(data_config(config)))
 
 
-@pytest.mark.parametrize("attention,prompt_length", [
-    ("striped", 5), ("zigzag", 37)])
+@pytest.mark.parametrize("attention,prompt_length,strategy", [
+    ("striped", 5, "ring"), ("zigzag", 37, "ring"), ("striped", 11, "hybrid")])
 def test_sharded_decoding_gives_the_dense_greedy_tokens(tiny_config, tokenizer, attention,
-                                                        prompt_length):
-  config = _float32(tiny_config(attention))
+                                                        prompt_length, strategy):
+  config = _float32(tiny_config(attention, **{"model.sequence_parallel": strategy}))
+  if strategy == "hybrid":  # Prefill by Ulysses inside a ring of 2; the cache over both.
+    config.mesh.sequence, config.mesh.ulysses = 2, 2
   params = _random_params(config)
   prompt = list(np.random.default_rng(prompt_length).integers(4, 500, prompt_length))
   sampler = sample.Sampler(config, parallelism.make_mesh(config.mesh), params, tokenizer)
   ours, stats = sampler.generate(prompt, NEW_TOKENS)
   assert ours == _dense_greedy(config, params, prompt, NEW_TOKENS, tokenizer)
   # The prompt is padded at the end to a multiple of what the layout needs (striped and
-  # ring: the 4 shards; zigzag: 8), prompt plus new tokens included.
+  # ring: the 4 shards, or 2 x 2 under hybrid; zigzag: 8), prompt plus new tokens included.
   assert stats["capacity"] % (8 if attention == "zigzag" else 4) == 0
   assert stats["capacity"] >= prompt_length + NEW_TOKENS
   layers, rows, capacity, kv_heads, head_dim = stats["cache_shape"]

@@ -140,8 +140,11 @@ def test_names_group_by_model_and_length_and_tag_the_layout():
   config.model.attention = "ring"
   assert wandb_tracker.run_names(config) == ("d128x2L-256-ring", "d128x2L-256",
                                              ["ring", "sweep1"])
+  config.model.sequence_parallel = "hybrid"
+  assert wandb_tracker.run_names(config) == ("d128x2L-256-ring-hybrid", "d128x2L-256",
+                                             ["ring", "hybrid", "sweep1"])
   assert wandb_tracker.resolved_mesh({"data": 1, "fsdp": -1, "sequence": 4, "tensor": 1}, 8) == {
-      "data": 1, "fsdp": 2, "sequence": 4, "tensor": 1}
+      "data": 1, "fsdp": 2, "sequence": 4, "ulysses": 1, "tensor": 1}
 
 
 def test_scrub_redacts_secret_fields_and_values_but_keeps_tokenizer():
@@ -382,8 +385,8 @@ def test_compare_runs_prints_a_table_and_plots_both_runs(dense_run, tmp_path, ca
   lines = capsys.readouterr().out.splitlines()
   assert lines[0].split()[:3] == ["run", "layout", "mesh"]
   dense_row, other_row = lines[2].split(), lines[3].split()
-  assert dense_row[:4] == ["dense", "dense", "1x2x4x1", "256"] and dense_row[5] == "1.00x"
-  assert other_row[:4] == ["other", "striped", "1x2x4x1", "256"]
+  assert dense_row[:4] == ["dense", "dense", "1x2x4x1x1", "256"] and dense_row[5] == "1.00x"
+  assert other_row[:4] == ["other", "striped", "1x2x4x1x1", "256"]
   assert other_row[5].endswith("x") and np.isfinite(float(other_row[6]))
   with open(out_png, "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -115,18 +115,36 @@ def _check_mesh(config: ml_collections.ConfigDict, num_devices: int, head_size: 
     _require(m[field] % tensor == 0,
              f"model.{field}={m[field]} must be divisible by mesh.tensor={tensor}")
   layout = layout_of(m.attention)
-  sequence = shape["sequence"]
+  sequence, ulysses = shape["sequence"], shape["ulysses"]
   seq_len = config.data.seq_len
+  strategy = m.sequence_parallel
+  _require(strategy in parallelism.STRATEGIES,
+           f"model.sequence_parallel='{strategy}' must be one of {parallelism.STRATEGIES}")
+  uses_ulysses = strategy in parallelism.ULYSSES and m.attention != "dense"
+  _require(ulysses == 1 or uses_ulysses,
+           f"mesh.ulysses={ulysses} splits the sequence for Ulysses attention, which "
+           f"model.attention='{m.attention}' with model.sequence_parallel='{strategy}' does not "
+           f"run: set mesh.ulysses=1, or model.sequence_parallel to ulysses or hybrid")
+  _require(strategy != "ulysses" or not uses_ulysses or sequence == 1,
+           f"model.sequence_parallel='ulysses' splits the sequence over mesh.ulysses only, but "
+           f"mesh.sequence={sequence}: use 'hybrid' for Ulysses times a ring over mesh.sequence, "
+           f"or set mesh.sequence=1")
   try:
     parallelism.layouts.check_seq_len(seq_len, layout, sequence, name="data.seq_len")
   except ValueError as e:
     raise ConfigError(str(e)) from None
+  _require(seq_len % (sequence * ulysses) == 0,
+           f"data.seq_len={seq_len} must be divisible by mesh.sequence x mesh.ulysses = "
+           f"{sequence} x {ulysses}")
   if m.attention != "dense":
     rules = dict(config.mesh.rules)
     seq_axes = parallelism.mesh.as_axes(rules.get("activation_seq"))
-    _require(seq_axes == ("sequence",),
+    want = ("sequence", "ulysses") if uses_ulysses else ("sequence",)
+    _require(seq_axes[:len(want)] == want and len(seq_axes) <= 2,
              f"mesh.rules maps activation_seq to {seq_axes or 'nothing'}; model.attention="
-             f"'{m.attention}' needs it on ('sequence',), the ring the data is laid out for")
+             f"'{m.attention}' with model.sequence_parallel='{strategy}' needs it on {want}"
+             f"{'' if uses_ulysses else ' (optionally then ulysses)'}: the ring the data is "
+             f"laid out for{', then the Ulysses axis' if uses_ulysses else ''}")
     heads = parallelism.mesh.as_axes(rules.get("activation_heads"))
     kv_heads = parallelism.mesh.as_axes(rules.get("activation_kv_heads"))
     _require(heads == kv_heads,
@@ -137,6 +155,23 @@ def _check_mesh(config: ml_collections.ConfigDict, num_devices: int, head_size: 
     _require(seq_len % (sequence * tile) == 0,
              f"data.seq_len={seq_len} must be divisible by mesh.sequence x model.attention_tile"
              f" = {sequence} x {tile}")
+    if uses_ulysses:
+      _check_ulysses(m, shape)
+
+
+def _check_ulysses(m: ml_collections.ConfigDict, shape: dict[str, int]) -> None:
+  """Heads split over the Ulysses degree after `tensor`; K/V heads that do not are repeated
+  (said once at start-up, since it costs memory and all-to-all bytes)."""
+  ulysses, tensor = shape["ulysses"], shape["tensor"]
+  local_heads, local_kv = m.num_heads // tensor, m.num_kv_heads // tensor
+  _require(local_heads % ulysses == 0,
+           f"model.num_heads={m.num_heads} over mesh.tensor={tensor} leaves {local_heads} heads "
+           f"per device, which mesh.ulysses={ulysses} must divide (Ulysses splits the heads)")
+  repeat = parallelism.kv_repeat(local_kv, ulysses)
+  if repeat > 1:
+    print(f"note: {local_kv} key/value heads per device do not split over mesh.ulysses="
+          f"{ulysses}; Ulysses repeats each {repeat} times (GQA: exact, with {repeat}x the "
+          f"key/value all-to-all bytes)", flush=True)
 
 
 def _is_float_dtype(name: str) -> bool:

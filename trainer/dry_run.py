@@ -67,7 +67,7 @@ BATCH_DTYPES = {name: row.dtype for name, row in packing.empty_row(1, 0).items()
 
 def plan_device_count(config: ml_collections.ConfigDict) -> int:
   """Devices of the config's mesh; with a -1 axis, `config.cpu_devices` (else 8) in all."""
-  sizes = [config.mesh[axis] for axis in parallelism.MESH_AXES]
+  sizes = [config.mesh.get(axis, 1) for axis in parallelism.MESH_AXES]
   if -1 in sizes:
     return config.cpu_devices or 8
   return math.prod(sizes)
@@ -184,9 +184,17 @@ def with_verdict(out: dict[str, Any], device_memory_gib: float) -> dict[str, Any
 def offloaded_bytes(config: ml_collections.ConfigDict, mesh) -> int:
   """Bytes per device of the layer inputs remat 'offload' keeps in host memory."""
   rows = config.train.batch_size // parallelism.batch_shards(mesh) // config.train.micro_batches
-  tokens = config.data.seq_len // mesh.shape["sequence"]
+  tokens = config.data.seq_len // (mesh.shape["sequence"] * mesh.shape["ulysses"])
   itemsize = jax.numpy.dtype(config.model.dtype).itemsize
   return config.model.num_layers * rows * tokens * config.model.d_model * itemsize
+
+
+def _strategy_note(m: ml_collections.ConfigDict) -> str:
+  """', <strategy> sequence-parallel' when the attention splits the sequence other than by
+  the default ring."""
+  if m.attention == "dense" or m.sequence_parallel == "ring":
+    return ""
+  return f", {m.sequence_parallel} sequence-parallel"
 
 
 def seq_len_unit(config: ml_collections.ConfigDict) -> int:
@@ -195,7 +203,8 @@ def seq_len_unit(config: ml_collections.ConfigDict) -> int:
   shape = dict(zip(parallelism.MESH_AXES, parallelism.resolve_mesh_shape(
       config.mesh, plan_device_count(config))))
   shards = shape["sequence"]
-  divisor = parallelism.layouts.required_divisor(layout_of(config.model.attention), shards)
+  divisor = math.lcm(parallelism.layouts.required_divisor(layout_of(config.model.attention),
+                                                          shards), shards * shape["ulysses"])
   if config.model.attention == "dense":
     return divisor
   return math.lcm(divisor, shards * config.model.attention_tile)
@@ -267,7 +276,7 @@ def _print(config, out: dict[str, Any], memory_gib: float, mfu: float, accelerat
   xla_dev = out["xla_flops_per_device"]
   lines = [
       f"dry run: {out['params'] / 1e6:,.1f}M params, {m.num_layers} layers, attention "
-      f"{m.attention} ({m.kernel} kernel), {t.batch_size} x {config.data.seq_len:,} tokens per "
+      f"{m.attention} ({m.kernel} kernel{_strategy_note(m)}), {t.batch_size} x {config.data.seq_len:,} tokens per "
       f"step in {t.micro_batches} micro-batch(es), remat {t.remat}",
       f"mesh: {mesh} = {out['devices']} devices (fake CPU; compiled in {out['compile_s']:.0f} s)",
       "per device (bytes of this device's shard):",

@@ -108,7 +108,7 @@ def evaluate(sampler: Sampler, lengths: list[int], depths: list[float], trials: 
     # Room for the value's tokens and one more; one capacity (one compile) per length.
     new_tokens = max(len(tokenizer.encode(value)) for *_, value, _ in prompts) + 1
     capacity = capacity_for(max(len(p[-1]) for p in prompts) + new_tokens, sampler.config,
-                            sampler.num_shards)
+                            sampler.num_shards, sampler.ulysses)
     for depth, trial, key, value, ids in prompts:
       answer_ids, _ = sampler.generate(ids, new_tokens, capacity=capacity)
       answer = tokenizer.decode(answer_ids).strip()

@@ -63,7 +63,10 @@ def run_config(workdir: str) -> ml_collections.ConfigDict:
   if not isinstance(stored, dict) or "mesh" not in stored or "model" not in stored:
     raise SampleError(f"{path} is not the config.json of a run of `python -m trainer`")
   stored.pop("provenance", None)
-  config = ml_collections.ConfigDict(stored)
+  # Fields added since the run started take their defaults (e.g. mesh.ulysses).
+  from configs import base  # pylint: disable=g-import-not-at-top
+  config = base.get_config()
+  config.update(stored)
   # JSON has no tuples; the rules table is pairs of (logical name, mesh axes).
   config.mesh.rules = tuple((name, tuple(axes) if isinstance(axes, list) else axes)
                             for name, axes in config.mesh.rules)
@@ -145,13 +148,15 @@ def load(workdir: str, config: ml_collections.ConfigDict, step: int | None = Non
   return Sampler(config, mesh, state.params, data.Tokenizer(path), log), step
 
 
-def capacity_for(length: int, config: ml_collections.ConfigDict, num_shards: int) -> int:
-  """The smallest cache length >= `length` that the config's attention can prefill."""
+def capacity_for(length: int, config: ml_collections.ConfigDict, num_shards: int,
+                 ulysses: int = 1) -> int:
+  """The smallest cache length >= `length` that the config's attention can prefill on a
+  ring of `num_shards` devices times `ulysses`."""
   if config.model.attention == "dense":
-    unit = parallelism.layouts.required_divisor("ring", num_shards)
+    unit = parallelism.layouts.required_divisor("ring", num_shards * ulysses)
     return -(-length // unit) * unit
   return parallelism.shortest_ring_length(length, config.model.attention, num_shards,
-                                          config.model.attention_tile)
+                                          config.model.attention_tile, ulysses)
 
 
 @dataclasses.dataclass
@@ -172,7 +177,8 @@ class Sampler:
     self._steps = {}  # (capacity, temperature, top_p) -> the compiled prefill and decode.
     self.rules = tuple(self.config.mesh.rules)
     self.rows = parallelism.batch_shards(self.mesh)  # The same prompt in every batch shard.
-    self.num_shards = self.mesh.shape["sequence"]
+    self.num_shards = self.mesh.shape["sequence"]  # The ring the layout permutes for.
+    self.ulysses = self.mesh.shape["ulysses"]
     self._warned_length = False
 
   def cache_sharding(self) -> NamedSharding:
@@ -203,9 +209,9 @@ class Sampler:
       self.log(f"note: prompt plus new tokens ({length + max_new_tokens}) exceed the run's "
                f"trained sequence length ({trained}); positions beyond it use RoPE outside "
                f"the trained range")
-    needed = capacity_for(length + max_new_tokens, self.config, self.num_shards)
-    if capacity is not None and (capacity < needed or
-                                 capacity_for(capacity, self.config, self.num_shards) != capacity):
+    needed = capacity_for(length + max_new_tokens, self.config, self.num_shards, self.ulysses)
+    if capacity is not None and (capacity < needed or capacity_for(
+        capacity, self.config, self.num_shards, self.ulysses) != capacity):
       raise SampleError(f"capacity {capacity} cannot hold {length} + {max_new_tokens} tokens "
                         f"in this layout (try {needed})")
     capacity = capacity or needed

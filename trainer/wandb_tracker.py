@@ -69,11 +69,15 @@ def default_group(config: ml_collections.ConfigDict) -> str:
 
 
 def run_names(config: ml_collections.ConfigDict) -> tuple[str, str, list[str]]:
-  """(name, group, tags) of the run: the config's, or derived; the layout is always a tag."""
+  """(name, group, tags) of the run: the config's, or derived; the layout is always a tag,
+  and so is a sequence-parallel strategy other than the default ring."""
   group = config.wandb.group or default_group(config)
-  name = config.wandb.name or f"{group}-{config.model.attention}"
-  tags = [config.model.attention] + [tag.strip() for tag in config.wandb.tags.split(",")
-                                     if tag.strip() and tag.strip() != config.model.attention]
+  attention = [config.model.attention]
+  if config.model.attention != "dense" and config.model.sequence_parallel != "ring":
+    attention.append(config.model.sequence_parallel)
+  name = config.wandb.name or "-".join([group, *attention])
+  tags = attention + [tag.strip() for tag in config.wandb.tags.split(",")
+                      if tag.strip() and tag.strip() not in attention]
   return name, group, tags
 
 

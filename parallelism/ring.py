@@ -1,0 +1,189 @@
+"""One device's passes of ring attention: its K/V block goes around a ring of devices.
+
+Each device keeps its query block and passes its K/V block (and the keys' segment ids when
+documents are packed, in one buffer) around the ring with `lax.ppermute`; after N steps
+every query block has met every key block. The next transfer is issued before the current
+block is computed so communication can overlap compute. Partial (out, lse) pairs merge by
+the stable log-sum-exp rule.
+
+What each device computes at each step is the layout's static schedule
+(`parallelism.schedule`): the ring looks up its block pair in a small table by device and
+step, skips the kernel for a pair with nothing to compute, and hands the pair to the block
+kernel (`parallelism.kernels`), which reads the pair's tile lists.
+
+The backward is a second ring pass that recomputes each block's probabilities from the
+global output and lse. A device keeps the dK/dV of its own block; the accumulators of the
+others travel with their K/V block and, after N - 1 hops, arrive back at the device that
+owns it. These functions run inside a shard_map (`parallelism.ring_attention`); the other
+strategies (`parallelism.strategies`) reuse `RingDevice` and the merge.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from parallelism import kernels
+from parallelism.schedule import RingSchedule
+
+
+def merge(out_a_BTHD, lse_a_BTH, out_b_BTHD, lse_b_BTH):
+  """Combines two partial softmax results over disjoint key sets (float32)."""
+  lse_max = jnp.maximum(lse_a_BTH, lse_b_BTH)
+  # Both -inf means neither part saw a key: shift by 0 so the weights are 0, not NaN.
+  shift = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
+  w_a, w_b = jnp.exp(lse_a_BTH - shift), jnp.exp(lse_b_BTH - shift)
+  total = w_a + w_b
+  seen = total > 0
+  lse_BTH = jnp.where(seen, shift + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
+  inv = jnp.where(seen, 1.0 / jnp.where(seen, total, 1.0), 0.0)
+  out_BTHD = out_a_BTHD * (w_a * inv)[..., None] + out_b_BTHD * (w_b * inv)[..., None]
+  return out_BTHD, lse_BTH
+
+
+def pack(*arrays):
+  """Arrays as one flat byte buffer, so a K/V block (and its segment ids) moves in one transfer.
+
+  Each transfer is a rendezvous of both neighbours (on CPU also a round trip through the
+  collectives library, measured 2.5 ms for K/V alone and 4.0 ms with a second array).
+  Bytes are moved, never converted, so the trip is exact for every dtype of one byte or more.
+  """
+  return jnp.concatenate([lax.bitcast_convert_type(x, jnp.uint8).reshape(-1) for x in arrays])
+
+
+def unpack(buffer, like):
+  """Inverse of `pack`: arrays with the shapes and dtypes of `like`."""
+  arrays, start = [], 0
+  for x in like:
+    size = x.size * x.dtype.itemsize
+    raw = lax.slice_in_dim(buffer, start, start + size)
+    raw = raw.reshape(x.shape + ((x.dtype.itemsize,) if x.dtype.itemsize > 1 else ()))
+    arrays.append(lax.bitcast_convert_type(raw, x.dtype))
+    start += size
+  return tuple(arrays)
+
+
+def around_ring(own, start, visit, *, axis: str, num_shards: int):
+  """The ring's step loop, the same for both passes; returns the last carry.
+
+  Step 0 is `start(*own)` on the device's own block (k, v and, when packed, segment ids),
+  giving the first carry. Steps s = 1..N-1 are `visit(carry, s, *block)` on the block that
+  arrived, the one that started on device d - s. Each step first issues the transfer of the
+  block it holds, so the compute can overlap it; the last needs none.
+  """
+  if num_shards == 1:
+    return start(*own)
+  perm = [(i, (i + 1) % num_shards) for i in range(num_shards)]
+
+  def step(s, state, send: bool):
+    carry, kv_bytes = state
+    kv_bytes_next = lax.ppermute(kv_bytes, axis, perm) if send else kv_bytes
+    return visit(carry, s, *unpack(kv_bytes, own)), kv_bytes_next
+
+  state = (start(*own), lax.ppermute(pack(*own), axis, perm))
+  state = lax.fori_loop(1, num_shards - 1, lambda s, st: step(s, st, True), state)
+  return step(num_shards - 1, state, False)[0]
+
+
+class RingDevice:
+  """One device of the ring: its block pair at each step, looked up in the schedule's table
+  by device index, and one step of each pass on it. `device` is traced inside the ring
+  (`lax.axis_index`); scripts/bench_attention.py passes it as a jitted argument to time
+  the steps one by one."""
+
+  def __init__(self, schedule: RingSchedule, device, kernel: str, tile: int):
+    self.schedule, self.tile, self.kernel = schedule, tile, kernels.get(kernel)
+    self.pair_S = jnp.asarray(schedule.pair)[device]
+    self.empty_S = jnp.asarray(schedule.empty)[device]
+
+  def _unless_empty(self, step, carry, compute):
+    """`compute()`, or `carry` where this step's block pair has nothing visible. Only
+    layouts with such pairs (ring) pay for the conditional; striped and zigzag have none."""
+    if not self.schedule.empty.any():
+      return compute()
+    return lax.cond(self.empty_S[step], lambda: carry, compute)
+
+  def forward_step(self, step, out_lse, q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT):
+    """The (out, lse) of the queries on this step's K/V block, merged into `out_lse`; at
+    step 0 (`out_lse` None) the own block's (out, lse). A block pair with nothing visible
+    skips the kernel and the merge."""
+    attend = lambda: self.kernel.fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT,
+                                     schedule=self.schedule, pair=self.pair_S[step],
+                                     tile=self.tile)
+    if out_lse is None:
+      return attend()  # a query always sees itself: the own block is never empty
+    return self._unless_empty(step, out_lse, lambda: merge(*out_lse, *attend()))
+
+  def backward_step(self, step, dq_dkv, q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH,
+                    q_seg_BT, k_seg_BT):
+    """At step 0 (`dq_dkv` None) the own block's (dq, dk, dv); after it, (dq, dK/dV
+    accumulator [2, B, T, Hkv, D]) with this step's block's contributions added."""
+    grads = lambda: self.kernel.bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH,
+                                    q_seg_BT, k_seg_BT, schedule=self.schedule,
+                                    pair=self.pair_S[step], tile=self.tile)
+    if dq_dkv is None:
+      return grads()
+
+    def add():
+      dq_b, dk_b, dv_b = grads()
+      return dq_dkv[0] + dq_b, dq_dkv[1] + jnp.stack([dk_b, dv_b])
+
+    return self._unless_empty(step, dq_dkv, add)
+
+
+def blocks(k_BTKD, v_BTKD, seg_BT):
+  """What travels the ring: K/V, and the keys' segment ids only when documents are packed."""
+  return (k_BTKD, v_BTKD) if seg_BT is None else (k_BTKD, v_BTKD, seg_BT)
+
+
+def softmax_delta(dout_BTHD, out_BTHD):
+  """`delta = sum(dout * out, -1)` of the global output, float32: what every block's
+  backward subtracts (the kernels' contract)."""
+  return jnp.sum(dout_BTHD.astype(jnp.float32) * out_BTHD.astype(jnp.float32), axis=-1)
+
+
+def device_index(axis: str, num_shards: int):
+  return lax.axis_index(axis) if num_shards > 1 else 0
+
+
+def forward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, *, axis: str, schedule: RingSchedule,
+                 tile: int, kernel: str):
+  """Per-device forward ring: returns (out f32 [B,T,Hq,D], lse f32 [B,T,Hq])."""
+  ring = RingDevice(schedule, device_index(axis, schedule.num_shards), kernel, tile)
+  step = lambda s, out_lse, k_b, v_b, *seg_b: ring.forward_step(
+      s, out_lse, q_BTHD, k_b, v_b, seg_BT, seg_b[0] if seg_b else None)
+  with jax.named_scope("ring_forward"):  # how tests find its collectives in compiled HLO
+    return around_ring(blocks(k_BTKD, v_BTKD, seg_BT), functools.partial(step, 0, None),
+                       lambda carry, s, *block: step(s, carry, *block), axis=axis,
+                       num_shards=schedule.num_shards)
+
+
+def backward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, dout_BTHD, *, axis: str,
+                  schedule: RingSchedule, tile: int, kernel: str):
+  """Per-device backward ring: returns (dq, dk, dv) in float32."""
+  num_shards = schedule.num_shards
+  perm = [(i, (i + 1) % num_shards) for i in range(num_shards)]
+  ring = RingDevice(schedule, device_index(axis, num_shards), kernel, tile)
+  delta_BTH = softmax_delta(dout_BTHD, out_BTHD)
+  step = lambda s, carry, k_b, v_b, *seg_b: ring.backward_step(
+      s, carry, q_BTHD, k_b, v_b, dout_BTHD, lse_BTH, delta_BTH, seg_BT,
+      seg_b[0] if seg_b else None)
+
+  def start(*own):
+    # The own block's dK/dV stay here; the accumulator that travels (with the block this
+    # device sees next) starts empty, so the others make N - 1 hops, not N.
+    return (*step(0, None, *own), jnp.zeros((2, *k_BTKD.shape), jnp.float32))
+
+  def visit(carry, s, *block):
+    dq_BTHD, dk_BTKD, dv_BTKD, dkv_2BTKD = carry
+    dq_BTHD, dkv_2BTKD = step(s, (dq_BTHD, dkv_2BTKD), *block)
+    # The accumulator follows its K/V block, one hop after each step; after the last step
+    # that hop takes it home to the block's owner.
+    return dq_BTHD, dk_BTKD, dv_BTKD, lax.ppermute(dkv_2BTKD, axis, perm)
+
+  dq_BTHD, dk_BTKD, dv_BTKD, dkv_2BTKD = around_ring(
+      blocks(k_BTKD, v_BTKD, seg_BT), start, visit, axis=axis, num_shards=num_shards)
+  return dq_BTHD, dk_BTKD + dkv_2BTKD[0], dv_BTKD + dkv_2BTKD[1]

@@ -1,0 +1,175 @@
+"""How attention splits the sequence over devices: one device's passes under each strategy.
+
+`model.sequence_parallel` picks one; every strategy takes every layout (the layout is the
+order the data pipeline permuted the tokens into, the strategy how devices exchange them):
+
+- `ring` (default): K/V blocks travel a ring of the `sequence` devices (`parallelism.ring`);
+  memory per device stays one block, traffic overlaps compute.
+- `allgather`: every device gathers all K/V blocks with one all-gather over `sequence`,
+  computes its queries against them in the ring's order and schedule, and in the backward
+  sends each block's dK/dV home with one reduce-scatter (Llama 3's context parallelism).
+  It holds the whole sequence's K/V (small under GQA) and trades N - 1 latency-bound hops
+  for one collective.
+- `ulysses`: an all-to-all over the `ulysses` axis turns each device's sequence shard of
+  every head into the whole sequence of a shard of the heads (DeepSpeed Ulysses);
+  attention runs locally; a second all-to-all turns the output back. Balanced by heads, so
+  the layout changes nothing (a ring of one device holds the tokens unpermuted).
+- `hybrid`: Ulysses over the `ulysses` axis (inside a node) times a ring over `sequence`
+  (across nodes): the all-to-all gathers a whole ring block of a head shard, and that
+  block goes around the ring in the layout's order.
+
+Under Ulysses the query heads on a device (after `tensor`) must divide by the Ulysses
+degree. K/V heads that do not are repeated first (`kv_repeat`, the smallest factor that
+makes them divide; query head h still reads copy h // (Hq / (Hkv * repeat)) of its own kv
+head), and the backward sums the copies' gradients.
+
+Each method runs per device inside the shard_map of `parallelism.ring_attention`, returns
+float32 (out, lse) or (dq, dk, dv), and keeps the block-kernel contract (`parallelism.kernels`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+from jax import lax
+
+from parallelism import ring
+from parallelism.schedule import RingSchedule
+
+STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
+# Strategies whose all-to-all runs over a second sequence axis (the rules' activation_seq
+# maps to (ring axis, Ulysses axis)).
+ULYSSES = ("ulysses", "hybrid")
+
+
+def kv_repeat(num_kv_heads: int, ulysses: int) -> int:
+  """How many copies of each K/V head Ulysses needs so that the heads split evenly."""
+  return ulysses // math.gcd(num_kv_heads, ulysses)
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+  """One device's side of a strategy; static (part of the traced program's identity)."""
+  name: str
+  schedule: RingSchedule  # of the ring over `axis` (of one device under `ulysses`)
+  axis: str  # the ring's mesh axis (the all-gather's under `allgather`)
+  tile: int
+  kernel: str
+  ulysses_axis: str | None = None
+  kv_repeat: int = 1
+
+  def forward(self, q_BTHD, k_BTKD, v_BTKD, seg_BT):
+    """(out, lse) of this device's queries, float32; out [B,T,Hq,D], lse [B,T,Hq]."""
+    if self.ulysses_axis is None:
+      run = ring.forward_pass if self.name == "ring" else _gathered_forward_pass
+      return run(q_BTHD, k_BTKD, v_BTKD, seg_BT, **self._ring_args())
+    q, k, v = self._to_heads(q_BTHD), *(self._to_heads(self._repeat(x)) for x in (k_BTKD, v_BTKD))
+    out, lse = ring.forward_pass(q, k, v, self._whole_block(seg_BT), **self._ring_args())
+    # The output moves in q's dtype (half the bytes at bf16); it is cast to it anyway.
+    return self._to_sequence(out.astype(q_BTHD.dtype)).astype(jnp.float32), self._to_sequence(lse)
+
+  def backward(self, q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, dout_BTHD):
+    """(dq, dk, dv) of this device's blocks, float32."""
+    if self.ulysses_axis is None:
+      run = ring.backward_pass if self.name == "ring" else _gathered_backward_pass
+      return run(q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, dout_BTHD,
+                 **self._ring_args())
+    k, v = (self._to_heads(self._repeat(x)) for x in (k_BTKD, v_BTKD))
+    q, out, lse, dout = map(self._to_heads, (q_BTHD, out_BTHD, lse_BTH, dout_BTHD))
+    dq, dk, dv = ring.backward_pass(q, k, v, self._whole_block(seg_BT), out, lse, dout,
+                                    **self._ring_args())
+    dq, dk, dv = (self._to_sequence(g.astype(x.dtype)).astype(jnp.float32)
+                  for g, x in ((dq, q_BTHD), (dk, k_BTKD), (dv, v_BTKD)))
+    return dq, self._sum_copies(dk), self._sum_copies(dv)
+
+  def _ring_args(self) -> dict:
+    return dict(axis=self.axis, schedule=self.schedule, tile=self.tile, kernel=self.kernel)
+
+  def _to_heads(self, x_BTH):
+    """[B, T, H, ...] sequence shard of all heads -> [B, T x U, H / U, ...]: the ring block
+    of a head shard (the received shards concatenate in the Ulysses axis's order, which is
+    the sequence's: `activation_seq` puts the ring axis first, the Ulysses axis second)."""
+    return lax.all_to_all(x_BTH, self.ulysses_axis, split_axis=2, concat_axis=1, tiled=True)
+
+  def _to_sequence(self, x_BTH):
+    """Inverse of `_to_heads`."""
+    return lax.all_to_all(x_BTH, self.ulysses_axis, split_axis=1, concat_axis=2, tiled=True)
+
+  def _whole_block(self, seg_BT):
+    """The ring block's segment ids: every Ulysses device's shard, gathered in order."""
+    if seg_BT is None:
+      return None
+    return lax.all_gather(seg_BT, self.ulysses_axis, axis=1, tiled=True)
+
+  def _repeat(self, x_BTKD):
+    return x_BTKD if self.kv_repeat == 1 else jnp.repeat(x_BTKD, self.kv_repeat, axis=2)
+
+  def _sum_copies(self, dx_BTKD):
+    if self.kv_repeat == 1:
+      return dx_BTKD
+    batch, length, heads, head_dim = dx_BTKD.shape
+    return dx_BTKD.reshape(batch, length, heads // self.kv_repeat, self.kv_repeat,
+                           head_dim).sum(axis=3)
+
+
+def _every_block(k_BTKD, v_BTKD, seg_BT, axis: str):
+  """All devices' K/V blocks (and key segment ids), gathered as bytes in one collective, and
+  a function returning block b of them (traced b)."""
+  own = ring.blocks(k_BTKD, v_BTKD, seg_BT)
+  every = lax.all_gather(ring.pack(*own), axis)  # [N, bytes]
+
+  def block(b):
+    k_b, v_b, *seg_b = ring.unpack(lax.dynamic_index_in_dim(every, b, keepdims=False), own)
+    return k_b, v_b, seg_b[0] if seg_b else None
+
+  return block
+
+
+def _gathered_forward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, *, axis: str,
+                           schedule: RingSchedule, tile: int, kernel: str):
+  """All-gather forward: the ring's steps in order, each block read from the gathered K/V."""
+  num_shards = schedule.num_shards
+  if num_shards == 1:
+    return ring.forward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, axis=axis, schedule=schedule,
+                             tile=tile, kernel=kernel)
+  device = lax.axis_index(axis)
+  runner = ring.RingDevice(schedule, device, kernel, tile)
+  block = _every_block(k_BTKD, v_BTKD, seg_BT, axis)
+
+  def visit(step, out_lse):
+    k_b, v_b, seg_b = block((device - step) % num_shards)  # schedule.held_block
+    return runner.forward_step(step, out_lse, q_BTHD, k_b, v_b, seg_BT, seg_b)
+
+  out_lse = runner.forward_step(0, None, q_BTHD, k_BTKD, v_BTKD, seg_BT, seg_BT)
+  return lax.fori_loop(1, num_shards, visit, out_lse)
+
+
+def _gathered_backward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, dout_BTHD, *,
+                            axis: str, schedule: RingSchedule, tile: int, kernel: str):
+  """All-gather backward: dK/dV of every block accumulate here, then one reduce-scatter
+  sends each block's sum to its owner."""
+  num_shards = schedule.num_shards
+  if num_shards == 1:
+    return ring.backward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, dout_BTHD,
+                              axis=axis, schedule=schedule, tile=tile, kernel=kernel)
+  device = lax.axis_index(axis)
+  runner = ring.RingDevice(schedule, device, kernel, tile)
+  block = _every_block(k_BTKD, v_BTKD, seg_BT, axis)
+  delta_BTH = ring.softmax_delta(dout_BTHD, out_BTHD)
+  grads = lambda step, carry, k_b, v_b, seg_b: runner.backward_step(
+      step, carry, q_BTHD, k_b, v_b, dout_BTHD, lse_BTH, delta_BTH, seg_BT, seg_b)
+
+  def visit(step, carry):
+    dq_BTHD, dkv_N2BTKD = carry
+    held = (device - step) % num_shards
+    dq_BTHD, dkv_2BTKD = grads(step, (dq_BTHD, dkv_N2BTKD[held]), *block(held))
+    return dq_BTHD, lax.dynamic_update_index_in_dim(dkv_N2BTKD, dkv_2BTKD, held, 0)
+
+  dq_BTHD, dk_BTKD, dv_BTKD = grads(0, None, k_BTKD, v_BTKD, seg_BT)
+  # The own block's slot stays zero: its dK/dV are the ones just computed.
+  dkv_N2BTKD = jnp.zeros((num_shards, 2, *k_BTKD.shape), jnp.float32)
+  dq_BTHD, dkv_N2BTKD = lax.fori_loop(1, num_shards, visit, (dq_BTHD, dkv_N2BTKD))
+  dkv_2BTKD = lax.psum_scatter(dkv_N2BTKD, axis, scatter_dimension=0, tiled=False)
+  return dq_BTHD, dk_BTKD + dkv_2BTKD[0], dv_BTKD + dkv_2BTKD[1]
