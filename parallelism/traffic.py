@@ -1,0 +1,194 @@
+"""Bytes each device sends for attention, by formula and as counted in compiled HLO.
+
+`formula` says what each strategy's code sends per device for one attention call (one
+layer), forward and backward; `hlo_bytes` counts what a compiled program's collectives
+send per device, loops multiplied by their trip counts. `scripts/bench_strategies.py`
+prints both side by side for a model, sequence and mesh; tests/test_traffic.py checks that
+they agree exactly on 8 fake devices.
+
+Bytes a device sends, per collective over a group of G devices (result size R bytes):
+collective-permute R; all-gather R (G-1)/G; all-to-all R (G-1)/G; reduce-scatter R (G-1);
+all-reduce 2 R (G-1)/G (the ring algorithm).
+
+When forward and backward compile together (a gradient without remat), XLA computes an
+identical collective once: the backward reuses the forward's all-to-alls of q, k, v (and
+the segment ids' all-gather), its all-gather of K/V, and the ring's first K/V hop. The
+formula lists those as `reused`; the compiled gradient sends `forward + backward - reused`.
+Under remat the reuse is between the recomputed forward and the backward instead, and the
+first forward sends its bytes once more.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from parallelism.ring_attention import ring_attention
+from parallelism.strategies import ULYSSES, kv_repeat
+
+_KINDS = ("collective-permute", "all-gather", "all-to-all", "reduce-scatter", "all-reduce")
+_COLLECTIVE = re.compile(r"^\s*%\S+ = (.+?) (" + "|".join(_KINDS) + r")(-start)?\(")
+_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_WHILE = re.compile(r" while\(.*body=%([^\s,]+)")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CALLS = re.compile(r"(?:to_apply|calls)=%([^\s,}]+)")
+_CONDITIONAL = re.compile(r" conditional\(.*branch_computations=\{([^}]*)\}")
+_HEADER = re.compile(r"^(ENTRY )?%(\S+) ")
+
+
+def _array_bytes(type_text: str) -> int:
+  total = 0
+  for dtype, dims in _ARRAY.findall(type_text):
+    bits = int(re.sub(r"\D", "", dtype) or 8) if dtype != "pred" else 8
+    total += math.prod(int(d) for d in dims.split(",") if d) * bits // 8
+  return total
+
+
+def _group_size(line: str) -> int:
+  iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)
+  if iota:
+    return int(iota.group(2))
+  groups = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
+  return len(groups.group(1).split(",")) if groups else 1
+
+
+def _sent(kind: str, result_bytes: int, group: int) -> float:
+  if kind == "collective-permute":
+    return result_bytes
+  if kind == "reduce-scatter":
+    return result_bytes * (group - 1)
+  if kind == "all-reduce":
+    return 2 * result_bytes * (group - 1) / group
+  return result_bytes * (group - 1) / group  # all-gather, all-to-all
+
+
+def hlo_bytes(hlo_text: str) -> dict[str, float]:
+  """Bytes each device sends per run of the compiled module `hlo_text`, by collective kind
+  (key 'unknown_trips' counts while loops with collectives whose trip count XLA did not
+  record: their bodies count once)."""
+  computations, current, entry = {}, None, None
+  for line in hlo_text.splitlines():
+    header = _HEADER.match(line)
+    if header and line.rstrip().endswith("{"):
+      current = computations.setdefault(header.group(2), [])
+      entry = header.group(2) if header.group(1) else entry
+    elif current is not None:
+      current.append(line)
+  unknown = [0]
+
+  def total(name: str, seen: tuple = ()) -> dict[str, float]:
+    out = dict.fromkeys(_KINDS, 0.0)
+    if name not in computations or name in seen:
+      return out
+    for line in computations[name]:
+      collective = _COLLECTIVE.match(line)
+      if collective and "-done" not in line:
+        type_text, kind, started = collective.groups()
+        result = _array_bytes(type_text)
+        if started:  # async: the result tuple holds the operand too
+          result //= 2
+        out[kind] += _sent(kind, result, _group_size(line))
+        continue
+      loop = _WHILE.search(line)
+      if loop:
+        trips = _TRIP.search(line)
+        body = total(loop.group(1), seen + (name,))
+        unknown[0] += trips is None and sum(body.values()) > 0
+        for kind, value in body.items():
+          out[kind] += value * (int(trips.group(1)) if trips else 1)
+        continue
+      branches = _CONDITIONAL.search(line)
+      callees = ([b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches
+                 else _CALLS.findall(line))
+      # A conditional runs one branch: count the one that sends the most.
+      parts = [total(c, seen + (name,)) for c in callees]
+      if branches and parts:
+        parts = [max(parts, key=lambda p: sum(p.values()))]
+      for part in parts:
+        for kind, value in part.items():
+          out[kind] += value
+    return out
+
+  out = total(entry)
+  out["unknown_trips"] = unknown[0]
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+  """One attention call as one device sees it: rows and heads after data and tensor
+  sharding, the whole sequence length."""
+  rows: int
+  seq_len: int
+  heads: int
+  kv_heads: int
+  head_dim: int
+  itemsize: int  # of q, k, v (the compute dtype)
+  packed: bool  # segment ids travel with K/V
+
+
+def formula(strategy: str, shapes: Shapes, ring: int, ulysses: int = 1) -> dict[str, float]:
+  """Bytes one device sends for one attention call: 'forward', 'backward' (as the code
+  issues them) and 'reused' (what a compiled gradient computes once for both)."""
+  s = shapes
+  ulysses = ulysses if strategy in ULYSSES else 1
+  repeat = kv_repeat(s.kv_heads, ulysses)
+  # The ring phase: blocks of S / ring tokens, heads split over Ulysses.
+  block_tokens = s.seq_len // ring
+  kv_heads = s.kv_heads * repeat // ulysses
+  kv_block = 2 * s.rows * block_tokens * kv_heads * s.head_dim * s.itemsize
+  kv_block += s.rows * block_tokens * 4 if s.packed else 0
+  dkv_block = 2 * s.rows * block_tokens * kv_heads * s.head_dim * 4  # float32
+  hops = ring - 1
+  forward = hops * kv_block
+  backward = hops * (kv_block + dkv_block)
+  reused = hops * kv_block if strategy == "allgather" else kv_block if hops else 0
+  if ulysses > 1:
+    # Each all-to-all sends (U - 1) / U of a device's [rows, S / (ring U), heads, D] array.
+    part = (ulysses - 1) / ulysses
+    tokens = s.seq_len // (ring * ulysses)
+    q = s.rows * tokens * s.heads * s.head_dim * s.itemsize
+    kv = s.rows * tokens * s.kv_heads * repeat * s.head_dim * s.itemsize
+    lse = s.rows * tokens * s.heads * 4
+    segments = (ulysses - 1) * s.rows * tokens * 4 if s.packed else 0
+    forward += part * (2 * q + 2 * kv) + segments  # q, k, v in; out back
+    # The forward's lse goes back only for a backward (a forward alone drops it); then
+    # q, k, v, out, dout, lse in; dq, dk, dv back.
+    backward += part * (4 * q + 4 * kv + 2 * lse) + segments
+    reused += part * (q + 2 * kv) + segments
+  return {"forward": forward, "backward": backward, "reused": reused}
+
+
+def sent_total(counted: dict[str, float]) -> float:
+  return float(np.sum([counted[kind] for kind in _KINDS]))
+
+
+def compiled_bytes(strategy: str, shapes: Shapes, ring: int, ulysses: int = 1,
+                   layout: str = "striped", tile_size: int = 512) -> dict[str, dict]:
+  """`hlo_bytes` of one attention call compiled on fake devices from abstract shapes (no
+  array is allocated): 'forward' alone and 'gradient' (forward with backward). Operands
+  are float32 when `shapes.itemsize` is 4, else bf16; the CPU compiler moves bf16
+  all-to-alls as float32, so count float32 to compare with the formula."""
+  mesh = jax.make_mesh((ring, ulysses), ("sequence", "ulysses"),
+                       devices=jax.devices()[:ring * ulysses])
+  spec = NamedSharding(mesh, P(None, ("sequence", "ulysses")))
+  dtype = jnp.float32 if shapes.itemsize == 4 else jnp.bfloat16
+  rows, seq_len, head_dim = shapes.rows, shapes.seq_len, shapes.head_dim
+  q = jax.ShapeDtypeStruct((rows, seq_len, shapes.heads, head_dim), dtype, sharding=spec)
+  kv = jax.ShapeDtypeStruct((rows, seq_len, shapes.kv_heads, head_dim), dtype, sharding=spec)
+  seg = jax.ShapeDtypeStruct((rows, seq_len), jnp.int32, sharding=spec)
+  rules = (("activation_seq", ("sequence", "ulysses")),)
+  attend = lambda q, k, v, *seg: ring_attention(q, k, v, *seg, layout=layout, mesh=mesh,
+                                                rules=rules, tile_size=tile_size,
+                                                strategy=strategy)
+  loss = lambda q, k, v, *seg: jnp.sum(attend(q, k, v, *seg).astype(jnp.float32))
+  args = (q, kv, kv, seg) if shapes.packed else (q, kv, kv)
+  return {"forward": hlo_bytes(jax.jit(attend).lower(*args).compile().as_text()),
+          "gradient": hlo_bytes(jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(
+              *args).compile().as_text())}
