@@ -27,14 +27,14 @@ import numpy as np  # noqa: E402
 
 import bench_results  # noqa: E402  (scripts/, first on the path)
 import data  # noqa: E402
-from trainer import sample  # noqa: E402
+from trainer import run_flags, sample  # noqa: E402
 from trainer.training import data_config  # noqa: E402
 
 
 
 def _sampler(attention: str, workdir: str | None):
   if workdir:
-    config = sample.run_config(workdir)
+    config = run_flags.run_config(workdir)
     config.model.attention = attention
     return sample.load(workdir, config, log=lambda line: None)[0]
   config = importlib.import_module("configs.tiny_cpu").get_config(attention)

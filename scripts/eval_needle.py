@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import flags  # noqa: E402  (after the path fix above)
 
-from trainer import needle, needle_grid, sample, wandb_tracker  # noqa: E402
+from trainer import needle, needle_grid, run_flags, sample, wandb_tracker  # noqa: E402
 from trainer import workdir as workdir_lock  # noqa: E402
 
 
@@ -37,7 +37,7 @@ def define_flags() -> None:
 
 
 def main(argv: list[str]) -> None:
-  f = sample.parse_run_flags(argv, define_flags)
+  f = run_flags.parse_run_flags(argv, define_flags)
   if f.trials < 1:
     sys.exit(f"error: --trials={f.trials} must be at least 1")
   try:

@@ -13,7 +13,7 @@ import flax.linen as nn
 import data
 import parallelism
 from model import Decoder
-from trainer import sample
+from trainer import run_flags, sample
 from trainer.training import data_config, model_config
 
 NEW_TOKENS = 8
@@ -142,7 +142,7 @@ def test_a_checkpoint_samples_alike_under_striped_and_dense(trained_run):
   """The CLI's path in-process: the run's config, overridden to dense attention, samples the
   same greedy tokens; a prompt past the trained length is said once and proceeds."""
   logged = []
-  striped_config, dense_config = (_float32(sample.run_config(trained_run)) for _ in range(2))
+  striped_config, dense_config = (_float32(run_flags.run_config(trained_run)) for _ in range(2))
   dense_config.model.attention = "dense"
   striped, step = sample.load(trained_run, striped_config, log=logged.append)
   dense, _ = sample.load(trained_run, dense_config, log=logged.append)
@@ -170,7 +170,7 @@ def test_the_command_line_prints_json_and_stops_bad_input_in_one_line(trained_ru
                 "--max_new_tokens=3")
   assert result.returncode == 0, result.stderr
   printed = json.loads(result.stdout)
-  sampler, _ = sample.load(trained_run, sample.run_config(trained_run))
+  sampler, _ = sample.load(trained_run, run_flags.run_config(trained_run))
   assert printed["prompt_ids"] == sample.prompt_ids(sampler.tokenizer, "the code of mira is")
   assert printed["generated_ids"] == sampler.generate(printed["prompt_ids"], 3)[0]
   assert printed["text"] == sampler.tokenizer.decode(printed["generated_ids"])
@@ -194,7 +194,7 @@ def test_the_command_line_prints_json_and_stops_bad_input_in_one_line(trained_ru
 
   (tmp_path / "config.json").write_text(open(f"{trained_run}/config.json").read())
   with pytest.raises(sample.SampleError, match="has no checkpoints/ directory"):
-    sample.load(str(tmp_path), sample.run_config(str(tmp_path)))
+    sample.load(str(tmp_path), run_flags.run_config(str(tmp_path)))
 
 
 def test_a_hugging_face_checkpoint_samples_what_transformers_predicts():
@@ -204,7 +204,7 @@ def test_a_hugging_face_checkpoint_samples_what_transformers_predicts():
   from safetensors.numpy import load_file
   from trainer import hf_import
   directory = os.path.join(os.path.dirname(__file__), "hf_fixtures", "llama3_rope")
-  config = sample.hf_config(directory)
+  config = run_flags.hf_config(directory)
   config.model.attention, config.model.dtype = "striped", "float32"
   config.mesh.update(fsdp=2, sequence=4)
   hf_import.apply_to_config(config)

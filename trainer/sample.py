@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 import sys
 import time
 from typing import Callable
@@ -43,51 +42,8 @@ from model import Decoder, ModelConfig
 from trainer import stages
 from trainer.checkpointing import CheckpointError, open_step
 from trainer.config_check import ConfigError
-from trainer.resume import config_path, tokenizer_problem
-
-
-class SampleError(RuntimeError):
-  """Sampling that cannot start; the message names the flag or file to fix."""
-
-
-def run_config(workdir: str) -> ml_collections.ConfigDict:
-  """The config a run last started with, from its `config.json`."""
-  path = config_path(workdir)
-  if not os.path.isfile(path):
-    raise SampleError(f"--workdir={workdir} holds no run (no config.json)")
-  try:
-    with open(path, encoding="utf-8") as f:
-      stored = json.load(f)
-  except (OSError, json.JSONDecodeError) as error:
-    raise SampleError(f"cannot read {path} ({error})") from None
-  if not isinstance(stored, dict) or "mesh" not in stored or "model" not in stored:
-    raise SampleError(f"{path} is not the config.json of a run of `python -m trainer`")
-  stored.pop("provenance", None)
-  # Fields added since the run started take their defaults (e.g. mesh.ulysses).
-  from configs import base  # pylint: disable=g-import-not-at-top
-  config = base.get_config()
-  config.update(stored)
-  # JSON has no tuples; the rules table is pairs of (logical name, mesh axes).
-  config.mesh.rules = tuple((name, tuple(axes) if isinstance(axes, list) else axes)
-                            for name, axes in config.mesh.rules)
-  return config
-
-
-def hf_config(directory: str) -> ml_collections.ConfigDict:
-  """The config to sample a Hugging Face LLaMA directory with: `configs/base.py` (dense
-  attention, every device on fsdp) starting from it, its trained length as `data.seq_len`.
-  Call `hf_import.apply_to_config` after any overrides (it sets the model's shape)."""
-  from configs import base  # pylint: disable=g-import-not-at-top
-  config = base.get_config()
-  config.init.from_hf = directory
-  try:
-    with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
-      trained = json.load(f).get("max_position_embeddings")
-  except (OSError, json.JSONDecodeError) as error:
-    raise SampleError(f"--from_hf={directory}: cannot read config.json ({error})") from None
-  if trained:
-    config.data.seq_len = int(trained)
-  return config
+from trainer.resume import tokenizer_problem
+from trainer.run_flags import SampleError, parse_run_flags
 
 
 def _on_mesh(config: ml_collections.ConfigDict):
@@ -337,54 +293,6 @@ RUN_ERRORS = (SampleError, CheckpointError, ConfigError, data.DataError)
 def prompt_ids(tokenizer: data.Tokenizer, text: str) -> list[int]:
   """The prompt as training saw a document's start: BOS (when the tokenizer has one), text."""
   return ([tokenizer.bos_id] if tokenizer.bos_id >= 0 else []) + tokenizer.encode(text)
-
-
-def _argv_value(argv: list[str], name: str) -> str | None:
-  for i, arg in enumerate(argv):
-    if arg.startswith(f"{name}="):
-      return arg.partition("=")[2]
-    if arg == name and i + 1 < len(argv):
-      return argv[i + 1]
-  return None
-
-
-def parse_run_flags(argv: list[str], define_flags: Callable[[], None], allow_hf: bool = False):
-  """Parses a command line over a run: --workdir (read first, for the run's config; or, with
-  `allow_hf`, --from_hf for a Hugging Face directory's), --step, `--config.*` overrides of
-  that config, and what `define_flags` defines. Flags are defined here, not at import,
-  because the config flag's fields are the run's own. Returns absl's FLAGS; a bad flag or
-  run exits with one line."""
-  from absl import flags, logging  # pylint: disable=g-import-not-at-top
-  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
-  from trainer import console  # pylint: disable=g-import-not-at-top
-
-  workdir, hf_dir = _argv_value(argv, "--workdir"), _argv_value(argv, "--from_hf")
-  if bool(workdir) == bool(hf_dir and allow_hf):
-    sys.exit("error: pass --workdir=RUN (a run directory of `python -m trainer`)"
-             + (" or --from_hf=DIR (a Hugging Face LLaMA directory)" if allow_hf else ""))
-  try:
-    config = run_config(workdir) if workdir else hf_config(hf_dir)
-  except SampleError as error:
-    sys.exit(f"error: {error}")
-  flags.DEFINE_string("workdir", None, "Run directory (holds config.json and checkpoints/).")
-  flags.DEFINE_integer("step", None, "Checkpoint step; default the newest.")
-  if allow_hf:
-    flags.DEFINE_string("from_hf", None, "Sample a Hugging Face LLaMA directory instead "
-                        "(configs/base.py: dense attention, devices on fsdp; override with "
-                        "--config.*).")
-  config_flags.DEFINE_config_dict("config", config, "The run's config; override fields with "
-                                  "--config.FIELD=VALUE as in training.")
-  define_flags()
-  try:
-    flags.FLAGS(argv)
-  except (flags.Error, AttributeError, KeyError) as error:
-    sys.exit(f"error: {error}")
-  # Errors only: a read-only checkpoint manager warns about its own read-only options.
-  logging.set_verbosity(logging.ERROR)
-  console.fold_orbax_logs(logging.get_absl_logger())
-  if flags.FLAGS.config.cpu_devices:
-    jax.config.update("jax_num_cpu_devices", flags.FLAGS.config.cpu_devices)
-  return flags.FLAGS
 
 
 def main(argv: list[str]) -> None:
