@@ -53,7 +53,8 @@ def test_incompatible_change_is_refused(tmp_path, tiny_config):
 
 def _checkpoint_values(workdir, config, mesh_sizes, step=None):
   """Restores the newest checkpoint onto a mesh of the given sizes; returns host arrays."""
-  config.mesh.data, config.mesh.fsdp, config.mesh.sequence, config.mesh.tensor = mesh_sizes
+  (config.mesh.data, config.mesh.fsdp, config.mesh.sequence, config.mesh.ulysses,
+   config.mesh.tensor) = mesh_sizes
   mesh = parallelism.make_mesh(config.mesh)
   from flax import linen as nn
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.mesh.rules):
@@ -67,8 +68,9 @@ def test_restore_onto_other_meshes_is_exact(tmp_path, tiny_config):
   config = _config(tiny_config, **{"train.steps": 3, "checkpoint.every_steps": 3})
   config.mesh.data, config.mesh.fsdp, config.mesh.sequence, config.mesh.tensor = 1, 2, 4, 1
   train(config, str(tmp_path))
-  step, saved, _ = _checkpoint_values(str(tmp_path), config, (1, 2, 4, 1))
-  for sizes in [(1, 1, 8, 1), (2, 2, 2, 1), (1, 2, 2, 2)]:
+  step, saved, _ = _checkpoint_values(str(tmp_path), config, (1, 2, 4, 1, 1))
+  # (data, fsdp, sequence, ulysses, tensor); the last also shards parameters over ulysses.
+  for sizes in [(1, 1, 8, 1, 1), (2, 2, 2, 1, 1), (1, 2, 1, 2, 2)]:
     other_step, values, arrays = _checkpoint_values(str(tmp_path), config, sizes)
     assert other_step == step == 3
     jax.tree.map(np.testing.assert_array_equal, values, saved)
@@ -130,7 +132,7 @@ def test_a_flipped_bit_is_caught_by_the_fingerprint(tmp_path, tiny_config):
   """Orbax itself would restore a flipped value silently; our fingerprints name it."""
   config = _config(tiny_config, **{"train.steps": 2, "checkpoint.every_steps": 2})
   train(config, str(tmp_path))
-  _, _, arrays = _checkpoint_values(str(tmp_path), config, (1, 2, 4, 1))
+  _, _, arrays = _checkpoint_values(str(tmp_path), config, (1, 2, 4, 1, 1))
   with open(tmp_path / "checkpoints" / "2" / "meta" / "metadata") as f:
     meta = json.load(f)
   tampered = jax.tree.map(lambda x: x, arrays)
@@ -160,7 +162,7 @@ def _all_finite(workdir, config):
   steps = checkpointer._manager.all_steps()
   checkpointer.close()
   for step in steps:
-    restored = _checkpoint_values(str(workdir), config, (1, 2, 4, 1))[1]
+    restored = _checkpoint_values(str(workdir), config, (1, 2, 4, 1, 1))[1]
     assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(restored)
                if np.issubdtype(np.asarray(x).dtype, np.floating)), step
   return steps
@@ -247,6 +249,6 @@ def test_full_disk_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path, tin
     checkpointer = Checkpointer(workdir, 10, 3, False)
     assert checkpointer._manager.all_steps() == [10]
     checkpointer.close()
-    assert _checkpoint_values(workdir, _config(tiny_config), (1, 2, 4, 1))[0] == 10
+    assert _checkpoint_values(workdir, _config(tiny_config), (1, 2, 4, 1, 1))[0] == 10
   finally:
     subprocess.run(["umount", str(mount_point)], check=False)

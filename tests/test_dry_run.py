@@ -65,7 +65,7 @@ def test_cli_dry_run_prints_verdict():
       [sys.executable, "-m", "trainer", "--config", "configs/tiny_cpu.py", "--dry_run"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
   assert result.returncode == 0, result.stderr[-2000:]
-  assert "mesh: data=1 x fsdp=2 x sequence=4 x tensor=1 = 8 devices" in result.stdout
+  assert "mesh: data=1 x fsdp=2 x sequence=4 x ulysses=1 x tensor=1 = 8 devices" in result.stdout
   assert "fits in 80 GiB per device (" in result.stdout, result.stdout
 
 
