@@ -10,7 +10,9 @@ from abstract shapes, counts what its collectives send per device in the compile
 compiler moves bf16 all-to-alls as float32); the "bf16" columns are the formula at the
 model's dtype. Per step = layers x (gradient) plus, under `remat=full`, the forward once
 more (the recomputed forward and the backward share what the gradient shares). Packed
-documents add 4 bytes per token of segment ids and are left out here. Appends to
+documents add 4 bytes per token of segment ids and are left out here. "balance" is the
+attention work an even split would give each device over the work on the critical path
+(from the static schedule; 1.0 = every device busy at every ring step). Appends to
 results/bench_strategies.jsonl.
 """
 
@@ -32,8 +34,20 @@ import time  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import bench_results  # noqa: E402  (scripts/, first on the path)
-from parallelism import traffic  # noqa: E402
+from parallelism import block_tile, ring_schedule, traffic  # noqa: E402
+from parallelism.schedule import critical_path  # noqa: E402
 from parallelism.strategies import STRATEGIES  # noqa: E402
+
+
+def attention_balance(layout: str, seq_len: int, ring: int, ulysses: int, tile: int) -> float:
+  """Ideal over actual attention work on the critical path: the causal query-key pairs of
+  all heads split evenly over ring x Ulysses devices, against the ring's busiest device per
+  step (schedule tiles, whole tiles counted) with its share of the heads. Ulysses alone is
+  balanced by heads; the layout balances the ring."""
+  tile = block_tile(seq_len, ring, tile)
+  busiest = critical_path(ring_schedule(layout, seq_len, ring).computed_tiles(tile)) * tile**2
+  ideal = seq_len * (seq_len + 1) / 2 / ring  # per head share: heads also split by ulysses
+  return ideal / busiest
 
 
 def splits(devices: int, heads: int) -> list[tuple[str, int, int]]:
@@ -67,7 +81,8 @@ def main() -> None:
         f"head dim {head_dim}, {config.data.seq_len:,} tokens per row, layout {layout}, "
         f"remat {config.train.remat}; bytes sent per device, MiB")
   header = (f"{'devices':>7} {'strategy':>9} {'ring x U':>9} {'fwd HLO':>9} {'fwd formula':>11} "
-            f"{'grad HLO':>9} {'grad formula':>12} {'bf16 layer':>10} {'bf16 step GiB':>13}")
+            f"{'grad HLO':>9} {'grad formula':>12} {'bf16 layer':>10} {'bf16 step GiB':>13} "
+            f"{'balance':>7}")
   print(header)
   records = []
   for devices in (int(d) for d in args.devices.split(",")):
@@ -89,13 +104,16 @@ def main() -> None:
           "gradient_formula": grad(f32),
           "unknown_trips": counted["gradient"]["unknown_trips"],
           "layer_bytes_model_dtype": layer, "step_bytes_model_dtype": layer * m.num_layers,
+          "attention_balance": attention_balance(layout, config.data.seq_len, ring, ulysses,
+                                                 m.attention_tile),
           "compile_s": round(compile_s, 1)}
       records.append(row)
       mib = lambda x: f"{x / 2**20:,.1f}"
       print(f"{devices:>7} {strategy:>9} {f'{ring} x {ulysses}':>9} {mib(row['forward_hlo']):>9} "
             f"{mib(row['forward_formula']):>11} {mib(row['gradient_hlo']):>9} "
             f"{mib(row['gradient_formula']):>12} {mib(layer):>10} "
-            f"{row['step_bytes_model_dtype'] / 2**30:>13.2f}", flush=True)
+            f"{row['step_bytes_model_dtype'] / 2**30:>13.2f} {row['attention_balance']:>7.3f}",
+            flush=True)
       if not math.isclose(row["gradient_hlo"], row["gradient_formula"]) or not math.isclose(
           row["forward_hlo"], row["forward_formula"]):
         print("  ^ the compiled program and the formula differ: a bug to explain", flush=True)
