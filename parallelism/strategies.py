@@ -44,6 +44,17 @@ STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
 ULYSSES = ("ulysses", "hybrid")
 
 
+def splits(devices: int, heads: int) -> list[tuple[str, int, int]]:
+  """(strategy, ring, Ulysses degree) ways to split one row's sequence over `devices`, for
+  `heads` query heads per device (after `tensor`): Ulysses degrees must divide them."""
+  out = [("ring", devices, 1), ("allgather", devices, 1)]
+  for ulysses in range(2, devices + 1):
+    if devices % ulysses == 0 and heads % ulysses == 0:
+      out.append(("ulysses", 1, ulysses) if ulysses == devices
+                 else ("hybrid", devices // ulysses, ulysses))
+  return out
+
+
 def kv_repeat(num_kv_heads: int, ulysses: int) -> int:
   """How many copies of each K/V head Ulysses needs so that the heads split evenly."""
   return ulysses // math.gcd(num_kv_heads, ulysses)

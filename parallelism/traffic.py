@@ -16,6 +16,9 @@ the segment ids' all-gather), its all-gather of K/V, and the ring's first K/V ho
 formula lists those as `reused`; the compiled gradient sends `forward + backward - reused`.
 Under remat the reuse is between the recomputed forward and the backward instead, and the
 first forward sends its bytes once more.
+
+`attention_balance` is the other half of comparing strategies: how evenly the static
+schedule spreads the attention work over the devices.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from parallelism.ring_attention import ring_attention
+from parallelism.ring_attention import block_tile, ring_attention
+from parallelism.schedule import critical_path, ring_schedule
 from parallelism.strategies import ULYSSES, kv_repeat
 
 _KINDS = ("collective-permute", "all-gather", "all-to-all", "reduce-scatter", "all-reduce")
@@ -135,7 +139,9 @@ class Shapes:
 
 def formula(strategy: str, shapes: Shapes, ring: int, ulysses: int = 1) -> dict[str, float]:
   """Bytes one device sends for one attention call: 'forward', 'backward' (as the code
-  issues them) and 'reused' (what a compiled gradient computes once for both)."""
+  issues them) and 'reused' (what a compiled gradient computes once for both); the same
+  three for the Ulysses all-to-alls alone under 'ulysses_forward' and so on (the rest is
+  the ring's or the all-gather's)."""
   s = shapes
   ulysses = ulysses if strategy in ULYSSES else 1
   repeat = kv_repeat(s.kv_heads, ulysses)
@@ -149,6 +155,7 @@ def formula(strategy: str, shapes: Shapes, ring: int, ulysses: int = 1) -> dict[
   forward = hops * kv_block
   backward = hops * (kv_block + dkv_block)
   reused = hops * kv_block if strategy == "allgather" else kv_block if hops else 0
+  parts = {"ulysses_forward": 0.0, "ulysses_backward": 0.0, "ulysses_reused": 0.0}
   if ulysses > 1:
     # Each all-to-all sends (U - 1) / U of a device's [rows, S / (ring U), heads, D] array.
     part = (ulysses - 1) / ulysses
@@ -157,12 +164,14 @@ def formula(strategy: str, shapes: Shapes, ring: int, ulysses: int = 1) -> dict[
     kv = s.rows * tokens * s.kv_heads * repeat * s.head_dim * s.itemsize
     lse = s.rows * tokens * s.heads * 4
     segments = (ulysses - 1) * s.rows * tokens * 4 if s.packed else 0
-    forward += part * (2 * q + 2 * kv) + segments  # q, k, v in; out back
-    # The forward's lse goes back only for a backward (a forward alone drops it); then
-    # q, k, v, out, dout, lse in; dq, dk, dv back.
-    backward += part * (4 * q + 4 * kv + 2 * lse) + segments
-    reused += part * (q + 2 * kv) + segments
-  return {"forward": forward, "backward": backward, "reused": reused}
+    parts = {"ulysses_forward": part * (2 * q + 2 * kv) + segments,  # q, k, v in; out back
+             # The forward's lse goes back only for a backward (a forward alone drops it);
+             # then q, k, v, out, dout, lse in; dq, dk, dv back.
+             "ulysses_backward": part * (4 * q + 4 * kv + 2 * lse) + segments,
+             "ulysses_reused": part * (q + 2 * kv) + segments}
+  return {"forward": forward + parts["ulysses_forward"],
+          "backward": backward + parts["ulysses_backward"],
+          "reused": reused + parts["ulysses_reused"], **parts}
 
 
 def sent_total(counted: dict[str, float]) -> float:
@@ -192,3 +201,12 @@ def compiled_bytes(strategy: str, shapes: Shapes, ring: int, ulysses: int = 1,
   return {"forward": hlo_bytes(jax.jit(attend).lower(*args).compile().as_text()),
           "gradient": hlo_bytes(jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(
               *args).compile().as_text())}
+
+
+def attention_balance(layout: str, seq_len: int, ring: int, tile_size: int) -> float:
+  """An even split's attention work over the busiest device's, summed over ring steps (the
+  static schedule's tiles, whole tiles counted): 1.0 when every device is busy at every
+  step. Heads split evenly (tensor, Ulysses), so only the ring's layout unbalances."""
+  tile = block_tile(seq_len, ring, tile_size)
+  busiest = critical_path(ring_schedule(layout, seq_len, ring).computed_tiles(tile)) * tile**2
+  return seq_len * (seq_len + 1) / 2 / ring / busiest

@@ -34,31 +34,8 @@ import time  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import bench_results  # noqa: E402  (scripts/, first on the path)
-from parallelism import block_tile, ring_schedule, traffic  # noqa: E402
-from parallelism.schedule import critical_path  # noqa: E402
-from parallelism.strategies import STRATEGIES  # noqa: E402
-
-
-def attention_balance(layout: str, seq_len: int, ring: int, ulysses: int, tile: int) -> float:
-  """Ideal over actual attention work on the critical path: the causal query-key pairs of
-  all heads split evenly over ring x Ulysses devices, against the ring's busiest device per
-  step (schedule tiles, whole tiles counted) with its share of the heads. Ulysses alone is
-  balanced by heads; the layout balances the ring."""
-  tile = block_tile(seq_len, ring, tile)
-  busiest = critical_path(ring_schedule(layout, seq_len, ring).computed_tiles(tile)) * tile**2
-  ideal = seq_len * (seq_len + 1) / 2 / ring  # per head share: heads also split by ulysses
-  return ideal / busiest
-
-
-def splits(devices: int, heads: int) -> list[tuple[str, int, int]]:
-  """(strategy, ring, ulysses) choices of one row's sequence over `devices`."""
-  out = [("ring", devices, 1), ("allgather", devices, 1)]
-  if heads % devices == 0:
-    out.append(("ulysses", 1, devices))
-  for ulysses in (2, 4, 8, 16, 32):
-    if ulysses < devices and devices % ulysses == 0 and heads % ulysses == 0:
-      out.append(("hybrid", devices // ulysses, ulysses))
-  return out
+from parallelism import traffic  # noqa: E402
+from parallelism.strategies import STRATEGIES, splits  # noqa: E402
 
 
 def main() -> None:
@@ -104,8 +81,8 @@ def main() -> None:
           "gradient_formula": grad(f32),
           "unknown_trips": counted["gradient"]["unknown_trips"],
           "layer_bytes_model_dtype": layer, "step_bytes_model_dtype": layer * m.num_layers,
-          "attention_balance": attention_balance(layout, config.data.seq_len, ring, ulysses,
-                                                 m.attention_tile),
+          "attention_balance": traffic.attention_balance(layout, config.data.seq_len, ring,
+                                                         m.attention_tile),
           "compile_s": round(compile_s, 1)}
       records.append(row)
       mib = lambda x: f"{x / 2**20:,.1f}"

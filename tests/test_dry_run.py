@@ -112,7 +112,7 @@ def test_find_max_seq_len_doubles_then_bisects(tiny_config, monkeypatch, start, 
     fits = config.data.seq_len <= largest
     return {"total_bytes": 0, "fits": fits}, None
 
-  monkeypatch.setattr(dry_run, "_memory_plan", memory_plan)
+  monkeypatch.setattr(dry_run, "memory_plan", memory_plan)
   config = tiny_config("striped", **{"data.seq_len": start})
   unit = dry_run.seq_len_unit(config)  # 4 ring devices x 32-token tiles.
   assert unit == 128
@@ -123,3 +123,28 @@ def test_find_max_seq_len_doubles_then_bisects(tiny_config, monkeypatch, start, 
   assert found % unit == 0 and found <= largest
   assert largest - found <= max(unit, found // 16)
   assert len(probes) <= 12
+
+
+def test_compare_strategies_plans_every_split_of_the_sequence_devices(tiny_config):
+  """fsdp 4 x sequence 2: ring, all-gather and Ulysses over the 2 sequence devices, each
+  from its own compiled step; the table names the fastest that fits."""
+  from trainer import strategy_plan
+  config = tiny_config("ring", **{"mesh.fsdp": 4, "mesh.sequence": 2})
+  lines = []
+  rows = strategy_plan.compare(config, log=lines.append)
+  assert [(r["strategy"], r["ring"], r["ulysses"]) for r in rows] == [
+      ("ring", 2, 1), ("allgather", 2, 1), ("ulysses", 1, 2)]
+  assert all(r["fits"] and r["total_bytes"] > 0 for r in rows)
+  # The contiguous ring leaves device 0 idle half the time; Ulysses (a ring of one) is
+  # balanced by heads (up to the diagonal tiles' masked halves).
+  assert rows[0]["balance"] == rows[1]["balance"] < rows[2]["balance"] <= 1.0
+  # The same bytes: the ring overlaps its hops with attention, the all-gather does not.
+  assert rows[0]["ring_s"] == rows[1]["ring_s"] > 0
+  assert rows[0]["step_s"] < rows[1]["step_s"]
+  assert lines[-1].startswith("fastest that fits: ")
+
+
+def test_compare_strategies_refuses_dense(tiny_config):
+  from trainer import strategy_plan
+  with pytest.raises(ConfigError, match="dense"):
+    strategy_plan.compare(tiny_config("dense"), log=lambda line: None)

@@ -51,6 +51,15 @@ _PLAN_MFU = flags.DEFINE_float("plan_mfu", 0.4, "Dry run: MFU the step-time esti
 _PLAN_ACCELERATOR = flags.DEFINE_string(
     "plan_accelerator", "h100", "Dry run: accelerator (a key of trainer.flops.PEAK_FLOPS) whose "
     "peak FLOP/s the step-time estimate uses.")
+_COMPARE = flags.DEFINE_bool(
+    "compare_strategies", False, "Dry run: plan every sequence-parallel strategy and ring x "
+    "Ulysses split of the config's sequence devices (trainer/strategy_plan.py): memory from "
+    "each compiled step, bytes sent, attention balance and an estimated step time.")
+_INTRA_GBPS = flags.DEFINE_float("intra_node_gbps", 450.0, "--compare_strategies: GB/s per "
+                                 "device inside a node (H100 NVLink: 450).")
+_INTER_GBPS = flags.DEFINE_float("inter_node_gbps", 50.0, "--compare_strategies: GB/s per "
+                                 "device across nodes (400 Gb/s InfiniBand: 50).")
+_NODE_SIZE = flags.DEFINE_integer("node_size", 8, "--compare_strategies: devices per node.")
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None, "Multi-host: host:port of process 0 (else detected from "
     "SLURM / MPI / TPU pod environments, or single-process).")
@@ -122,8 +131,8 @@ def main(argv: list[str]) -> None:
   logging.set_verbosity(logging.WARNING)  # JAX's INFO lines (absent TPU etc.) are noise here.
   console.fold_orbax_logs(logging.get_absl_logger())
   config = _config()
-  if _FIND_MAX.value and not _DRY_RUN.value:
-    sys.exit("error: --find_max_seq_len is a planning search: pass it with --dry_run")
+  if (_FIND_MAX.value or _COMPARE.value) and not _DRY_RUN.value:
+    sys.exit("error: --find_max_seq_len and --compare_strategies plan: pass them with --dry_run")
   try:
     if config.init.from_hf:  # Sets the model's shape and tokenizer: before any check or plan.
       print(hf_import.apply_to_config(config), flush=True)
@@ -138,6 +147,11 @@ def main(argv: list[str]) -> None:
           print(f"{stage.label}:", flush=True)
         if _FIND_MAX.value:
           dry_run.find_max_seq_len(stage.config, _MEMORY_GIB.value)
+        elif _COMPARE.value:
+          from trainer import strategy_plan  # pylint: disable=g-import-not-at-top
+          strategy_plan.compare(stage.config, _MEMORY_GIB.value, _PLAN_MFU.value,
+                                _PLAN_ACCELERATOR.value, _INTRA_GBPS.value, _INTER_GBPS.value,
+                                _NODE_SIZE.value)
         else:
           dry_run.plan(stage.config, device_memory_gib=_MEMORY_GIB.value, mfu=_PLAN_MFU.value,
                        accelerator=_PLAN_ACCELERATOR.value)

@@ -128,7 +128,7 @@ def plan(config: ml_collections.ConfigDict, device_memory_gib: float = 80.0, mfu
     raise ConfigError(f"--plan_accelerator={accelerator!r} is not one of "
                       f"{', '.join(flops.PEAK_FLOPS)}")
   start = time.monotonic()
-  out, compiled = _memory_plan(config, device_memory_gib, floor)
+  out, compiled = memory_plan(config, device_memory_gib, floor)
   compile_s = time.monotonic() - start
 
   count = out["devices"]
@@ -146,7 +146,7 @@ def plan(config: ml_collections.ConfigDict, device_memory_gib: float = 80.0, mfu
   return out
 
 
-def _memory_plan(config: ml_collections.ConfigDict, device_memory_gib: float,
+def memory_plan(config: ml_collections.ConfigDict, device_memory_gib: float,
                  floor: bool = True) -> tuple[dict[str, Any], Any]:
   """Compiles the step (with `floor`, twice: also in float32) and fills in its memory
   figures and verdict; the configured compile is returned for its cost analysis."""
@@ -220,7 +220,7 @@ def find_max_seq_len(config: ml_collections.ConfigDict, device_memory_gib: float
     probe = copy.deepcopy(config)
     probe.data.seq_len = seq_len
     started = time.monotonic()
-    out, _ = _memory_plan(probe, device_memory_gib, floor=False)
+    out, _ = memory_plan(probe, device_memory_gib, floor=False)
     log(f"  {seq_len:>12,} tokens: {out['total_bytes'] / GIB:7.1f} GiB  "
         f"{'fits' if out['fits'] else 'does not fit'}  [compiled in "
         f"{time.monotonic() - started:.0f} s]")
@@ -258,15 +258,15 @@ def find_max_seq_len(config: ml_collections.ConfigDict, device_memory_gib: float
   return low
 
 
-def _gib(n: float) -> str:
+def human_bytes(n: float) -> str:
   for unit, size in (("GiB", GIB), ("MiB", 2.0 ** 20), ("KiB", 2.0 ** 10)):
     if n >= size:
       return f"{n / size:8.2f} {unit}"
   return f"{n:8.0f} B  "
 
 
-def _seconds(s: float) -> str:
-  return f"{s:.2f} s" if s >= 1 else f"{s * 1e3:.2f} ms"
+def human_seconds(s: float) -> str:
+  return f"{s:.2f} s" if s >= 1 else f"{s * 1e3:.2f} ms" if s >= 1e-3 else f"{s * 1e6:.2f} us"
 
 
 def _print(config, out: dict[str, Any], memory_gib: float, mfu: float, accelerator: str) -> None:
@@ -280,19 +280,19 @@ def _print(config, out: dict[str, Any], memory_gib: float, mfu: float, accelerat
       f"step in {t.micro_batches} micro-batch(es), remat {t.remat}",
       f"mesh: {mesh} = {out['devices']} devices (fake CPU; compiled in {out['compile_s']:.0f} s)",
       "per device (bytes of this device's shard):",
-      f"  parameters             {_gib(out['param_bytes'])}   {m.param_dtype} master weights",
-      f"  optimizer state        {_gib(out['opt_state_bytes'])}",
+      f"  parameters             {human_bytes(out['param_bytes'])}   {m.param_dtype} master weights",
+      f"  optimizer state        {human_bytes(out['opt_state_bytes'])}",
       "XLA memory analysis of the compiled step (per device):",
-      f"  arguments              {_gib(out['argument_bytes'])}   state + batch shard",
-      f"  outputs                {_gib(out['output_bytes'])}   new state + metrics",
-      f"  aliased (donated)      {_gib(out['alias_bytes'])}   outputs reusing argument buffers",
-      f"  temporaries            {_gib(out['temp_bytes'])}   activations, gradients, scratch",
-      f"  generated code         {_gib(out['code_bytes'])}",
-      f"  peak estimate          {_gib(out['peak_bytes'])}   args + temps + outputs - aliased",
-      *([f"  offloaded layer inputs {_gib(out['offloaded_bytes'])}   remat 'offload' keeps "
+      f"  arguments              {human_bytes(out['argument_bytes'])}   state + batch shard",
+      f"  outputs                {human_bytes(out['output_bytes'])}   new state + metrics",
+      f"  aliased (donated)      {human_bytes(out['alias_bytes'])}   outputs reusing argument buffers",
+      f"  temporaries            {human_bytes(out['temp_bytes'])}   activations, gradients, scratch",
+      f"  generated code         {human_bytes(out['code_bytes'])}",
+      f"  peak estimate          {human_bytes(out['peak_bytes'])}   args + temps + outputs - aliased",
+      *([f"  offloaded layer inputs {human_bytes(out['offloaded_bytes'])}   remat 'offload' keeps "
          f"them in pinned host memory (the CPU compile does not)"]
         if out["offloaded_bytes"] else []),
-      f"  total                  {_gib(out['total_bytes'])}   peak + code"
+      f"  total                  {human_bytes(out['total_bytes'])}   peak + code"
       f"{' - offloaded' if out['offloaded_bytes'] else ''}: the verdict's figure",
       f"FLOPs per step: analytic {out['analytic_flops']:.3e} ({analytic_dev:.3e} per device; "
       f"6 x matmul params + causal attention as half, no remat)",
@@ -301,14 +301,14 @@ def _print(config, out: dict[str, Any], memory_gib: float, mfu: float, accelerat
       f"and adds remat recompute, so this is not the step's total",
       f"step time at {mfu:.0%} MFU on {out['devices']} x {accelerator} "
       f"({flops.PEAK_FLOPS[accelerator] / 1e12:.0f} TFLOP/s each): "
-      f"{_seconds(out['step_time_s'])}, {out['tokens_per_sec']:,.0f} tokens/s "
+      f"{human_seconds(out['step_time_s'])}, {out['tokens_per_sec']:,.0f} tokens/s "
       f"({out['tokens_per_sec'] / out['devices']:,.0f} per device)",
   ]
   after_total = [i for i, line in enumerate(lines) if line.startswith("  total ")][0] + 1
   if "float32_temp_bytes" in out:
-    lines.insert(after_total, f"  float32 compile temps  {_gib(out['float32_temp_bytes'])}   "
+    lines.insert(after_total, f"  float32 compile temps  {human_bytes(out['float32_temp_bytes'])}   "
                  f"halved, a floor under bf16 temps (CPU promotion bounded): total "
-                 f"{_gib(out['floor_total_bytes']).strip()}")
+                 f"{human_bytes(out['floor_total_bytes']).strip()}")
   lines.append(verdict_line(out, memory_gib))
   print("\n".join(lines), flush=True)
 

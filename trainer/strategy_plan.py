@@ -1,0 +1,135 @@
+"""The planner's strategy table: every way to split the config's sequence devices, compared.
+
+    python -m trainer --config configs/7b_256k_striped.py --dry_run --compare_strategies
+
+The devices that share a row's sequence (mesh.sequence x mesh.ulysses) can run every
+strategy of `parallelism.strategies` and, with Ulysses, every ring x Ulysses split; data,
+fsdp and tensor stay as configured, and so does the layout. Each feasible choice gets a
+row: per-device memory from its own compiled train step (the CPU figure the dry run's
+verdict uses), the bytes each device sends for attention per step
+(`parallelism.traffic.formula`, equal to the compiled HLO's count: tests/test_traffic.py),
+the attention balance of the static schedule, and an estimated step time from this model:
+
+- compute = (matmul FLOPs + attention FLOPs / balance) / (devices x peak x MFU);
+- a ring's hops overlap the attention compute (only the excess adds); all-gather and
+  all-to-all bytes add in full (this code does not overlap them);
+- Ulysses' all-to-alls cross --intra_node_gbps while its group fits in a node
+  (--node_size devices with tensor), else --inter_node_gbps; the same for the ring and
+  the all-gather with the whole sequence group.
+
+The fastest choice that fits is marked. It is a model for ranking, not a measurement.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Callable
+
+import jax.numpy as jnp
+import ml_collections
+
+import parallelism
+from parallelism import traffic
+from trainer import dry_run, flops
+from trainer.config_check import ConfigError
+from trainer.training import model_config
+
+# Remat policies under which the backward runs each layer's attention forward again.
+_RECOMPUTES_ATTENTION = ("full", "offload", "save_dots")
+
+
+def attention_bytes(config: ml_collections.ConfigDict, shape: dict[str, int]) -> dict[str, float]:
+  """Bytes one device sends for attention per train step: 'ulysses' (the all-to-alls) and
+  'ring' (the ring's hops or the all-gather)."""
+  m, t = config.model, config.train
+  head_dim = m.head_dim or m.d_model // m.num_heads
+  rows = t.batch_size // (shape["data"] * shape["fsdp"]) // t.micro_batches
+  shapes = traffic.Shapes(rows=rows, seq_len=config.data.seq_len,
+                          heads=m.num_heads // shape["tensor"],
+                          kv_heads=m.num_kv_heads // shape["tensor"], head_dim=head_dim,
+                          itemsize=jnp.dtype(m.dtype).itemsize,
+                          packed=not config.data.cross_document_attention)
+  f = traffic.formula(m.sequence_parallel, shapes, shape["sequence"], shape["ulysses"])
+  again = t.remat in _RECOMPUTES_ATTENTION
+  layer = lambda fwd, bwd, reused: fwd + bwd - reused + (fwd if again else 0)
+  ulysses = layer(f["ulysses_forward"], f["ulysses_backward"], f["ulysses_reused"])
+  total = layer(f["forward"], f["backward"], f["reused"])
+  per_step = m.num_layers * t.micro_batches
+  return {"ulysses": ulysses * per_step, "ring": (total - ulysses) * per_step}
+
+
+def estimate(config: ml_collections.ConfigDict, shape: dict[str, int], balance: float,
+             peak: float, mfu: float, intra_bps: float, inter_bps: float,
+             node_size: int) -> dict[str, float]:
+  """Step time of the model in this module's docstring, and its parts, in seconds."""
+  cfg = model_config(config)
+  devices = math.prod(shape.values())
+  tokens = config.train.batch_size * config.data.seq_len
+  attention_flops = 6 * cfg.num_layers * cfg.num_heads * cfg.head_size * config.data.seq_len
+  attention_s = attention_flops * tokens / balance / (devices * peak * mfu)
+  matmul_s = 6 * cfg.matmul_params() * tokens / (devices * peak * mfu)
+  sent = attention_bytes(config, shape)
+  link = lambda group: intra_bps if group * shape["tensor"] <= node_size else inter_bps
+  ring_s = sent["ring"] / link(shape["sequence"] * shape["ulysses"])
+  ulysses_s = sent["ulysses"] / link(shape["ulysses"])
+  exposed = ring_s if config.model.sequence_parallel == "allgather" else max(
+      0.0, ring_s - attention_s)
+  return {"step_s": matmul_s + attention_s + exposed + ulysses_s, "compute_s":
+          matmul_s + attention_s, "ring_s": ring_s, "ulysses_s": ulysses_s,
+          "sent_bytes": sent["ring"] + sent["ulysses"]}
+
+
+def compare(config: ml_collections.ConfigDict, device_memory_gib: float = 80.0,
+            mfu: float = 0.4, accelerator: str = "h100", intra_node_gbps: float = 450.0,
+            inter_node_gbps: float = 50.0, node_size: int = 8,
+            log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+  """Plans every split of the config's sequence devices; prints and returns the rows."""
+  if config.model.attention == "dense":
+    raise ConfigError("--compare_strategies compares ways to split the sequence; "
+                      "model.attention='dense' does not split it")
+  count = dry_run.plan_device_count(config)
+  shape = dict(zip(parallelism.MESH_AXES, parallelism.resolve_mesh_shape(config.mesh, count)))
+  devices = shape["sequence"] * shape["ulysses"]
+  heads = config.model.num_heads // shape["tensor"]
+  peak = flops.PEAK_FLOPS[accelerator]
+  log(f"strategies for {devices} sequence devices of {count} ({config.model.attention} layout, "
+      f"{config.data.seq_len:,} tokens, {accelerator} at {mfu:.0%} MFU, links "
+      f"{intra_node_gbps:g} GB/s in a node of {node_size}, {inter_node_gbps:g} GB/s across)")
+  log(f"{'strategy':>9} {'ring x U':>9} {'memory':>12} {'fits':>4} {'sent/step':>12} "
+      f"{'balance':>7} {'compute':>10} {'exposed':>10} {'step':>10}")
+  rows = []
+  for strategy, ring, ulysses in parallelism.strategies.splits(devices, heads):
+    choice = copy.deepcopy(config)
+    choice.model.sequence_parallel = strategy
+    for axis in parallelism.MESH_AXES:
+      choice.mesh[axis] = shape[axis]
+    choice.mesh.sequence, choice.mesh.ulysses = ring, ulysses
+    split = {**shape, "sequence": ring, "ulysses": ulysses}
+    try:  # The plan checks the config first.
+      memory = dry_run.memory_plan(choice, device_memory_gib, floor=False)[0]
+    except ConfigError as error:
+      log(f"{strategy:>9} {f'{ring} x {ulysses}':>9}  cannot run: {error}")
+      continue
+    balance = traffic.attention_balance(config.model.attention, config.data.seq_len, ring,
+                                        config.model.attention_tile)
+    time = estimate(choice, split, balance, peak, mfu, intra_node_gbps * 1e9,
+                    inter_node_gbps * 1e9, node_size)
+    row = {"strategy": strategy, "ring": ring, "ulysses": ulysses,
+           "total_bytes": memory["total_bytes"], "fits": memory["fits"], "balance": balance,
+           **time}
+    rows.append(row)
+    seconds = lambda s: f"{dry_run.human_seconds(s):>10}"
+    log(f"{strategy:>9} {f'{ring} x {ulysses}':>9} {dry_run.human_bytes(row['total_bytes'])} "
+        f"{'yes' if row['fits'] else 'no':>4} {dry_run.human_bytes(row['sent_bytes'])} "
+        f"{balance:>7.3f} {seconds(row['compute_s'])} "
+        f"{seconds(row['step_s'] - row['compute_s'])} {seconds(row['step_s'])}")
+  fitting = [row for row in rows if row["fits"]]
+  if fitting:
+    best = min(fitting, key=lambda row: row["step_s"])
+    log(f"fastest that fits: {best['strategy']} {best['ring']} x {best['ulysses']} "
+        f"(--config.model.sequence_parallel={best['strategy']} "
+        f"--config.mesh.sequence={best['ring']} --config.mesh.ulysses={best['ulysses']})")
+  else:
+    log(f"none fits in {device_memory_gib:g} GiB per device")
+  return rows
