@@ -132,15 +132,19 @@ def test_compare_strategies_plans_every_split_of_the_sequence_devices(tiny_confi
   config = tiny_config("ring", **{"mesh.fsdp": 4, "mesh.sequence": 2})
   lines = []
   rows = strategy_plan.compare(config, log=lines.append)
-  assert [(r["strategy"], r["ring"], r["ulysses"]) for r in rows] == [
-      ("ring", 2, 1), ("allgather", 2, 1), ("ulysses", 1, 2)]
+  by_choice = {(r["strategy"], r["ring"], r["ulysses"], r["layout"]): r for r in rows}
+  assert list(by_choice) == [(strategy, 2, 1, layout) for strategy in ("ring", "allgather")
+                             for layout in ("ring", "striped", "zigzag")] + [
+                                 ("ulysses", 1, 2, "any")]
   assert all(r["fits"] and r["total_bytes"] > 0 for r in rows)
-  # The contiguous ring leaves device 0 idle half the time; Ulysses (a ring of one) is
-  # balanced by heads (up to the diagonal tiles' masked halves).
-  assert rows[0]["balance"] == rows[1]["balance"] < rows[2]["balance"] <= 1.0
+  # The contiguous ring leaves device 0 idle half the time; zigzag and Ulysses (a ring of
+  # one) are balanced (up to the diagonal tiles' masked halves).
+  ring, zigzag = by_choice["ring", 2, 1, "ring"], by_choice["ring", 2, 1, "zigzag"]
+  assert ring["balance"] < zigzag["balance"] <= 1.0
+  assert ring["balance"] < by_choice["ulysses", 1, 2, "any"]["balance"] <= 1.0
   # The same bytes: the ring overlaps its hops with attention, the all-gather does not.
-  assert rows[0]["ring_s"] == rows[1]["ring_s"] > 0
-  assert rows[0]["step_s"] < rows[1]["step_s"]
+  allgather = by_choice["allgather", 2, 1, "ring"]
+  assert ring["ring_s"] == allgather["ring_s"] > 0 and ring["step_s"] < allgather["step_s"]
   assert lines[-1].startswith("fastest that fits: ")
 
 

@@ -3,10 +3,10 @@
     python -m trainer --config configs/7b_256k_striped.py --dry_run --compare_strategies
 
 The devices that share a row's sequence (mesh.sequence x mesh.ulysses) can run every
-strategy of `parallelism.strategies` and, with Ulysses, every ring x Ulysses split; data,
-fsdp and tensor stay as configured, and so does the layout. Each feasible choice gets a
-row: per-device memory from its own compiled train step (the CPU figure the dry run's
-verdict uses), the bytes each device sends for attention per step
+strategy of `parallelism.strategies` and, with Ulysses, every ring x Ulysses split, in
+every layout; data, fsdp and tensor stay as configured. Each feasible choice gets a row:
+per-device memory from its own compiled train step (the CPU figure the dry run's verdict
+uses; one compile per split, in the config's layout), the bytes each device sends for attention per step
 (`parallelism.traffic.formula`, equal to the compiled HLO's count: tests/test_traffic.py),
 the attention balance of the static schedule, and an estimated step time from this model:
 
@@ -84,7 +84,9 @@ def compare(config: ml_collections.ConfigDict, device_memory_gib: float = 80.0,
             mfu: float = 0.4, accelerator: str = "h100", intra_node_gbps: float = 450.0,
             inter_node_gbps: float = 50.0, node_size: int = 8,
             log: Callable[[str], None] = print) -> list[dict[str, Any]]:
-  """Plans every split of the config's sequence devices; prints and returns the rows."""
+  """Plans every split of the config's sequence devices, in every layout; prints and
+  returns the rows. Each split compiles once, in the config's layout: the layouts differ
+  in the schedule (balance, so time), not in what the step holds."""
   if config.model.attention == "dense":
     raise ConfigError("--compare_strategies compares ways to split the sequence; "
                       "model.attention='dense' does not split it")
@@ -93,11 +95,12 @@ def compare(config: ml_collections.ConfigDict, device_memory_gib: float = 80.0,
   devices = shape["sequence"] * shape["ulysses"]
   heads = config.model.num_heads // shape["tensor"]
   peak = flops.PEAK_FLOPS[accelerator]
-  log(f"strategies for {devices} sequence devices of {count} ({config.model.attention} layout, "
-      f"{config.data.seq_len:,} tokens, {accelerator} at {mfu:.0%} MFU, links "
-      f"{intra_node_gbps:g} GB/s in a node of {node_size}, {inter_node_gbps:g} GB/s across)")
-  log(f"{'strategy':>9} {'ring x U':>9} {'memory':>12} {'fits':>4} {'sent/step':>12} "
-      f"{'balance':>7} {'compute':>10} {'exposed':>10} {'step':>10}")
+  log(f"strategies for {devices} sequence devices of {count} ({config.data.seq_len:,} tokens, "
+      f"{accelerator} at {mfu:.0%} MFU, links {intra_node_gbps:g} GB/s in a node of "
+      f"{node_size}, {inter_node_gbps:g} GB/s across; memory compiled in the "
+      f"{config.model.attention} layout)")
+  log(f"{'strategy':>9} {'ring x U':>9} {'layout':>8} {'memory':>12} {'fits':>4} "
+      f"{'sent/step':>12} {'balance':>7} {'compute':>10} {'exposed':>10} {'step':>10}")
   rows = []
   for strategy, ring, ulysses in parallelism.strategies.splits(devices, heads):
     choice = copy.deepcopy(config)
@@ -111,25 +114,38 @@ def compare(config: ml_collections.ConfigDict, device_memory_gib: float = 80.0,
     except ConfigError as error:
       log(f"{strategy:>9} {f'{ring} x {ulysses}':>9}  cannot run: {error}")
       continue
-    balance = traffic.attention_balance(config.model.attention, config.data.seq_len, ring,
-                                        config.model.attention_tile)
-    time = estimate(choice, split, balance, peak, mfu, intra_node_gbps * 1e9,
-                    inter_node_gbps * 1e9, node_size)
-    row = {"strategy": strategy, "ring": ring, "ulysses": ulysses,
-           "total_bytes": memory["total_bytes"], "fits": memory["fits"], "balance": balance,
-           **time}
-    rows.append(row)
-    seconds = lambda s: f"{dry_run.human_seconds(s):>10}"
-    log(f"{strategy:>9} {f'{ring} x {ulysses}':>9} {dry_run.human_bytes(row['total_bytes'])} "
-        f"{'yes' if row['fits'] else 'no':>4} {dry_run.human_bytes(row['sent_bytes'])} "
-        f"{balance:>7.3f} {seconds(row['compute_s'])} "
-        f"{seconds(row['step_s'] - row['compute_s'])} {seconds(row['step_s'])}")
+    # A ring of one holds the tokens unpermuted: every layout is the same there.
+    layouts = [config.model.attention] if ring == 1 else list(parallelism.LAYOUTS)
+    for layout in layouts:
+      if config.data.seq_len % parallelism.layouts.required_divisor(layout, ring):
+        continue
+      choice.model.attention = layout
+      balance = traffic.attention_balance(layout, config.data.seq_len, ring,
+                                          config.model.attention_tile)
+      time = estimate(choice, split, balance, peak, mfu, intra_node_gbps * 1e9,
+                      inter_node_gbps * 1e9, node_size)
+      row = {"strategy": strategy, "ring": ring, "ulysses": ulysses,
+             "layout": layout if ring > 1 else "any", "total_bytes": memory["total_bytes"],
+             "fits": memory["fits"], "balance": balance, **time}
+      rows.append(row)
+      log(_row_line(row))
   fitting = [row for row in rows if row["fits"]]
   if fitting:
-    best = min(fitting, key=lambda row: row["step_s"])
+    best = min(fitting, key=lambda row: (row["step_s"], -row["balance"]))  # ties: balance
+    layout = "" if best["layout"] == "any" else f"--config.model.attention={best['layout']} "
     log(f"fastest that fits: {best['strategy']} {best['ring']} x {best['ulysses']} "
-        f"(--config.model.sequence_parallel={best['strategy']} "
+        f"({layout}--config.model.sequence_parallel={best['strategy']} "
         f"--config.mesh.sequence={best['ring']} --config.mesh.ulysses={best['ulysses']})")
   else:
     log(f"none fits in {device_memory_gib:g} GiB per device")
   return rows
+
+
+def _row_line(row: dict[str, Any]) -> str:
+  seconds = lambda s: f"{dry_run.human_seconds(s):>10}"
+  split = f"{row['ring']} x {row['ulysses']}"
+  return (f"{row['strategy']:>9} {split:>9} {row['layout']:>8} "
+          f"{dry_run.human_bytes(row['total_bytes'])} {'yes' if row['fits'] else 'no':>4} "
+          f"{dry_run.human_bytes(row['sent_bytes'])} {row['balance']:>7.3f} "
+          f"{seconds(row['compute_s'])} {seconds(row['step_s'] - row['compute_s'])} "
+          f"{seconds(row['step_s'])}")
