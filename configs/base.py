@@ -53,7 +53,7 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
   config.mesh = ml_collections.ConfigDict()
   config.mesh.data = 1  # Pure data parallelism (replicated parameters).
   config.mesh.fsdp = -1  # Data parallelism with sharded parameters; -1 takes the remaining devices.
-  config.mesh.sequence = 1  # Ring size: devices the sequence is split over.
+  config.mesh.sequence = 1  # Ring size: the sequence splits over sequence x ulysses devices.
   config.mesh.ulysses = 1  # Ulysses degree (sequence_parallel ulysses or hybrid): heads split over.
   config.mesh.tensor = 1  # Tensor parallelism over heads and MLP width.
   # Logical axis name -> mesh axes. Parameters use the plain names, activations the

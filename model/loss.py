@@ -32,7 +32,7 @@ def sequence_shards() -> int:
   if axes is None:
     return 1
   axes = (axes,) if isinstance(axes, str) else axes
-  return math.prod(mesh.shape[axis] for axis in axes)
+  return math.prod(mesh.shape.get(axis, 1) for axis in axes)  # axes the mesh lacks: 1
 
 
 def chunk_length(local_len: int, chunk: int) -> int:

@@ -35,6 +35,8 @@ def resolve_mesh_shape(sizes: Mapping[str, int], num_devices: int) -> tuple[int,
     # Name the single-axis changes that would fit, so the fix is one override away.
     fixes = []
     for i, name in enumerate(MESH_AXES):
+      if name == "ulysses":  # Only Ulysses strategies use it; it is never the quick fix.
+        continue
       others = math.prod(shape) // shape[i]
       if num_devices % others == 0:
         fixes.append(f"mesh.{name}={num_devices // others}")

@@ -48,7 +48,7 @@ SAVED_NAMES = ("attention_out", "attention_lse")
 
 
 @dataclasses.dataclass(frozen=True)
-class _Ring:
+class _Plan:
   """How one call runs its passes: each device's strategy and, on a mesh, the shard_map
   specs (q and out, k and v, segment ids) it runs over. Static (hashed into the trace) so
   it can be a non-differentiable argument of the custom_vjp."""
@@ -100,12 +100,12 @@ def _if(segment_ids, value) -> tuple:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attention(q_BSHD, k_BSKD, v_BSKD, seg_BS, ring: _Ring):
-  return ring.forward(q_BSHD, k_BSKD, v_BSKD, seg_BS)[0]
+def _attention(q_BSHD, k_BSKD, v_BSKD, seg_BS, plan: _Plan):
+  return plan.forward(q_BSHD, k_BSKD, v_BSKD, seg_BS)[0]
 
 
-def _attention_fwd(q_BSHD, k_BSKD, v_BSKD, seg_BS, ring: _Ring):
-  out_BSHD, lse_BSH = ring.forward(q_BSHD, k_BSKD, v_BSKD, seg_BS)
+def _attention_fwd(q_BSHD, k_BSKD, v_BSKD, seg_BS, plan: _Plan):
+  out_BSHD, lse_BSH = plan.forward(q_BSHD, k_BSKD, v_BSKD, seg_BS)
   # Named so that a remat policy can keep them (SAVED_NAMES); the output is saved in q's
   # dtype (what the caller holds anyway), lse in float32.
   out_BSHD = checkpoint_name(out_BSHD, SAVED_NAMES[0])
@@ -113,9 +113,9 @@ def _attention_fwd(q_BSHD, k_BSKD, v_BSKD, seg_BS, ring: _Ring):
   return out_BSHD, (q_BSHD, k_BSKD, v_BSKD, seg_BS, out_BSHD, lse_BSH)
 
 
-def _attention_bwd(ring: _Ring, residuals, dout_BSHD):
+def _attention_bwd(plan: _Plan, residuals, dout_BSHD):
   # Integer segment ids get no cotangent.
-  return (*ring.backward(*residuals, dout_BSHD), None)
+  return (*plan.backward(*residuals, dout_BSHD), None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -270,12 +270,12 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
     check_seq_len(seq_len, layout, 1)
     local = Strategy("ring", ring_schedule(layout, seq_len, 1), "sequence",
                      _tile_for(seq_len, 1, tile_size, "sequence"), kernel)
-    return _attention(q, k, v, segment_ids, _Ring(local))
+    return _attention(q, k, v, segment_ids, _Plan(local))
   specs = operand_specs(mesh, rules, q.shape, k.shape[2])
-  ring = _Ring(_strategy(strategy, layout, seq_len, tile_size, kernel, mesh, rules, specs[0],
+  plan = _Plan(_strategy(strategy, layout, seq_len, tile_size, kernel, mesh, rules, specs[0],
                          q.shape[2], k.shape[2]), None if context_mesh else mesh, specs)
   if not any(t == AxisType.Explicit for t in mesh.axis_types):
-    return _attention(q, k, v, segment_ids, ring)
+    return _attention(q, k, v, segment_ids, plan)
   # Explicit-sharding meshes make shard_map demand inputs already laid out as in_specs;
   # the output goes back to q's sharding so the caller sees the type it passed in.
   out_spec = jax.typeof(q).sharding.spec
@@ -284,7 +284,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
              for x, spec in ((q, q_spec), (k, kv_spec), (v, kv_spec)))
   if segment_ids is not None:
     segment_ids = jax.reshard(segment_ids, _sharding(mesh, seg_spec))
-  return jax.reshard(_attention(q, k, v, segment_ids, ring), _sharding(mesh, out_spec))
+  return jax.reshard(_attention(q, k, v, segment_ids, plan), _sharding(mesh, out_spec))
 
 
 def _sharding(mesh, spec: P):

@@ -8,8 +8,9 @@ order the data pipeline permuted the tokens into, the strategy how devices excha
 - `allgather`: every device gathers all K/V blocks with one all-gather over `sequence`,
   computes its queries against them in the ring's order and schedule, and in the backward
   sends each block's dK/dV home with one reduce-scatter (Llama 3's context parallelism).
-  It holds the whole sequence's K/V (small under GQA) and trades N - 1 latency-bound hops
-  for one collective.
+  It holds the whole sequence's K/V (small under GQA) and, in the backward, float32 dK/dV
+  for the whole sequence (twice the bytes of bf16 K/V), and trades N - 1 latency-bound
+  hops for one collective.
 - `ulysses`: an all-to-all over the `ulysses` axis turns each device's sequence shard of
   every head into the whole sequence of a shard of the heads (DeepSpeed Ulysses);
   attention runs locally; a second all-to-all turns the output back. Balanced by heads, so
@@ -72,28 +73,41 @@ class Strategy:
   kv_repeat: int = 1
 
   def forward(self, q_BTHD, k_BTKD, v_BTKD, seg_BT):
-    """(out, lse) of this device's queries, float32; out [B,T,Hq,D], lse [B,T,Hq]."""
+    """(out, lse) of this device's queries, float32; out [B,T,Hq,D], lse [B,T,Hq].
+
+    Under Ulysses the ring runs on L = T x U tokens (the ring block) of h = Hq / U query
+    and k = Hkv x repeat / U key/value heads."""
     if self.ulysses_axis is None:
       run = ring.forward_pass if self.name == "ring" else _gathered_forward_pass
       return run(q_BTHD, k_BTKD, v_BTKD, seg_BT, **self._ring_args())
-    q, k, v = self._to_heads(q_BTHD), *(self._to_heads(self._repeat(x)) for x in (k_BTKD, v_BTKD))
-    out, lse = ring.forward_pass(q, k, v, self._whole_block(seg_BT), **self._ring_args())
+    q_BLhD = self._to_heads(q_BTHD)
+    k_BLkD, v_BLkD = (self._to_heads(self._repeat(x)) for x in (k_BTKD, v_BTKD))
+    out_BLhD, lse_BLh = ring.forward_pass(q_BLhD, k_BLkD, v_BLkD, self._whole_block(seg_BT),
+                                          **self._ring_args())
     # The output moves in q's dtype (half the bytes at bf16); it is cast to it anyway.
-    return self._to_sequence(out.astype(q_BTHD.dtype)).astype(jnp.float32), self._to_sequence(lse)
+    out_BTHD = self._to_sequence(out_BLhD.astype(q_BTHD.dtype)).astype(jnp.float32)
+    return out_BTHD, self._to_sequence(lse_BLh)
 
   def backward(self, q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, dout_BTHD):
-    """(dq, dk, dv) of this device's blocks, float32."""
+    """(dq, dk, dv) of this device's blocks, float32 (shapes as in `forward`)."""
     if self.ulysses_axis is None:
       run = ring.backward_pass if self.name == "ring" else _gathered_backward_pass
       return run(q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, dout_BTHD,
                  **self._ring_args())
-    k, v = (self._to_heads(self._repeat(x)) for x in (k_BTKD, v_BTKD))
-    q, out, lse, dout = map(self._to_heads, (q_BTHD, out_BTHD, lse_BTH, dout_BTHD))
-    dq, dk, dv = ring.backward_pass(q, k, v, self._whole_block(seg_BT), out, lse, dout,
-                                    **self._ring_args())
-    dq, dk, dv = (self._to_sequence(g.astype(x.dtype)).astype(jnp.float32)
-                  for g, x in ((dq, q_BTHD), (dk, k_BTKD), (dv, v_BTKD)))
-    return dq, self._sum_copies(dk), self._sum_copies(dv)
+    k_BLkD, v_BLkD = (self._to_heads(self._repeat(x)) for x in (k_BTKD, v_BTKD))
+    q_BLhD, out_BLhD, lse_BLh, dout_BLhD = map(self._to_heads,
+                                               (q_BTHD, out_BTHD, lse_BTH, dout_BTHD))
+    dq_BLhD, dk_BLkD, dv_BLkD = ring.backward_pass(
+        q_BLhD, k_BLkD, v_BLkD, self._whole_block(seg_BT), out_BLhD, lse_BLh, dout_BLhD,
+        **self._ring_args())
+    # Each moves in its input's dtype (half the bytes at bf16), cast to it anyway, except
+    # the dK/dV of repeated heads: their copies are summed after the move, in float32, so
+    # that they are rounded once, as the ring rounds them.
+    kv_dtype = jnp.float32 if self.kv_repeat > 1 else k_BTKD.dtype
+    dq_BTHD, dk_BTKD, dv_BTKD = (
+        self._to_sequence(g.astype(dtype)).astype(jnp.float32)
+        for g, dtype in ((dq_BLhD, q_BTHD.dtype), (dk_BLkD, kv_dtype), (dv_BLkD, kv_dtype)))
+    return dq_BTHD, self._sum_copies(dk_BTKD), self._sum_copies(dv_BTKD)
 
   def _ring_args(self) -> dict:
     return dict(axis=self.axis, schedule=self.schedule, tile=self.tile, kernel=self.kernel)

@@ -14,8 +14,13 @@ When forward and backward compile together (a gradient without remat), XLA compu
 identical collective once: the backward reuses the forward's all-to-alls of q, k, v (and
 the segment ids' all-gather), its all-gather of K/V, and the ring's first K/V hop. The
 formula lists those as `reused`; the compiled gradient sends `forward + backward - reused`.
-Under remat the reuse is between the recomputed forward and the backward instead, and the
-first forward sends its bytes once more.
+A train step's remat changes that (`layer_bytes`): a policy that recomputes attention
+shares between the recomputed forward and the backward, and the first forward sends once
+more; `save_attention` recomputes only q, k, v, behind remat's barrier, so nothing is
+shared.
+
+Only synchronous collectives are counted exactly (what the CPU compiler emits); an async
+`-start` counts its largest array, and `async_collectives` says how many there were.
 
 `attention_balance` is the other half of comparing strategies: how evenly the static
 schedule spreads the attention work over the devices.
@@ -87,23 +92,26 @@ def hlo_bytes(hlo_text: str) -> dict[str, float]:
   unknown = [0]
 
   def total(name: str, seen: tuple = ()) -> dict[str, float]:
-    out = dict.fromkeys(_KINDS, 0.0)
+    out = dict.fromkeys(_KINDS + ("async_collectives",), 0.0)
     if name not in computations or name in seen:
       return out
     for line in computations[name]:
       collective = _COLLECTIVE.match(line)
       if collective and "-done" not in line:
         type_text, kind, started = collective.groups()
-        result = _array_bytes(type_text)
-        if started:  # async: the result tuple holds the operand too
-          result //= 2
+        if started:  # async: a tuple of operand, result and context; count the largest
+          out["async_collectives"] += 1
+          result = max(_array_bytes(f"{dtype}[{dims}]")
+                       for dtype, dims in _ARRAY.findall(type_text))
+        else:
+          result = _array_bytes(type_text)
         out[kind] += _sent(kind, result, _group_size(line))
         continue
       loop = _WHILE.search(line)
       if loop:
         trips = _TRIP.search(line)
         body = total(loop.group(1), seen + (name,))
-        unknown[0] += trips is None and sum(body.values()) > 0
+        unknown[0] += trips is None and sent_total(body) > 0
         for kind, value in body.items():
           out[kind] += value * (int(trips.group(1)) if trips else 1)
         continue
@@ -164,10 +172,12 @@ def formula(strategy: str, shapes: Shapes, ring: int, ulysses: int = 1) -> dict[
     kv = s.rows * tokens * s.kv_heads * repeat * s.head_dim * s.itemsize
     lse = s.rows * tokens * s.heads * 4
     segments = (ulysses - 1) * s.rows * tokens * 4 if s.packed else 0
+    # dK/dV of repeated heads go back in float32 (their copies are summed after).
+    dkv = kv * (4 / s.itemsize if repeat > 1 else 1)
     parts = {"ulysses_forward": part * (2 * q + 2 * kv) + segments,  # q, k, v in; out back
              # The forward's lse goes back only for a backward (a forward alone drops it);
              # then q, k, v, out, dout, lse in; dq, dk, dv back.
-             "ulysses_backward": part * (4 * q + 4 * kv + 2 * lse) + segments,
+             "ulysses_backward": part * (4 * q + 2 * kv + 2 * dkv + 2 * lse) + segments,
              "ulysses_reused": part * (q + 2 * kv) + segments}
   return {"forward": forward + parts["ulysses_forward"],
           "backward": backward + parts["ulysses_backward"],
@@ -176,6 +186,19 @@ def formula(strategy: str, shapes: Shapes, ring: int, ulysses: int = 1) -> dict[
 
 def sent_total(counted: dict[str, float]) -> float:
   return float(np.sum([counted[kind] for kind in _KINDS]))
+
+
+# Remat policies whose backward runs each layer's attention forward again.
+RECOMPUTES_ATTENTION = ("full", "offload", "save_dots")
+
+
+def layer_bytes(sent: dict[str, float], remat: str, part: str = "") -> float:
+  """Bytes one layer's attention sends per train step under `remat`, from `formula`'s
+  `sent` (`part` 'ulysses_' for the all-to-alls alone)."""
+  forward, backward, reused = (sent[part + name] for name in ("forward", "backward", "reused"))
+  if remat == "save_attention":
+    return forward + backward
+  return forward + backward - reused + (forward if remat in RECOMPUTES_ATTENTION else 0)
 
 
 def compiled_bytes(strategy: str, shapes: Shapes, ring: int, ulysses: int = 1,
@@ -203,10 +226,14 @@ def compiled_bytes(strategy: str, shapes: Shapes, ring: int, ulysses: int = 1,
               *args).compile().as_text())}
 
 
-def attention_balance(layout: str, seq_len: int, ring: int, tile_size: int) -> float:
-  """An even split's attention work over the busiest device's, summed over ring steps (the
-  static schedule's tiles, whole tiles counted): 1.0 when every device is busy at every
-  step. Heads split evenly (tensor, Ulysses), so only the ring's layout unbalances."""
+def attention_balance(layout: str, seq_len: int, ring: int, tile_size: int,
+                      per_step: bool = True) -> float:
+  """An even split's attention work over the busiest device's (the static schedule's
+  tiles, whole tiles counted). `per_step`: the ring waits for its busiest device at every
+  step, so the busiest per step are summed (1.0: every device busy at every step);
+  otherwise (the all-gather, which holds every block at once) the busiest device's total.
+  Heads split evenly (tensor, Ulysses), so only the ring's layout unbalances."""
   tile = block_tile(seq_len, ring, tile_size)
-  busiest = critical_path(ring_schedule(layout, seq_len, ring).computed_tiles(tile)) * tile**2
+  work_SN = ring_schedule(layout, seq_len, ring).computed_tiles(tile)
+  busiest = (critical_path(work_SN) if per_step else float(work_SN.sum(axis=0).max())) * tile**2
   return seq_len * (seq_len + 1) / 2 / ring / busiest

@@ -8,8 +8,8 @@ compiles one layer's attention (forward, and forward with backward) on fake CPU 
 from abstract shapes, counts what its collectives send per device in the compiled HLO
 (`parallelism.traffic`), and prints it beside the formula. Counted in float32 (the CPU
 compiler moves bf16 all-to-alls as float32); the "bf16" columns are the formula at the
-model's dtype. Per step = layers x (gradient) plus, under `remat=full`, the forward once
-more (the recomputed forward and the backward share what the gradient shares). Packed
+model's dtype. Per step = layers x `traffic.layer_bytes` (the gradient's bytes, adjusted
+for the config's remat). Packed
 documents add 4 bytes per token of segment ids and are left out here. "balance" is the
 attention work an even split would give each device over the work on the critical path
 (from the static schedule; 1.0 = every device busy at every ring step). Appends to
@@ -35,7 +35,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import bench_results  # noqa: E402  (scripts/, first on the path)
 from parallelism import traffic  # noqa: E402
-from parallelism.strategies import STRATEGIES, splits  # noqa: E402
+from parallelism.strategies import splits  # noqa: E402
 
 
 def main() -> None:
@@ -53,7 +53,6 @@ def main() -> None:
                                   kv_heads=m.num_kv_heads, head_dim=head_dim, itemsize=4,
                                   packed=False)
   model_shapes = traffic.Shapes(**{**counted_shapes.__dict__, "itemsize": itemsize})
-  remat_forward = config.train.remat in ("full", "offload", "save_dots")
   print(f"{args.config}: {m.num_layers} layers, {m.num_heads} heads ({m.num_kv_heads} kv), "
         f"head dim {head_dim}, {config.data.seq_len:,} tokens per row, layout {layout}, "
         f"remat {config.train.remat}; bytes sent per device, MiB")
@@ -64,7 +63,7 @@ def main() -> None:
   records = []
   for devices in (int(d) for d in args.devices.split(",")):
     for strategy, ring, ulysses in splits(devices, m.num_heads):
-      if config.data.seq_len % (ring * ulysses) or strategy not in STRATEGIES:
+      if config.data.seq_len % (ring * ulysses):
         continue
       started = time.monotonic()
       counted = traffic.compiled_bytes(strategy, counted_shapes, ring, ulysses, layout=layout,
@@ -73,7 +72,7 @@ def main() -> None:
       f32 = traffic.formula(strategy, counted_shapes, ring, ulysses)
       bf16 = traffic.formula(strategy, model_shapes, ring, ulysses)
       grad = lambda f: f["forward"] + f["backward"] - f["reused"]
-      layer = grad(bf16) + (bf16["forward"] if remat_forward else 0)
+      layer = traffic.layer_bytes(bf16, config.train.remat)
       row = {
           "devices": devices, "strategy": strategy, "ring": ring, "ulysses": ulysses,
           "forward_hlo": traffic.sent_total(counted["forward"]), "forward_formula": f32["forward"],
@@ -82,7 +81,8 @@ def main() -> None:
           "unknown_trips": counted["gradient"]["unknown_trips"],
           "layer_bytes_model_dtype": layer, "step_bytes_model_dtype": layer * m.num_layers,
           "attention_balance": traffic.attention_balance(layout, config.data.seq_len, ring,
-                                                         m.attention_tile),
+                                                         m.attention_tile,
+                                                         per_step=strategy != "allgather"),
           "compile_s": round(compile_s, 1)}
       records.append(row)
       mib = lambda x: f"{x / 2**20:,.1f}"

@@ -55,18 +55,20 @@ def test_paper_models_have_the_paper_shapes():
     ({"train.warmup_steps": 1000}, "train.warmup_steps"),
     ({"wandb.mode": "maybe"}, "wandb.mode"),
     ({"model.sequence_parallel": "fast"}, "model.sequence_parallel"),
-    # Ulysses axis with a strategy that has none; Ulysses beside a ring; heads that do not
-    # split; a sequence that does not split over sequence x ulysses.
-    ({"mesh.fsdp": 1, "mesh.ulysses": 2}, "mesh.ulysses=2"),
-    ({"model.sequence_parallel": "ulysses", "mesh.fsdp": 1, "mesh.ulysses": 2}, "mesh.sequence=4"),
-    ({"model.sequence_parallel": "hybrid", "mesh.fsdp": 1, "mesh.sequence": 1,
-      "mesh.ulysses": 8}, "model.num_heads=4"),
-    ({"model.sequence_parallel": "hybrid", "mesh.fsdp": 1, "mesh.sequence": 2,
-      "mesh.ulysses": 4, "data.seq_len": 36, "model.attention_tile": 2}, "data.seq_len=36"),
+    # Sequence-parallel (striped): a Ulysses axis with a strategy that has none; Ulysses
+    # beside a ring; heads that do not split; a sequence that does not split over
+    # sequence x ulysses.
+    ({"model.attention": "striped", "mesh.fsdp": 1, "mesh.ulysses": 2}, "mesh.ulysses=2"),
+    ({"model.attention": "striped", "model.sequence_parallel": "ulysses", "mesh.fsdp": 1,
+      "mesh.ulysses": 2}, "mesh.sequence=4"),
+    ({"model.attention": "striped", "model.sequence_parallel": "hybrid", "mesh.fsdp": 1,
+      "mesh.sequence": 1, "mesh.ulysses": 8}, "model.num_heads=4"),
+    ({"model.attention": "striped", "model.sequence_parallel": "hybrid", "mesh.fsdp": 1,
+      "mesh.sequence": 2, "mesh.ulysses": 4, "data.seq_len": 36, "model.attention_tile": 2},
+     "data.seq_len=36"),
 ])
 def test_impossible_values_name_the_field(overrides, field):
   config = _load("tiny_cpu")
-  config.model.attention = "striped"  # Sequence-parallel: the strategy's checks apply.
   for path, value in overrides.items():
     group, key = path.split(".")
     config[group][key] = value
@@ -99,7 +101,8 @@ def test_cli_reports_bad_overrides_in_one_line(tmp_path, override, expected):
   assert not workdir.exists()  # Stopped before any work: nothing written, nothing allocated.
 
 
-@pytest.mark.parametrize("rule", [("activation_seq", "fsdp"), ("activation_kv_heads", None)])
+@pytest.mark.parametrize("rule", [("activation_seq", "fsdp"), ("activation_kv_heads", None),
+                                  ("activation_seq", ("sequence", "tensor"))])
 def test_rules_the_ring_cannot_use_are_refused(rule):
   """The ring runs on the axis the data layout was permuted for, with each device's query
   heads next to their kv heads; rules that break either stop the run in one line."""
@@ -115,6 +118,8 @@ def test_rules_the_ring_cannot_use_are_refused(rule):
 def test_ulysses_says_when_it_repeats_kv_heads(capsys):
   """GQA with fewer K/V heads than the Ulysses degree is exact, but costs memory and bytes:
   start-up says so (tiny_cpu has 2 K/V heads for 4 query heads)."""
+  from trainer import config_check
+  config_check._SAID.clear()  # pylint: disable=protected-access  (once per process)
   config = _load("tiny_cpu")
   config.model.attention, config.model.sequence_parallel = "striped", "ulysses"
   config.mesh.fsdp, config.mesh.sequence, config.mesh.ulysses = 2, 1, 4

@@ -59,7 +59,7 @@ def reference_losses(tmp_path_factory, shared_data_dir):
 
 @pytest.mark.parametrize("attention, mesh", [
     ("striped", (8, 1, 1, 1)), ("striped", (1, 8, 1, 1)), ("striped", (1, 1, 4, 2)),
-    ("striped", (2, 1, 2, 2)), ("ring", (2, 1, 2, 2)),  # ring on (1, 2, 4, 1): the layouts test
+    ("striped", (2, 1, 2, 2)), ("ring", (1, 2, 4, 1)), ("ring", (2, 1, 2, 2)),
 ])
 def test_meshes_give_the_same_losses(tmp_path, tiny_config, reference_losses, attention, mesh):
   train(_config(tiny_config, attention, mesh), str(tmp_path))

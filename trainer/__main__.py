@@ -133,6 +133,8 @@ def main(argv: list[str]) -> None:
   config = _config()
   if (_FIND_MAX.value or _COMPARE.value) and not _DRY_RUN.value:
     sys.exit("error: --find_max_seq_len and --compare_strategies plan: pass them with --dry_run")
+  if _FIND_MAX.value and _COMPARE.value:
+    sys.exit("error: pass one of --find_max_seq_len and --compare_strategies")
   try:
     if config.init.from_hf:  # Sets the model's shape and tokenizer: before any check or plan.
       print(hf_import.apply_to_config(config), flush=True)

@@ -140,7 +140,7 @@ def _check_mesh(config: ml_collections.ConfigDict, num_devices: int, head_size: 
     rules = dict(config.mesh.rules)
     seq_axes = parallelism.mesh.as_axes(rules.get("activation_seq"))
     want = ("sequence", "ulysses") if uses_ulysses else ("sequence",)
-    _require(seq_axes[:len(want)] == want and len(seq_axes) <= 2,
+    _require(seq_axes == want or seq_axes == ("sequence", "ulysses"),
              f"mesh.rules maps activation_seq to {seq_axes or 'nothing'}; model.attention="
              f"'{m.attention}' with model.sequence_parallel='{strategy}' needs it on {want}"
              f"{'' if uses_ulysses else ' (optionally then ulysses)'}: the ring the data is "
@@ -156,22 +156,31 @@ def _check_mesh(config: ml_collections.ConfigDict, num_devices: int, head_size: 
              f"data.seq_len={seq_len} must be divisible by mesh.sequence x model.attention_tile"
              f" = {sequence} x {tile}")
     if uses_ulysses:
-      _check_ulysses(m, shape)
+      _check_ulysses(m, shape, heads)
 
 
-def _check_ulysses(m: ml_collections.ConfigDict, shape: dict[str, int]) -> None:
-  """Heads split over the Ulysses degree after `tensor`; K/V heads that do not are repeated
-  (said once at start-up, since it costs memory and all-to-all bytes)."""
-  ulysses, tensor = shape["ulysses"], shape["tensor"]
-  local_heads, local_kv = m.num_heads // tensor, m.num_kv_heads // tensor
+_SAID: set[str] = set()  # Notes already printed by this process.
+
+
+def _check_ulysses(m: ml_collections.ConfigDict, shape: dict[str, int], head_axes) -> None:
+  """Heads split over the Ulysses degree after the axes the rules put them on; K/V heads
+  that do not are repeated (said once per process: it costs memory and all-to-all bytes)."""
+  ulysses = shape["ulysses"]
+  shards = 1
+  for axis in head_axes:
+    shards *= shape.get(axis, 1)
+  local_heads, local_kv = m.num_heads // shards, m.num_kv_heads // shards
   _require(local_heads % ulysses == 0,
-           f"model.num_heads={m.num_heads} over mesh.tensor={tensor} leaves {local_heads} heads "
-           f"per device, which mesh.ulysses={ulysses} must divide (Ulysses splits the heads)")
+           f"model.num_heads={m.num_heads} over {shards} head shard(s) (mesh.rules' "
+           f"activation_heads) leaves {local_heads} heads per device, which mesh.ulysses="
+           f"{ulysses} must divide (Ulysses splits the heads)")
   repeat = parallelism.kv_repeat(local_kv, ulysses)
-  if repeat > 1:
-    print(f"note: {local_kv} key/value heads per device do not split over mesh.ulysses="
+  note = (f"note: {local_kv} key/value heads per device do not split over mesh.ulysses="
           f"{ulysses}; Ulysses repeats each {repeat} times (GQA: exact, with {repeat}x the "
-          f"key/value all-to-all bytes)", flush=True)
+          f"key/value all-to-all bytes)")
+  if repeat > 1 and note not in _SAID:
+    _SAID.add(note)
+    print(note, flush=True)
 
 
 def _is_float_dtype(name: str) -> bool:

@@ -199,7 +199,8 @@ def _strategy_note(m: ml_collections.ConfigDict) -> str:
 
 def seq_len_unit(config: ml_collections.ConfigDict) -> int:
   """What every sequence length of this layout, mesh and tile must be a multiple of (the
-  rule `check_config` applies: the layout's divisor, and ring shards x the full tile)."""
+  rule `check_config` applies: the layout's divisor, sequence x ulysses shards, and ring
+  shards x the full tile)."""
   shape = dict(zip(parallelism.MESH_AXES, parallelism.resolve_mesh_shape(
       config.mesh, plan_device_count(config))))
   shards = shape["sequence"]

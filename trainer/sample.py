@@ -134,11 +134,11 @@ class Sampler:
     self.rules = tuple(self.config.mesh.rules)
     self.rows = parallelism.batch_shards(self.mesh)  # The same prompt in every batch shard.
     self.num_shards = self.mesh.shape["sequence"]  # The ring the layout permutes for.
-    self.ulysses = self.mesh.shape["ulysses"]
+    self.ulysses = self.mesh.shape.get("ulysses", 1)
     self._warned_length = False
 
   def cache_sharding(self) -> NamedSharding:
-    """[layers, batch, capacity, kv heads, head dim], capacity over the ring's axis."""
+    """[layers, batch, capacity, kv heads, head dim], capacity over the sequence axes."""
     spec = parallelism.logical_to_spec(parallelism.CACHE_NAMES,
                                        parallelism.decode_rules(self.rules))
     return NamedSharding(self.mesh, P(None, *spec))

@@ -74,12 +74,13 @@ def stage(name: str, steps: int, seq_len: int | None = None, keep_optimizer: boo
 
   `settings` are the stage's other fields by their last name: `lr`, `warmup_steps` and every
   other `train.*` field, `rope_theta`, `rope_scaling` (a dict of `model.rope_scaling.*`),
-  `attention`, `kernel`, `attention_tile`.
+  `attention`, `sequence_parallel`, `kernel`, `attention_tile`.
   """
   spec = {"name": name, "keep_optimizer": keep_optimizer, "train": {"steps": steps}}
   if seq_len is not None:
     spec["data"] = {"seq_len": seq_len}
-  model_fields = ("rope_theta", "rope_scaling", "attention", "kernel", "attention_tile")
+  model_fields = ("rope_theta", "rope_scaling", "attention", "sequence_parallel", "kernel",
+                  "attention_tile")
   for key, value in settings.items():
     group = "model" if key in model_fields else "train"
     spec.setdefault(group, {})[key] = value

@@ -10,7 +10,10 @@ uses; one compile per split, in the config's layout), the bytes each device send
 (`parallelism.traffic.formula`, equal to the compiled HLO's count: tests/test_traffic.py),
 the attention balance of the static schedule, and an estimated step time from this model:
 
-- compute = (matmul FLOPs + attention FLOPs / balance) / (devices x peak x MFU);
+- compute = (matmul FLOPs + attention FLOPs / balance) / (devices x peak x MFU), the
+  FLOPs x 8/6 where remat runs the forward again (`save_attention`: not attention's);
+  balance per ring step for a ring, per device over all steps for the all-gather (it
+  holds every block, so it never waits within a layer);
 - a ring's hops overlap the attention compute (only the excess adds); all-gather and
   all-to-all bytes add in full (this code does not overlap them);
 - Ulysses' all-to-alls cross --intra_node_gbps while its group fits in a node
@@ -35,8 +38,6 @@ from trainer import dry_run, flops
 from trainer.config_check import ConfigError
 from trainer.training import model_config
 
-# Remat policies under which the backward runs each layer's attention forward again.
-_RECOMPUTES_ATTENTION = ("full", "offload", "save_dots")
 
 
 def attention_bytes(config: ml_collections.ConfigDict, shape: dict[str, int]) -> dict[str, float]:
@@ -50,11 +51,9 @@ def attention_bytes(config: ml_collections.ConfigDict, shape: dict[str, int]) ->
                           kv_heads=m.num_kv_heads // shape["tensor"], head_dim=head_dim,
                           itemsize=jnp.dtype(m.dtype).itemsize,
                           packed=not config.data.cross_document_attention)
-  f = traffic.formula(m.sequence_parallel, shapes, shape["sequence"], shape["ulysses"])
-  again = t.remat in _RECOMPUTES_ATTENTION
-  layer = lambda fwd, bwd, reused: fwd + bwd - reused + (fwd if again else 0)
-  ulysses = layer(f["ulysses_forward"], f["ulysses_backward"], f["ulysses_reused"])
-  total = layer(f["forward"], f["backward"], f["reused"])
+  sent = traffic.formula(m.sequence_parallel, shapes, shape["sequence"], shape["ulysses"])
+  ulysses = traffic.layer_bytes(sent, t.remat, "ulysses_")
+  total = traffic.layer_bytes(sent, t.remat)
   per_step = m.num_layers * t.micro_batches
   return {"ulysses": ulysses * per_step, "ring": (total - ulysses) * per_step}
 
@@ -66,9 +65,13 @@ def estimate(config: ml_collections.ConfigDict, shape: dict[str, int], balance: 
   cfg = model_config(config)
   devices = math.prod(shape.values())
   tokens = config.train.batch_size * config.data.seq_len
+  # Remat runs the forward again: 8 FLOPs per 6; `save_attention` keeps attention's result.
+  remat = config.train.remat
+  again = 8 / 6 if remat in traffic.RECOMPUTES_ATTENTION + ("save_attention",) else 1.0
+  attention_again = again if remat != "save_attention" else 1.0
   attention_flops = 6 * cfg.num_layers * cfg.num_heads * cfg.head_size * config.data.seq_len
-  attention_s = attention_flops * tokens / balance / (devices * peak * mfu)
-  matmul_s = 6 * cfg.matmul_params() * tokens / (devices * peak * mfu)
+  attention_s = attention_flops * attention_again * tokens / balance / (devices * peak * mfu)
+  matmul_s = 6 * cfg.matmul_params() * again * tokens / (devices * peak * mfu)
   sent = attention_bytes(config, shape)
   link = lambda group: intra_bps if group * shape["tensor"] <= node_size else inter_bps
   ring_s = sent["ring"] / link(shape["sequence"] * shape["ulysses"])
@@ -121,7 +124,8 @@ def compare(config: ml_collections.ConfigDict, device_memory_gib: float = 80.0,
         continue
       choice.model.attention = layout
       balance = traffic.attention_balance(layout, config.data.seq_len, ring,
-                                          config.model.attention_tile)
+                                          config.model.attention_tile,
+                                          per_step=strategy != "allgather")
       time = estimate(choice, split, balance, peak, mfu, intra_node_gbps * 1e9,
                       inter_node_gbps * 1e9, node_size)
       row = {"strategy": strategy, "ring": ring, "ulysses": ulysses,
