@@ -13,6 +13,12 @@ ATTENTIONS = ("dense", "ring", "striped", "zigzag")
 def layout_of(attention: str) -> str:
   """The sequence layout the data must arrive in: dense attention reads the original order."""
   return "ring" if attention == "dense" else attention
+
+
+def named_strategy(attention: str, sequence_parallel: str) -> str | None:
+  """The sequence-parallel strategy worth naming beside the layout (run names, plans): None
+  for dense attention, which splits nothing, and for the default ring."""
+  return None if attention == "dense" or sequence_parallel == "ring" else sequence_parallel
 KERNELS = tuple(parallelism.KERNELS)
 REMAT_POLICIES = ("none", "full", "save_dots", "save_attention", "offload")
 

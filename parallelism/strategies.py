@@ -78,7 +78,7 @@ class Strategy:
     Under Ulysses the ring runs on L = T x U tokens (the ring block) of h = Hq / U query
     and k = Hkv x repeat / U key/value heads."""
     if self.ulysses_axis is None:
-      run = ring.forward_pass if self.name == "ring" else _gathered_forward_pass
+      run = _gathered_forward_pass if self._gathers else ring.forward_pass
       return run(q_BTHD, k_BTKD, v_BTKD, seg_BT, **self._ring_args())
     q_BLhD = self._to_heads(q_BTHD)
     k_BLkD, v_BLkD = (self._to_heads(self._repeat(x)) for x in (k_BTKD, v_BTKD))
@@ -91,7 +91,7 @@ class Strategy:
   def backward(self, q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, dout_BTHD):
     """(dq, dk, dv) of this device's blocks, float32 (shapes as in `forward`)."""
     if self.ulysses_axis is None:
-      run = ring.backward_pass if self.name == "ring" else _gathered_backward_pass
+      run = _gathered_backward_pass if self._gathers else ring.backward_pass
       return run(q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, dout_BTHD,
                  **self._ring_args())
     k_BLkD, v_BLkD = (self._to_heads(self._repeat(x)) for x in (k_BTKD, v_BTKD))
@@ -108,6 +108,11 @@ class Strategy:
         self._to_sequence(g.astype(dtype)).astype(jnp.float32)
         for g, dtype in ((dq_BLhD, q_BTHD.dtype), (dk_BLkD, kv_dtype), (dv_BLkD, kv_dtype)))
     return dq_BTHD, self._sum_copies(dk_BTKD), self._sum_copies(dv_BTKD)
+
+  @property
+  def _gathers(self) -> bool:
+    """All-gather K/V: `allgather` with more than one device (one device is a ring of one)."""
+    return self.name == "allgather" and self.schedule.num_shards > 1
 
   def _ring_args(self) -> dict:
     return dict(axis=self.axis, schedule=self.schedule, tile=self.tile, kernel=self.kernel)
@@ -156,9 +161,6 @@ def _gathered_forward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, *, axis: str,
                            schedule: RingSchedule, tile: int, kernel: str):
   """All-gather forward: the ring's steps in order, each block read from the gathered K/V."""
   num_shards = schedule.num_shards
-  if num_shards == 1:
-    return ring.forward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, axis=axis, schedule=schedule,
-                             tile=tile, kernel=kernel)
   device = lax.axis_index(axis)
   runner = ring.RingDevice(schedule, device, kernel, tile)
   block = _every_block(k_BTKD, v_BTKD, seg_BT, axis)
@@ -176,9 +178,6 @@ def _gathered_backward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, d
   """All-gather backward: dK/dV of every block accumulate here, then one reduce-scatter
   sends each block's sum to its owner."""
   num_shards = schedule.num_shards
-  if num_shards == 1:
-    return ring.backward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, dout_BTHD,
-                              axis=axis, schedule=schedule, tile=tile, kernel=kernel)
   device = lax.axis_index(axis)
   runner = ring.RingDevice(schedule, device, kernel, tile)
   block = _every_block(k_BTKD, v_BTKD, seg_BT, axis)

@@ -71,13 +71,12 @@ def main() -> None:
       compile_s = time.monotonic() - started
       f32 = traffic.formula(strategy, counted_shapes, ring, ulysses)
       bf16 = traffic.formula(strategy, model_shapes, ring, ulysses)
-      grad = lambda f: f["forward"] + f["backward"] - f["reused"]
       layer = traffic.layer_bytes(bf16, config.train.remat)
       row = {
           "devices": devices, "strategy": strategy, "ring": ring, "ulysses": ulysses,
           "forward_hlo": traffic.sent_total(counted["forward"]), "forward_formula": f32["forward"],
           "gradient_hlo": traffic.sent_total(counted["gradient"]),
-          "gradient_formula": grad(f32),
+          "gradient_formula": traffic.layer_bytes(f32, "none"),
           "unknown_trips": counted["gradient"]["unknown_trips"],
           "layer_bytes_model_dtype": layer, "step_bytes_model_dtype": layer * m.num_layers,
           "attention_balance": traffic.attention_balance(layout, config.data.seq_len, ring,

@@ -6,6 +6,8 @@ override costs seconds, not a compile.
 
 from __future__ import annotations
 
+import math
+
 import ml_collections
 import jax.numpy as jnp
 
@@ -166,9 +168,7 @@ def _check_ulysses(m: ml_collections.ConfigDict, shape: dict[str, int], head_axe
   """Heads split over the Ulysses degree after the axes the rules put them on; K/V heads
   that do not are repeated (said once per process: it costs memory and all-to-all bytes)."""
   ulysses = shape["ulysses"]
-  shards = 1
-  for axis in head_axes:
-    shards *= shape.get(axis, 1)
+  shards = math.prod(shape.get(axis, 1) for axis in head_axes)
   local_heads, local_kv = m.num_heads // shards, m.num_kv_heads // shards
   _require(local_heads % ulysses == 0,
            f"model.num_heads={m.num_heads} over {shards} head shard(s) (mesh.rules' "

@@ -52,7 +52,7 @@ import ml_collections
 import parallelism
 from data import packing
 from trainer import flops
-from model.config import layout_of
+from model.config import layout_of, named_strategy
 from trainer.config_check import ConfigError, check_config
 from trainer.training import build_training, model_config
 
@@ -189,14 +189,6 @@ def offloaded_bytes(config: ml_collections.ConfigDict, mesh) -> int:
   return config.model.num_layers * rows * tokens * config.model.d_model * itemsize
 
 
-def _strategy_note(m: ml_collections.ConfigDict) -> str:
-  """', <strategy> sequence-parallel' when the attention splits the sequence other than by
-  the default ring."""
-  if m.attention == "dense" or m.sequence_parallel == "ring":
-    return ""
-  return f", {m.sequence_parallel} sequence-parallel"
-
-
 def seq_len_unit(config: ml_collections.ConfigDict) -> int:
   """What every sequence length of this layout, mesh and tile must be a multiple of (the
   rule `check_config` applies: the layout's divisor, sequence x ulysses shards, and ring
@@ -275,21 +267,28 @@ def _print(config, out: dict[str, Any], memory_gib: float, mfu: float, accelerat
   mesh = " x ".join(f"{axis}={size}" for axis, size in out["mesh"].items())
   analytic_dev = out["analytic_flops"] / out["devices"]
   xla_dev = out["xla_flops_per_device"]
+  strategy = named_strategy(m.attention, m.sequence_parallel)
+  strategy = f", {strategy} sequence-parallel" if strategy else ""
   lines = [
       f"dry run: {out['params'] / 1e6:,.1f}M params, {m.num_layers} layers, attention "
-      f"{m.attention} ({m.kernel} kernel{_strategy_note(m)}), {t.batch_size} x {config.data.seq_len:,} tokens per "
-      f"step in {t.micro_batches} micro-batch(es), remat {t.remat}",
+      f"{m.attention} ({m.kernel} kernel{strategy}), {t.batch_size} x "
+      f"{config.data.seq_len:,} tokens per step in {t.micro_batches} micro-batch(es), "
+      f"remat {t.remat}",
       f"mesh: {mesh} = {out['devices']} devices (fake CPU; compiled in {out['compile_s']:.0f} s)",
       "per device (bytes of this device's shard):",
-      f"  parameters             {human_bytes(out['param_bytes'])}   {m.param_dtype} master weights",
+      f"  parameters             {human_bytes(out['param_bytes'])}   {m.param_dtype} master "
+      f"weights",
       f"  optimizer state        {human_bytes(out['opt_state_bytes'])}",
       "XLA memory analysis of the compiled step (per device):",
       f"  arguments              {human_bytes(out['argument_bytes'])}   state + batch shard",
       f"  outputs                {human_bytes(out['output_bytes'])}   new state + metrics",
-      f"  aliased (donated)      {human_bytes(out['alias_bytes'])}   outputs reusing argument buffers",
-      f"  temporaries            {human_bytes(out['temp_bytes'])}   activations, gradients, scratch",
+      f"  aliased (donated)      {human_bytes(out['alias_bytes'])}   outputs reusing argument "
+      f"buffers",
+      f"  temporaries            {human_bytes(out['temp_bytes'])}   activations, gradients, "
+      f"scratch",
       f"  generated code         {human_bytes(out['code_bytes'])}",
-      f"  peak estimate          {human_bytes(out['peak_bytes'])}   args + temps + outputs - aliased",
+      f"  peak estimate          {human_bytes(out['peak_bytes'])}   args + temps + outputs - "
+      f"aliased",
       *([f"  offloaded layer inputs {human_bytes(out['offloaded_bytes'])}   remat 'offload' keeps "
          f"them in pinned host memory (the CPU compile does not)"]
         if out["offloaded_bytes"] else []),
@@ -307,7 +306,8 @@ def _print(config, out: dict[str, Any], memory_gib: float, mfu: float, accelerat
   ]
   after_total = [i for i, line in enumerate(lines) if line.startswith("  total ")][0] + 1
   if "float32_temp_bytes" in out:
-    lines.insert(after_total, f"  float32 compile temps  {human_bytes(out['float32_temp_bytes'])}   "
+    lines.insert(after_total, f"  float32 compile temps  "
+                 f"{human_bytes(out['float32_temp_bytes'])}   "
                  f"halved, a floor under bf16 temps (CPU promotion bounded): total "
                  f"{human_bytes(out['floor_total_bytes']).strip()}")
   lines.append(verdict_line(out, memory_gib))

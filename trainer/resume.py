@@ -30,7 +30,8 @@ from trainer.tracking import scrub
 # the checkpoint's array shapes instead.
 MAY_CHANGE = (
     "cpu_devices", "accelerator", "peak_flops_per_device", "mesh.", "checkpoint.", "wandb.",
-    "model.attention", "model.sequence_parallel", "model.kernel", "model.attention_tile", "model.dtype",
+    "model.attention", "model.sequence_parallel", "model.kernel", "model.attention_tile",
+    "model.dtype",
     "train.steps", "train.micro_batches", "train.remat", "train.loss_chunk", "train.on_nonfinite",
     "train.log_every", "train.eval_every", "train.eval_steps", "train.eval_needle_lengths",
     "train.eval_needle_depths", "train.eval_needle_trials", "train.lr",

@@ -6,9 +6,10 @@ The devices that share a row's sequence (mesh.sequence x mesh.ulysses) can run e
 strategy of `parallelism.strategies` and, with Ulysses, every ring x Ulysses split, in
 every layout; data, fsdp and tensor stay as configured. Each feasible choice gets a row:
 per-device memory from its own compiled train step (the CPU figure the dry run's verdict
-uses; one compile per split, in the config's layout), the bytes each device sends for attention per step
-(`parallelism.traffic.formula`, equal to the compiled HLO's count: tests/test_traffic.py),
-the attention balance of the static schedule, and an estimated step time from this model:
+uses; one compile per split, in the config's layout), the bytes each device sends for
+attention per step (`parallelism.traffic.formula`, equal to the compiled HLO's count:
+tests/test_traffic.py), the attention balance of the static schedule, and an estimated
+step time from this model:
 
 - compute = (matmul FLOPs + attention FLOPs / balance) / (devices x peak x MFU), the
   FLOPs x 8/6 where remat runs the forward again (`save_attention`: not attention's);

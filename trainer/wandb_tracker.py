@@ -29,6 +29,7 @@ import jax
 import ml_collections
 
 import parallelism
+from model.config import named_strategy
 from trainer.config_check import WANDB_MODES
 from trainer.provenance import run_provenance
 from trainer.tracking import NoopTracker, Tracker, scrub, secret_values
@@ -72,9 +73,8 @@ def run_names(config: ml_collections.ConfigDict) -> tuple[str, str, list[str]]:
   """(name, group, tags) of the run: the config's, or derived; the layout is always a tag,
   and so is a sequence-parallel strategy other than the default ring."""
   group = config.wandb.group or default_group(config)
-  attention = [config.model.attention]
-  if config.model.attention != "dense" and config.model.sequence_parallel != "ring":
-    attention.append(config.model.sequence_parallel)
+  strategy = named_strategy(config.model.attention, config.model.sequence_parallel)
+  attention = [config.model.attention] + ([strategy] if strategy else [])
   name = config.wandb.name or "-".join([group, *attention])
   tags = attention + [tag.strip() for tag in config.wandb.tags.split(",")
                       if tag.strip() and tag.strip() not in attention]
