@@ -3,7 +3,9 @@
 The stream of documents is cut into rows with no padding except at the very end of a finite
 stream: row k holds stream tokens [k*S, k*S + S] (S + 1 of them; the last is only a target
 and is also the first token of row k + 1), so every document token is a `tokens` entry
-exactly once. A document longer than the rest of a row continues in the next row.
+exactly once. A document longer than the rest of a row continues in the next row. A long
+document arrives in parts (tokenized one at a time, data/pipeline.py); its parts join into one
+piece, as if it had come whole.
 
 Per row (before any layout permutation):
 - `tokens`, `targets` (= the next stream token), int32.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -32,49 +35,58 @@ FIELDS = (*TRAIN_FIELDS, "answer_distance")
 
 @dataclasses.dataclass
 class StreamPosition:
-  """Where the next row starts: `offset` tokens into document `doc` of the stream."""
+  """Where the next row starts: `offset` tokens into part `part` of document `doc`."""
 
   doc: int = 0
+  part: int = 0
   offset: int = 0
 
 
-def pack_row(read: Callable[[int], tuple[np.ndarray, np.ndarray] | None], start: StreamPosition,
-             seq_len: int, pad_id: int, cross_document_attention: bool,
+class Part(NamedTuple):
+  """A run of one document's tokens: the whole document, or one of its parts when long."""
+
+  ids: np.ndarray
+  answer_distance: np.ndarray
+  last: bool  # The document's last part.
+
+
+def pack_row(read: Callable[[int, int], Part | None], start: StreamPosition, seq_len: int,
+             pad_id: int, cross_document_attention: bool,
              ) -> tuple[dict[str, np.ndarray], StreamPosition] | None:
   """Packs one row from `start`; returns it and where the next row starts, or None at the end.
 
-  `read(doc)` gives document `doc`'s (ids, answer_distance) arrays, or None past the end.
+  `read(doc, part)` gives that part of document `doc` of the stream, or None past the end.
+  The parts of one document continue one piece: same segment, positions counting on.
   """
   need = seq_len + 1
   ids, dist, pos, piece = [], [], [], []
-  doc, offset, filled, pieces = start.doc, start.offset, 0, 0
+  doc, part, offset = start.doc, start.part, start.offset
+  filled = pieces = piece_length = 0
+  piece_doc = None
   last = start
   while filled < need:
-    document = read(doc)
-    if document is None:
+    chunk = read(doc, part)
+    if chunk is None:
       break
-    doc_ids, doc_dist = document
-    take = min(len(doc_ids) - offset, need - filled)
-    if take <= 0:  # An empty document, or one used up exactly at the previous row's end.
-      doc, offset = doc + 1, 0
-      continue
-    pieces += 1
-    ids.append(doc_ids[offset:offset + take])
-    # An answer is retrievable only when its fact is inside this piece.
-    local = np.arange(take, dtype=np.int32)
-    d = doc_dist[offset:offset + take]
-    dist.append(np.where(local - d >= 0, d, 0))
-    pos.append(local)
-    piece.append(np.full(take, pieces, np.int32))
-    last = StreamPosition(doc, offset + take - 1)
-    filled += take
-    offset += take
-    if offset >= len(doc_ids):
-      doc, offset = doc + 1, 0
+    take = min(len(chunk.ids) - offset, need - filled)
+    if take > 0:
+      if doc != piece_doc:
+        pieces, piece_doc, piece_length = pieces + 1, doc, 0
+      ids.append(chunk.ids[offset:offset + take])
+      # An answer is retrievable only when its fact is inside this piece.
+      local = piece_length + np.arange(take, dtype=np.int32)
+      d = chunk.answer_distance[offset:offset + take]
+      dist.append(np.where(local - d >= 0, d, 0))
+      pos.append(local)
+      piece.append(np.full(take, pieces, np.int32))
+      last = StreamPosition(doc, part, offset + take - 1)
+      filled, offset, piece_length = filled + take, offset + take, piece_length + take
+    if offset >= len(chunk.ids):  # Used up (or empty): on to the next part or document.
+      doc, part, offset = (doc + 1, 0, 0) if chunk.last else (doc, part + 1, 0)
   if filled == 0:
     return None
   # A full row's last token (a target only) starts the next row; a short row ends the stream.
-  next_start = last if filled == need else StreamPosition(doc, offset)
+  next_start = last if filled == need else StreamPosition(doc, part, offset)
   pad = need - filled
   ids_ = np.concatenate(ids + [np.full(pad, pad_id, np.int32)])
   dist_ = np.concatenate(dist + [np.zeros(pad, np.int32)])

@@ -1,16 +1,23 @@
-"""The checkpointable batch iterator: shard, shuffle, tokenize, pack, permute, prefetch.
+"""The checkpointable batch iterator: shuffle, tokenize, pack, permute, prefetch.
 
-Global row r of every batch is packed from its own document stream: the split's records
-`r, r + G, r + 2G, ...` (G = global batch rows), shuffled with a seed of its own (afresh each
-epoch when repeating) and tokenized lazily by Grain. A process builds only the rows its
-devices hold (`rows`), so it reads only those rows' records, and the global batch is the
-same whatever the number of processes: a run on 2 hosts sees the batches a run on 1 sees.
-Every per-token array is permuted into the sequence layout once, here on the host, and a
-Grain thread prefetches `cfg.prefetch` batches in the background.
+The whole split is one document stream: its records shuffled together (afresh each epoch when
+repeating), cut end to end into rows of `seq_len` tokens, so a corpus of any size trains (one
+book fills every row of every batch if it must) and a document may span rows and batches.
+Batch b holds the stream's rows b*G .. b*G + G - 1 (G = global batch rows), in order. Every
+process walks the same stream and keeps the rows its devices hold (`rows`), so the global
+batch is the same whatever the number of processes: a run on 2 hosts sees the batches a run
+on 1 sees. Long documents are tokenized a part at a time as the rows reach them
+(`data/parts.py`). Every per-token array is permuted into the sequence layout once, here on
+the host, and a Grain thread prefetches `cfg.prefetch` batches in the background.
 
-The state is, per row, where its next piece starts in its stream, `{"doc": j, "offset": o}`:
-plain JSON; restoring it replays exactly the batches that would have come next. States of
-several processes merge (`merge_states`) into one that any process layout can resume from.
+The state is where the next batch starts in the stream, `{"doc": j, "part": p, "offset": o}`:
+plain JSON, the same in every process; restoring it replays exactly the batches that would
+have come next, under any process layout.
+
+Grain's own packing (`ConcatThenSplitIterDataset`) was considered and not used: it passes
+whole-length documents ahead of partly filled rows and pads rows it closes, it has no
+one-token overlap between rows (so a token that ends a row would never be a target), and
+it restores by replaying from its last checkpointed buffer; the packer here is 60 lines.
 """
 
 from __future__ import annotations
@@ -25,90 +32,62 @@ import numpy as np
 
 from data import packing, sources
 from data.config import DataConfig, DataError
+from data.parts import DocumentParts
 from data.prepare import load_tokenizer
 from data.tokenizer import Tokenizer
 from parallelism import layouts
 
-STATE_VERSION = 2
-
-
-class _RowStream:
-  """Packs consecutive rows from one (possibly infinite) indexable document stream."""
-
-  def __init__(self, docs: grain.MapDataset, seq_len: int, pad_id: int,
-               cross_document_attention: bool):
-    self._docs, self._seq_len = docs, seq_len
-    self._pad_id, self._cross = pad_id, cross_document_attention
-    self.position = packing.StreamPosition()
-    self.done = False
-    self._cache: tuple[int, Any] = (-1, None)  # The last document read: rows share it.
-
-  def _read(self, index: int):
-    if index >= len(self._docs):
-      return None
-    if self._cache[0] != index:
-      self._cache = (index, self._docs[index])
-    return self._cache[1]
-
-  def next_row(self) -> dict[str, np.ndarray] | None:
-    if not self.done:
-      packed = packing.pack_row(self._read, self.position, self._seq_len, self._pad_id,
-                                self._cross)
-      if packed is not None:
-        row, self.position = packed
-        return row
-      self.done = True
-    return None
+STATE_VERSION = 3  # 2 had a document stream per row.
 
 
 class _BatchProducer:
-  """Stacks one row from each of this process's row streams into a batch."""
+  """Cuts the stream into batches of `batch_rows` rows and keeps this process's `rows`."""
 
-  def __init__(self, streams: dict[int, _RowStream], seq_len: int, layout: str,
-               num_shards: int, pad_id: int):
-    self._streams = streams  # Global row index -> its stream, in row order.
+  def __init__(self, read: DocumentParts, batch_rows: int, rows: Sequence[int], seq_len: int,
+               layout: str, num_shards: int, pad_id: int, cross_document_attention: bool):
+    self._read, self._batch_rows, self._rows = read, batch_rows, set(rows)
     self._seq_len, self._layout, self._num_shards = seq_len, layout, num_shards
-    self._pad_id = pad_id
+    self._pad_id, self._cross = pad_id, cross_document_attention
+    self._position = packing.StreamPosition()
+    self._done = False
 
   def __iter__(self):
     return self
 
   def __next__(self) -> dict[str, np.ndarray]:
-    rows = [stream.next_row() for stream in self._streams.values()]
-    if all(row is None for row in rows):
+    if self._done:
       raise StopIteration
-    # A finite stream that ran out is filled with padding rows: shapes stay static.
+    # A finite stream that ran out leaves padding rows: shapes stay static.
     empty = packing.empty_row(self._seq_len, self._pad_id)
-    rows = [empty if row is None else row for row in rows]
+    rows = []
+    for row in range(self._batch_rows):
+      packed = None if self._done else packing.pack_row(
+          self._read, self._position, self._seq_len, self._pad_id, self._cross)
+      if packed is None:
+        self._done = True
+        if row == 0:
+          raise StopIteration
+      else:
+        self._position = packed[1]
+      if row in self._rows:
+        rows.append(empty if packed is None else packed[0])
     return {name: layouts.permute(np.stack([r[name] for r in rows]), self._layout,
                                   self._num_shards)
             for name in packing.FIELDS}
 
   def get_state(self) -> dict[str, Any]:
-    return {"version": STATE_VERSION, "rows": {
-        str(row): {"doc": int(s.position.doc), "offset": int(s.position.offset),
-                   "done": s.done} for row, s in self._streams.items()}}
+    position = self._position
+    return {"version": STATE_VERSION, "doc": int(position.doc), "part": int(position.part),
+            "offset": int(position.offset), "done": self._done}
 
   def set_state(self, state: dict[str, Any]) -> None:
     if state.get("version") != STATE_VERSION:
       raise DataError(f"data iterator state version {state.get('version')} is not "
-                      f"{STATE_VERSION}: it comes from another pipeline version")
-    missing = [row for row in self._streams if str(row) not in state["rows"]]
-    if missing:
-      raise DataError(f"data iterator state has no position for rows {missing}; it was saved "
-                      f"with a different train.batch_size")
-    for row, stream in self._streams.items():
-      saved = state["rows"][str(row)]
-      stream.position = packing.StreamPosition(int(saved["doc"]), int(saved["offset"]))
-      stream.done = bool(saved["done"])
-
-
-def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
-  """One state holding every row of several processes' states (rows two hold agree)."""
-  rows: dict[str, Any] = {}
-  for state in states:
-    rows.update(state["rows"])
-  return {"version": STATE_VERSION, "rows": dict(sorted(rows.items(), key=lambda kv: int(kv[0])))}
+                      f"{STATE_VERSION}: it was saved by another version of the data pipeline; "
+                      f"resume with the code that started the run, or start a new run")
+    self._position = packing.StreamPosition(int(state["doc"]), int(state["part"]),
+                                            int(state["offset"]))
+    self._done = bool(state["done"])
 
 
 class DataIterator:
@@ -156,13 +135,11 @@ def _release(holder: list) -> None:
   holder.append(None)
 
 
-def _encoder(cfg: DataConfig, tokenizer: Tokenizer):
-  def encode(example: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
-    text = sources.text_of(cfg, example)
-    return tokenizer.encode_document(text, example.get("answer_spans"),
-                                     example.get("fact_spans"))
+def _document(cfg: DataConfig):
+  def document(example: dict[str, Any]) -> tuple[str, Any, Any]:
+    return sources.text_of(cfg, example), example.get("answer_spans"), example.get("fact_spans")
 
-  return encode
+  return document
 
 
 def check_layout(seq_len: int, layout: str, num_shards: int) -> None:
@@ -195,23 +172,14 @@ def build_iterator(cfg: DataConfig, tokenizer: Tokenizer, split: str, global_bat
                    rows: Sequence[int] | None = None) -> DataIterator:
   check_layout(cfg.seq_len, layout, num_shards)
   own_rows = _own_rows(global_batch_size, process_index, process_count, rows)
-  source = sources.split_source(cfg, split)
-  if len(source) < global_batch_size:
-    raise DataError(f"split '{split}' has {len(source)} documents, fewer than the "
-                    f"{global_batch_size} rows of a batch; add documents or lower "
-                    f"train.batch_size")
-  records = grain.MapDataset.source(source)
-  encode = _encoder(cfg, tokenizer)
-  streams = {}
-  for row in own_rows:
-    # Each row reads only its own records, with its own shuffle seed.
-    docs = records[row::global_batch_size].shuffle(
-        seed=int(np.random.SeedSequence([seed % 2**32, row]).generate_state(1)[0]))
-    if repeat:
-      docs = docs.repeat()
-    streams[row] = _RowStream(docs.map(encode), cfg.seq_len, tokenizer.pad_id,
-                              cfg.cross_document_attention)
-  producer = _BatchProducer(streams, cfg.seq_len, layout, num_shards, tokenizer.pad_id)
+  records = grain.MapDataset.source(sources.split_source(cfg, split))
+  # The shuffle covers the whole split; repeated, each epoch gets its own order.
+  documents = records.shuffle(seed=int(np.random.SeedSequence(seed % 2**32).generate_state(1)[0]))
+  if repeat:
+    documents = documents.repeat()
+  read = DocumentParts(documents.map(_document(cfg)), tokenizer.encode_document)
+  producer = _BatchProducer(read, global_batch_size, own_rows, cfg.seq_len, layout, num_shards,
+                            tokenizer.pad_id, cfg.cross_document_attention)
   return DataIterator(producer, cfg.prefetch)
 
 
@@ -224,8 +192,8 @@ def make_iterator(cfg: DataConfig, split: str, global_batch_size: int, layout: s
   `rows` names the global rows this process holds (see `data.process_rows`); by default
   process p of P holds the p-th contiguous block of `global_batch_size // P` rows. Each batch
   is a dict of `[len(rows), cfg.seq_len]` arrays (`packing.FIELDS`), already in `layout` for
-  `num_shards` sequence shards. With `repeat=False` the split is read once and rows that
-  ran out are padded with masked rows.
+  `num_shards` sequence shards. With `repeat=False` the split is read once and the rows after
+  its end are padded with masked rows.
   """
   return build_iterator(cfg, load_tokenizer(cfg), split, global_batch_size, layout, num_shards,
                         seed, process_index, process_count, repeat, rows)

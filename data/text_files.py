@@ -6,7 +6,8 @@ object). Files are found recursively and read in sorted order.
 Splits: when `path` holds `train/` and `validation/` folders (the layout of PG-19's public
 release, `train/`, `validation/` and `test/` of `<book id>.txt`), each split is its folder,
 so a book-level split is kept as published (`test/` stays held out). Otherwise every 20th
-document (index 19, 39, ...) goes to `validation`, the rest to `train`.
+document, starting with the first (index 0, 20, 40, ...), goes to `validation` and the rest to
+`train`, so two documents are enough (the data pipeline fills any batch from one stream).
 
 An unreadable file, a file that is not UTF-8, or a JSON line that does not parse or lacks the
 field is "bad": with `on_bad_file='skip'` it is left out and counted (the count is printed
@@ -78,7 +79,8 @@ class TextFilesConfig(tfds.core.BuilderConfig):
 class TextFiles(LocalBuilder):
   """Documents from a user's directory; build with `TextFiles(config=TextFilesConfig(...))`."""
 
-  VERSION = tfds.core.Version("1.0.0")
+  VERSION = tfds.core.Version("1.1.0")  # 1.1.0: validation starts at document 0.
+  RELEASE_NOTES = {"1.1.0": "Validation takes documents 0, 20, 40, ... (was 19, 39, ...)."}
   BUILDER_CONFIGS = []  # A config is always given: it names the directory.
 
   def _info(self) -> tfds.core.DatasetInfo:
@@ -103,7 +105,7 @@ class TextFiles(LocalBuilder):
           raise DataError(f"bad input {file}: {problem}; fix or remove it, or set "
                           f"data.on_bad_file=skip")
         continue
-      if not folders and (index % VALIDATION_EVERY == VALIDATION_EVERY - 1) == train:
+      if not folders and (index % VALIDATION_EVERY == 0) == train:
         index += 1
         continue
       yield f"{index:012d}", {"text": document}
@@ -115,9 +117,8 @@ class TextFiles(LocalBuilder):
         raise DataError(f"{root} has no usable document{skipped}; add documents to it")
       raise DataError(
           f"data.path={self.builder_config.path} has {index} usable document(s){skipped}; "
-          f"the {'train' if train else 'validation'} split takes "
-          f"{'the rest' if train else f'every {VALIDATION_EVERY}th'}, so at least "
-          f"{VALIDATION_EVERY} documents are needed; add documents")
+          f"validation takes every {VALIDATION_EVERY}th from the first and train the rest, so "
+          f"at least 2 are needed; add documents, or put them in train/ and validation/ folders")
     if train:
       self._report_bad(bad)
 

@@ -70,8 +70,11 @@ class Tokenizer:
     return self._sp.decode([int(i) for i in ids])
 
   def encode_document(self, text: str, answer_spans: np.ndarray | None = None,
-                      fact_spans: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                      fact_spans: np.ndarray | None = None, bos: bool = True,
+                      eos: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Token ids of one document (with BOS/EOS) and, per token, its answer distance.
+
+    A part of a long document has BOS only if it is the first part (`bos`), EOS only if last.
 
     `answer_spans[i]` and `fact_spans[i]` are [start, end) character spans of an answer word
     and of the earlier word it repeats. The first token of an answer word gets the distance
@@ -85,8 +88,8 @@ class Tokenizer:
       for (answer_char, _), (fact_char, _) in zip(answer_spans, fact_spans):
         answer, fact = starts(answer_char), starts(fact_char)
         distance[answer] = answer - fact
-    head = [self.bos_id] if self.bos_id >= 0 else []
-    tail = [self.eos_id] if self.eos_id >= 0 else []
+    head = [self.bos_id] if bos and self.bos_id >= 0 else []
+    tail = [self.eos_id] if eos and self.eos_id >= 0 else []
     ids = np.concatenate([np.asarray(head, np.int32), ids, np.asarray(tail, np.int32)])
     distance = np.concatenate([np.zeros(len(head), np.int32), distance,
                                np.zeros(len(tail), np.int32)])

@@ -4,9 +4,8 @@ import numpy as np
 import pytest
 
 from data import packing
-from data.pipeline import _BatchProducer, _RowStream
+from data.pipeline import _BatchProducer
 from parallelism import layouts
-import grain
 
 PAD = 0
 
@@ -25,8 +24,21 @@ def _documents(lengths, seed=0):
   return docs
 
 
-def _pack_all(docs, seq_len, cross=False):
-  read = lambda i: docs[i] if i < len(docs) else None
+def _reader(docs, part_length=None):
+  """`read(doc, part)` over whole documents, or over parts of at most `part_length` tokens."""
+  def read(doc, part):
+    if doc >= len(docs):
+      return None
+    ids, dist = docs[doc]
+    step = part_length or max(len(ids), 1)
+    start = part * step
+    return packing.Part(ids[start:start + step], dist[start:start + step],
+                        start + step >= len(ids))
+  return read
+
+
+def _pack_all(docs, seq_len, cross=False, part_length=None):
+  read = _reader(docs, part_length)
   rows, start = [], packing.StreamPosition()
   while (packed := packing.pack_row(read, start, seq_len, PAD, cross)) is not None:
     row, start = packed
@@ -86,19 +98,29 @@ def test_cross_document_attention_one_segment_positions_still_restart():
   assert row["loss_mask"][9] == 0  # Still no loss across documents.
 
 
-def _producer(streams_docs, seq_len, layout="ring", shards=1):
-  """A batch producer with one row per document list (row r packs streams_docs[r])."""
-  streams = {r: _RowStream(grain.MapDataset.source(docs), seq_len, PAD, False)
-             for r, docs in enumerate(streams_docs)}
-  return _BatchProducer(streams, seq_len, layout, shards, PAD)
+def test_a_document_in_parts_packs_as_if_whole():
+  docs = _documents([30, 200, 45, 80, 12, 150, 7], seed=3)
+  whole = _pack_all(docs, 64)
+  for part_length in (1, 13, 64, 100):
+    parts = _pack_all(docs, 64, part_length=part_length)
+    assert len(parts) == len(whole)
+    for got, want in zip(parts, whole):
+      for name in packing.FIELDS:
+        assert np.array_equal(got[name], want[name]), (part_length, name)
+
+
+def _producer(docs, seq_len, batch_rows=1, layout="ring", shards=1, rows=None):
+  """A batch producer over one stream of hand-made documents."""
+  rows = range(batch_rows) if rows is None else rows
+  return _BatchProducer(_reader(docs), batch_rows, rows, seq_len, layout, shards, PAD, False)
 
 
 @pytest.mark.parametrize("layout", layouts.LAYOUTS)
 def test_targets_stay_aligned_after_permutation(layout):
   docs = _documents([37, 90, 11, 64, 120, 5, 70])
   seq_len, shards = 64, 4
-  producer = _producer([docs], seq_len, layout, shards)
-  plain = _producer([docs], seq_len)
+  producer = _producer(docs, seq_len, layout=layout, shards=shards)
+  plain = _producer(docs, seq_len)
   batches = [next(producer) for _ in range(2)]
   references = [next(plain) for _ in range(2)]
   perm = layouts.permutation(layout, seq_len, shards)
@@ -114,10 +136,17 @@ def test_targets_stay_aligned_after_permutation(layout):
 
 
 def test_finite_stream_last_batch_is_padded():
-  # Row 0's stream fills three rows; row 1's one. Rows that ran out are padding.
-  producer = _producer([_documents([20, 20]), _documents([10])], seq_len=16)
-  batches = list(producer)
-  assert len(batches) == 3 and all(b["tokens"].shape == (2, 16) for b in batches)
-  assert batches[0]["segment_ids"][1].any()
-  for batch in batches[1:]:
-    assert batch["loss_mask"][1].sum() == 0 and batch["segment_ids"][1].sum() == 0
+  # 40 tokens fill rows 0 and 1 and part of row 2; row 3 of the second batch is padding.
+  batches = list(_producer(_documents([20, 20]), seq_len=16, batch_rows=2))
+  assert len(batches) == 2 and all(b["tokens"].shape == (2, 16) for b in batches)
+  assert batches[1]["segment_ids"][0].any() and not batches[1]["segment_ids"][0].all()
+  assert batches[1]["loss_mask"][1].sum() == 0 and batches[1]["segment_ids"][1].sum() == 0
+
+
+def test_a_process_keeps_its_rows_of_the_one_stream():
+  docs = _documents([37, 90, 11, 64, 120, 5, 70])
+  whole = next(_producer(docs, 16, batch_rows=4))
+  for rows in ([0, 1], [2, 3], [1, 3]):
+    part = next(_producer(docs, 16, batch_rows=4, rows=rows))
+    for name in packing.FIELDS:
+      assert np.array_equal(part[name], whole[name][rows]), name

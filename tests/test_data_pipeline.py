@@ -70,7 +70,7 @@ def test_batch_fields_and_answers(small_cfg):
                           num_shards=1, seed=0)
   tok = data.load_tokenizer(small_cfg)
   answers = 0
-  for _ in range(3):
+  for _ in range(10):  # Answers retrievable inside 64 tokens are rare: read enough.
     batch = next(it)
     assert set(batch) == set(data.FIELDS)
     for name, value in batch.items():
@@ -146,11 +146,11 @@ def test_global_batch_does_not_depend_on_the_process_count(small_cfg):
     parts = [next(half) for half in halves]
     for name in data.FIELDS:
       assert np.array_equal(np.concatenate([p[name] for p in parts]), expected[name]), name
-  # Both halves' states merge into the one-process state and resume it exactly.
-  merged = data.pipeline.merge_states([half.get_state() for half in halves])
-  assert merged == whole.get_state()
+  # Every process walks the one stream: its state is the one-process state, and resumes it.
+  state = whole.get_state()
+  assert all(half.get_state() == state for half in halves)
   resumed = make(rows=[2, 3])
-  resumed.set_state(merged)
+  resumed.set_state(state)
   assert np.array_equal(next(resumed)["tokens"], next(whole)["tokens"][2:])
 
 

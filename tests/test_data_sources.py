@@ -59,7 +59,7 @@ def text_cfg(tmp_path_factory):
 def test_text_files_builds_skips_bad_files_and_yields_batches(text_cfg, capsys):
   train = sources.split_source(text_cfg, "train")
   validation = sources.split_source(text_cfg, "validation")
-  assert len(train) + len(validation) == 35 and len(validation) == 1
+  assert len(train) + len(validation) == 35 and len(validation) == 2
   texts = {sources.text_of(text_cfg, train[i]) for i in range(len(train))}
   assert "json line 3 is a short story" in texts
   builder = sources.dataset_builder(text_cfg)
@@ -99,7 +99,49 @@ def test_text_files_keeps_a_published_book_level_split(tmp_path):
     assert texts == [f"book {book} of the {split} split" for book in books[split]]
 
 
-@pytest.mark.parametrize("good,bad", [(5, 0), (0, 3)])
+def test_five_books_fill_every_row_of_a_larger_batch(tmp_path, monkeypatch):
+  """Fewer documents than rows: the one stream fills every row; a long book spans batches."""
+  from data import parts
+  monkeypatch.setattr(parts, "PART_CHARS", 200)  # The long book comes in several parts.
+  books = tmp_path / "books"
+  books.mkdir()
+  lengths = [40, 600, 30, 50, 45]  # Words; book 0 goes to validation.
+  for i, words in enumerate(lengths):
+    (books / f"book{i}.txt").write_text(" ".join(f"w{i}x{j % 7}" for j in range(words)))
+  cfg = data.DataConfig(dataset="text_files", path=str(books), seq_len=32,
+                        tokenizer_vocab_size=300, data_dir=str(tmp_path / "d"), prefetch=0)
+  data.prepare(cfg)
+  assert len(sources.split_source(cfg, "train")) == 4
+  batches = list(data.make_iterator(cfg, split="train", global_batch_size=8, repeat=False))
+  tokens = sum(int((b["segment_ids"] > 0).sum()) for b in batches)
+  assert len(batches) >= 3 and batches[0]["segment_ids"].all()  # Full rows at the start.
+  tok = data.load_tokenizer(cfg)
+  texts = [sources.text_of(cfg, r) for r in sources.split_source(cfg, "train")]
+  assert tokens == sum(len(tok.encode(t)) + 2 for t in texts)  # Every token once.
+  long_rows = [(b, r) for b, batch in enumerate(batches) for r in range(8)
+               if "w1x" in tok.decode(batch["tokens"][r])]
+  assert len({b for b, _ in long_rows}) >= 2  # The long book runs across batches.
+
+
+def test_long_document_parts_tokenize_like_the_whole(text_cfg):
+  from data import parts
+  tok = data.load_tokenizer(text_cfg)
+  text = "  ".join(f"plain text {i} talks about\nrivers, hills and jsonl lines." for i in range(300))
+  whole = tok.encode_document(text)[0]
+  bounds = parts.part_bounds(text, 97)
+  assert len(bounds) > 100 and all(text[b] in " \n" for b in bounds[1:-1])
+  read = parts.DocumentParts([(text, None, None)], tok.encode_document, part_chars=97)
+  joined, part = [], 0
+  while True:
+    chunk = read(0, part)
+    joined.append(chunk.ids)
+    if chunk.last:
+      break
+    part += 1
+  assert np.array_equal(np.concatenate(joined), whole)
+
+
+@pytest.mark.parametrize("good,bad", [(1, 0), (0, 3)])
 def test_text_files_too_few_documents_for_the_splits(tmp_path, good, bad):
   docs = tmp_path / "docs"
   docs.mkdir()
@@ -110,7 +152,7 @@ def test_text_files_too_few_documents_for_the_splits(tmp_path, good, bad):
   cfg = data.DataConfig(dataset="text_files", path=str(docs), data_dir=str(tmp_path / "d"))
   skipped = r", 3 bad file\(s\) or line\(s\) skipped \(first: .*bad0.txt: not UTF-8" if bad else ""
   with pytest.raises(data.DataError, match=rf"has {good} usable document\(s\){skipped}.*at "
-                                           rf"least 20 documents are needed"):
+                                           rf"least 2 are needed"):
     data.prepare(cfg)
 
 

@@ -301,8 +301,7 @@ class _Run:
       if self.checkpointer.due(step) or step == steps or stop:
         self._read(*pending)  # Know the step was finite before its state is saved.
         pending = None
-        self.checkpointer.save(step, state, data.gather_state(self.iterator.get_state()),
-                               self.meta)
+        self.checkpointer.save(step, state, self.iterator.get_state(), self.meta)
         self._restart_clock(step)  # Save time is not step time.
       if self.config.train.eval_every and (step % self.config.train.eval_every == 0
                                            or step == steps):
