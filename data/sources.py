@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import tensorflow_datasets as tfds
 
-from data import synthetic, text_files
+from data import parts, synthetic, text_files
 from data.config import DataConfig, DataError
 
 FILE_FORMAT = "array_record"
@@ -162,11 +162,16 @@ def text_of(cfg: DataConfig, example: dict[str, Any]) -> str:
 
 
 def iter_texts(cfg: DataConfig, split: str, limit: int) -> Iterator[str]:
-  """Up to `limit` documents of a split, spread evenly over it (for tokenizer training)."""
+  """Up to `limit` documents of a split, spread evenly over it (for tokenizer training).
+
+  A long document comes as its parts (`data/parts.py`), the pieces the pipeline tokenizes:
+  SentencePiece's trainer skips any sentence over its 16 MiB limit whole."""
   source = split_source(cfg, split)
   count = min(limit, len(source))
   for index in np.linspace(0, len(source) - 1, count).astype(int):
-    yield text_of(cfg, source[int(index)])
+    text = text_of(cfg, source[int(index)])
+    bounds = parts.part_bounds(text, parts.PART_CHARS)
+    yield from (text[start:end] for start, end in zip(bounds, bounds[1:]))
 
 
 def storage_name(cfg: DataConfig) -> str:
