@@ -9,13 +9,14 @@ import subprocess
 import sys
 
 import jax
+from flax import linen as nn
 import numpy as np
 import pytest
 
 import data
 import parallelism
 from trainer import loop
-from trainer.checkpointing import CheckpointError, Checkpointer
+from trainer.checkpointing import CheckpointError, Checkpointer, open_step
 from trainer.loop import NonFiniteError, train
 from trainer.optimizer import make_schedule
 
@@ -56,7 +57,6 @@ def _checkpoint_values(workdir, config, mesh_sizes, step=None):
   (config.mesh.data, config.mesh.fsdp, config.mesh.sequence, config.mesh.ulysses,
    config.mesh.tensor) = mesh_sizes
   mesh = parallelism.make_mesh(config.mesh)
-  from flax import linen as nn
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.mesh.rules):
     checkpointer = Checkpointer(workdir, 10, 3, False)
     restored = checkpointer.restore(loop.build_training(config, mesh).abstract_state)
@@ -141,6 +141,17 @@ def test_a_flipped_bit_is_caught_by_the_fingerprint(tmp_path, tiny_config):
   tampered.params["final_norm"]["scale"] = jax.numpy.asarray(bits.view(np.float32))
   with pytest.raises(CheckpointError, match="final_norm"):
     Checkpointer._verify(2, tampered, meta)
+  # Export and sampling read the parameters alone, and verify them alike.
+  checkpointer, step = open_step(str(tmp_path), None, CheckpointError)
+  mesh = parallelism.make_mesh(config.mesh)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(config.mesh.rules):
+    abstract = loop.build_training(config, mesh).abstract_state
+    params, _ = checkpointer.read_params(step, lambda meta: abstract)
+  checkpointer.close()
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(params),
+               jax.device_get(arrays.params))
+  with pytest.raises(CheckpointError, match="final_norm"):
+    Checkpointer._verify(2, tampered.replace(step=None, opt_state=None), meta, only=".params")
 
 
 def _poison_step(monkeypatch, bad_step):

@@ -248,26 +248,40 @@ class Checkpointer:
   def steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
 
-  def read_step(self, step: int, abstract_state_of: Callable[[dict], Any]) -> tuple[Any, dict]:
-    """(state, meta) of one step, verified against its fingerprints; moves nothing, so a
+  def read_params(self, step: int, abstract_state_of: Callable[[dict], Any]) -> tuple[Any, dict]:
+    """(params, meta) of one step, verified against their fingerprints; moves nothing, so a
     damaged step is an error here. `abstract_state_of(meta)` gives the target shapes and
-    shardings from the step's stored config."""
+    shardings from the step's stored config. Only the parameters are read: the optimizer's
+    moments, twice their size, stay on disk (an export or a sampler never needs them)."""
     try:
       meta = self._read(step, meta=ocp.args.JsonRestore()).meta
       abstract_state = abstract_state_of(meta)
       self._check_shapes(step, abstract_state)
-      state = self._read(step, state=ocp.args.StandardRestore(abstract_state)).state
-      self._verify(step, state, meta)
+      wanted = {"params": abstract_state.params}
+      restore = ocp.args.PyTreeRestore(  # Orbax's partial restore: the rest is not read.
+          item=wanted, restore_args=ocp.checkpoint_utils.construct_restore_args(wanted),
+          partial_restore=True)
+      with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
+        params = self._guard(step, lambda: reader.restore(
+            os.path.join(self.directory, str(step), "state"), args=restore))["params"]
+      # Only the parameters' leaves remain to fingerprint (None is no leaf).
+      self._verify(step, abstract_state.replace(step=None, params=params, opt_state=None), meta,
+                   only=".params")
     except _Damaged as error:
       raise CheckpointError(f"checkpoint {self.directory}/{step} is damaged ({error}); "
                             f"nothing was moved") from error
-    return state, meta
+    return params, meta
 
   def _read(self, step: int, **items) -> Any:
-    """Restores the named items of one step; a failure to read them is damage, unless it
-    says nothing about the files (permissions, memory, descriptors)."""
+    """Restores the named items of one step."""
+    return self._guard(step, lambda: self._manager.restore(step,
+                                                           args=ocp.args.Composite(**items)))
+
+  def _guard(self, step: int, read: Callable[[], Any]) -> Any:
+    """`read()`; a failure to read a step is damage, unless it says nothing about the files
+    (permissions, memory, descriptors)."""
     try:
-      return self._manager.restore(step, args=ocp.args.Composite(**items))
+      return read()
     except Exception as error:  # noqa: BLE001  (Orbax and tensorstore raise many kinds)
       reason = _first_line(error)
       if _not_about_the_files(error):
@@ -316,14 +330,17 @@ class Checkpointer:
     return target
 
   @staticmethod
-  def _verify(step: int, state, meta: dict, data_state: dict | None = None) -> None:
-    """Raises _Damaged when the restored arrays or data position fail their fingerprints."""
+  def _verify(step: int, state, meta: dict, data_state: dict | None = None,
+              only: str = "") -> None:
+    """Raises _Damaged when the restored arrays or data position fail their fingerprints.
+    With `only`, `state` holds just the arrays under that path prefix (a partial read)."""
     try:
       actual, _ = _fingerprint_table(state)
     except Exception as error:  # noqa: BLE001  (an XLA error, e.g. out of device memory)
       raise CheckpointError(f"cannot fingerprint the restored step {step} to verify it "
                             f"({_first_line(error)}); nothing was moved") from error
-    expected = meta.get("fingerprints", {})
+    expected = {name: value for name, value in meta.get("fingerprints", {}).items()
+                if name.startswith(only)}
     if set(actual) != set(expected):
       raise _Damaged(f"step {step}: arrays differ from the recorded fingerprints")
     damaged = [name for name, value in actual.items() if value != expected[name]]

@@ -79,7 +79,7 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str = "bfloat
                               mesh, rules, jax.device_count(), config.data.seq_len)
 
     log(f"reading {checkpointer.directory}/{step}")
-    state, meta = checkpointer.read_step(step, abstract_state_of)
+    params, meta = checkpointer.read_params(step, abstract_state_of)
   finally:
     checkpointer.close()
 
@@ -92,9 +92,9 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str = "bfloat
 
   def hf_tensors():
     """(name, array) of every tensor, one parameter leaf on the host at a time."""
-    params = traverse_util.flatten_dict(state.params)
+    flat = traverse_util.flatten_dict(params)
     for tensor in tensor_names(cfg):
-      host = np.asarray(jax.device_get(params[tensor.path]))
+      host = np.asarray(jax.device_get(flat[tensor.path]))
       layers = list(host) if tensor.layered else [host]
       for name, layer in zip(tensor.hf_names(cfg.num_layers), layers):
         yield name, to_hf(layer, tensor.in_dims).astype(np_dtype)

@@ -94,14 +94,14 @@ def load(workdir: str, config: ml_collections.ConfigDict, step: int | None = Non
     config = stages.holding(stages.plan(config), step).config
     mesh, parts = _on_mesh(config)
     log(f"reading {checkpointer.directory}/{step}")
-    state, meta = checkpointer.read_step(step, lambda meta: parts.abstract_state)
+    params, meta = checkpointer.read_params(step, lambda meta: parts.abstract_state)
   finally:
     checkpointer.close()
   path = data.tokenizer_path(data_config(config))
   problem = tokenizer_problem(path, meta.get("tokenizer_sha256"))
   if problem:
     raise SampleError(f"{problem}; set --config.data.tokenizer=PATH")
-  return Sampler(config, mesh, state.params, data.Tokenizer(path), log), step
+  return Sampler(config, mesh, params, data.Tokenizer(path), log), step
 
 
 def capacity_for(length: int, config: ml_collections.ConfigDict, num_shards: int,
