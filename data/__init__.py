@@ -9,7 +9,7 @@
 """
 
 from data.config import DataConfig, DataError
-from data.global_batch import process_rows, to_global_batch
+from data.global_batch import gather_state, process_rows, to_global_batch
 from data.packing import FIELDS, TRAIN_FIELDS
 from data.retrieval import RETRIEVAL, Evaluator
 from data.pipeline import DataIterator, make_iterator
@@ -30,6 +30,6 @@ def fields(batch: dict, names) -> dict:
 
 __all__ = ["DataConfig", "DataError", "DataIterator", "Evaluator", "FIELDS", "TRAIN_FIELDS",
            "Tokenizer", "check_vocab", "evaluator_of", "fields",
-           "process_rows",
+           "gather_state", "process_rows",
            "load_tokenizer", "make_iterator", "prepare", "to_global_batch", "tokenizer_path",
            "train_tokenizer"]

@@ -1,14 +1,21 @@
 """Host batches to global `jax.Array`s: each process contributes only the rows it holds.
 
 `process_rows` says which global rows this process's devices hold under the batch sharding
-(the data iterator builds exactly those) and `to_global_batch` assembles the global arrays.
-Every process's iterator walks the same stream, so its state is the same everywhere.
+(the data iterator builds exactly those), `to_global_batch` assembles the global arrays, and
+`gather_state` merges the iterator states of all processes into one, so that any process
+can save it and any process layout can resume from it.
 """
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
+
+from data.pipeline import merge_states
 
 
 def process_rows(sharding: jax.sharding.Sharding, global_batch_size: int,
@@ -34,3 +41,16 @@ def to_global_batch(batch: dict[str, np.ndarray], sharding: jax.sharding.Shardin
     return jax.make_array_from_process_local_data(sharding, value, shape)
 
   return {name: one(value) for name, value in batch.items()}
+
+
+def gather_state(state: dict[str, Any]) -> dict[str, Any]:
+  """The iterator states of all processes merged (a collective: every process must call)."""
+  if jax.process_count() == 1:
+    return state
+  encoded = np.frombuffer(json.dumps(state).encode(), np.uint8)
+  # Pad to a common length so the all-gather has one shape; spaces are valid JSON padding.
+  length = int(np.max(multihost_utils.process_allgather(np.int32(encoded.size))))
+  padded = np.full(length, ord(" "), np.uint8)
+  padded[:encoded.size] = encoded
+  gathered = multihost_utils.process_allgather(padded)
+  return merge_states([json.loads(bytes(row).decode()) for row in np.asarray(gathered)])

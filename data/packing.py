@@ -4,7 +4,7 @@ The stream of documents is cut into rows with no padding except at the very end 
 stream: row k holds stream tokens [k*S, k*S + S] (S + 1 of them; the last is only a target
 and is also the first token of row k + 1), so every document token is a `tokens` entry
 exactly once. A document longer than the rest of a row continues in the next row. A long
-document arrives in parts (tokenized one at a time, data/pipeline.py); its parts join into one
+document arrives in parts (tokenized one at a time, data/parts.py); its parts join into one
 piece, as if it had come whole.
 
 Per row (before any layout permutation):

@@ -1,15 +1,19 @@
 """Long documents read in parts: each part is tokenized only when the packer reaches it.
 
-A whole 50 MB book tokenized in one SentencePiece call took 3.5 GB of host memory and stalled
-training for 42 s. Here a document longer than `PART_CHARS` characters is cut just before a
-whitespace character into parts of at most that many characters, and the packer asks for
-one part at a time (`packing.Part`). SentencePiece never lets a piece cross whitespace and
-the tokenizers trained here drop leading whitespace before their own word-start marker, so the
-parts' ids joined are exactly the whole document's (tested). A tokenizer that keeps leading
-spaces may differ in one token per cut, once per `PART_CHARS` characters.
+A 50 MB one-line book tokenized in one SentencePiece call stalled the pipeline for 31.8 s and
+peaked at 2.2 GB of host memory (`scripts/bench_data.py --case 8k`, results/bench_data.jsonl).
+Here a document longer than `PART_CHARS` characters is cut just before a whitespace character
+into parts of at most that many characters, and the packer asks for one part at a time
+(`packing.Part`). The tokenizers trained here map newlines and tabs to spaces, drop leading
+whitespace and never let a piece cross a space, so the parts' ids joined are exactly the
+whole document's (tested). Two exceptions, each costing at most one token per cut, once per
+`PART_CHARS` characters: a window with no whitespace at all is cut mid-word, and a tokenizer
+whose normalizer keeps newlines and tabs (LLaMA's, say) adds a word-start piece at a cut
+before one.
 
 Documents with answer spans (the synthetic corpus) are short and always come whole: their
-answer distances are counted over the whole document.
+answer distances are counted over the whole document. Changing `PART_CHARS` or the cut rule
+moves saved data positions (`data/pipeline.py` STATE_VERSION).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from data.config import DataError
 from data.packing import Part
 
 PART_CHARS = 1 << 20  # About 250k tokens of English text per part.
@@ -27,6 +32,8 @@ _WHITESPACE = (" ", "\n", "\t", "\r")
 
 def part_bounds(text: str, part_chars: int) -> list[int]:
   """Start offsets of each part, then len(text): parts end just before a whitespace."""
+  if part_chars < 1:
+    raise ValueError(f"part_chars={part_chars} must be >= 1")
   bounds = [0]
   while len(text) - bounds[-1] > part_chars:
     end = bounds[-1] + part_chars
@@ -35,17 +42,23 @@ def part_bounds(text: str, part_chars: int) -> list[int]:
   return bounds + [len(text)]
 
 
-class DocumentParts:
-  """`read(doc, part)` over a stream of documents, tokenizing the current part only.
+def bounds_of(text: str, has_answers: bool) -> list[int]:
+  """Where a document's parts start (then its end): one part when it has answer spans."""
+  return [0, len(text)] if has_answers else part_bounds(text, PART_CHARS)
 
-  `documents[i]` is a document as `(text, answer_spans, fact_spans)`; the last document read
-  and its last part read are kept, because consecutive rows read them again.
+
+class DocumentParts:
+  """`read(doc, part)` over a stream of documents, tokenizing the requested part only.
+
+  `documents[i]` is a document as `(text, answer_spans, fact_spans)`. The last document read
+  (its text and part bounds) and the last part are kept: consecutive rows read them again.
   """
 
-  def __init__(self, documents: Sequence[Any], encode: Callable[..., tuple[np.ndarray, np.ndarray]],
-               part_chars: int = PART_CHARS):
-    self._documents, self._encode, self._part_chars = documents, encode, part_chars
-    self._doc: tuple[int, str, Any, Any, list[int]] | None = None
+  def __init__(self, documents: Sequence[Any],
+               encode: Callable[..., tuple[np.ndarray, np.ndarray]]):
+    self._documents, self._encode = documents, encode
+    self._doc_index = -1
+    self._text, self._answers, self._facts, self._bounds = "", None, None, [0, 0]
     self._part: tuple[int, int, Part] | None = None
 
   def __call__(self, doc: int, part: int) -> Part | None:
@@ -53,16 +66,15 @@ class DocumentParts:
       return self._part[2]
     if doc >= len(self._documents):
       return None
-    if self._doc is None or self._doc[0] != doc:
-      text, answers, facts = self._documents[doc]
-      whole = answers is not None and len(answers)
-      bounds = [0, len(text)] if whole else part_bounds(text, self._part_chars)
-      self._doc = (doc, text, answers, facts, bounds)
-    _, text, answers, facts, bounds = self._doc
-    if part >= len(bounds) - 1:
-      raise IndexError(f"document {doc} has {len(bounds) - 1} parts, not {part + 1}")
-    last = part == len(bounds) - 2
-    ids, distance = self._encode(text[bounds[part]:bounds[part + 1]], answers, facts,
-                                 bos=part == 0, eos=last)
+    if doc != self._doc_index:
+      self._text, self._answers, self._facts = self._documents[doc]
+      has_answers = self._answers is not None and len(self._answers) > 0
+      self._bounds, self._doc_index = bounds_of(self._text, has_answers), doc
+    if part >= len(self._bounds) - 1:
+      raise DataError(f"document {doc} of the stream has {len(self._bounds) - 1} part(s), "
+                      f"not {part + 1}: the data position was saved with another cut rule")
+    last = part == len(self._bounds) - 2
+    ids, distance = self._encode(self._text[self._bounds[part]:self._bounds[part + 1]],
+                                 self._answers, self._facts, bos=part == 0, eos=last)
     self._part = (doc, part, Part(ids, distance, last))
     return self._part[2]

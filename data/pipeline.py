@@ -1,30 +1,32 @@
 """The checkpointable batch iterator: shuffle, tokenize, pack, permute, prefetch.
 
-The whole split is one document stream: its records shuffled together (afresh each epoch when
-repeating), cut end to end into rows of `seq_len` tokens, so a corpus of any size trains (one
-book fills every row of every batch if it must) and a document may span rows and batches.
-Batch b holds the stream's rows b*G .. b*G + G - 1 (G = global batch rows), in order. Every
-process walks the same stream and keeps the rows its devices hold (`rows`), so the global
-batch is the same whatever the number of processes: a run on 2 hosts sees the batches a run
-on 1 sees. Long documents are tokenized a part at a time as the rows reach them
-(`data/parts.py`). Every per-token array is permuted into the sequence layout once, here on
-the host, and a Grain thread prefetches `cfg.prefetch` batches in the background.
+The split's documents are shuffled together (afresh each epoch when repeating) and dealt in
+turn to K document streams, K = min(rows of the global batch G, documents in the split).
+Each stream is cut end to end into rows of `seq_len` tokens, and row r of every batch is the
+next row of stream r mod K. So a corpus of any size trains (two books fill a batch of 8 rows),
+a long document runs on across rows and batches of its stream, and with a large corpus each
+row has a stream of its own. A process walks only the streams its devices' rows (`rows`)
+come from: with K = G it reads and tokenizes only its own rows. K depends on G and the
+corpus alone, so the global batch is the same whatever the number of processes: a run on 2
+hosts sees the batches a run on 1 sees. Long documents are tokenized a part at a time as the
+rows reach them (`data/parts.py`). Every per-token array is permuted into the sequence layout
+once, here on the host, and a Grain thread prefetches `cfg.prefetch` batches in the background.
 
-The state is where the next batch starts in the stream, `{"doc": j, "part": p, "offset": o}`:
-plain JSON, the same in every process; restoring it replays exactly the batches that would
-have come next, under any process layout.
+The state is, per stream, where its next row starts, `{"doc": j, "part": p, "offset": o}`:
+plain JSON; restoring it replays exactly the batches that would have come next. States of
+several processes merge (`merge_states`) into one that any process layout can resume from.
 
 Grain's own packing (`ConcatThenSplitIterDataset`) was considered and not used: it passes
-whole-length documents ahead of partly filled rows and pads rows it closes, it has no
-one-token overlap between rows (so a token that ends a row would never be a target), and
-it restores by replaying from its last checkpointed buffer; the packer here is 60 lines.
+whole-length documents ahead of partly filled rows and pads the rows it closes, it has no
+one-token overlap between rows (a token that ends a row would never be a target), and it
+restores by replaying from its last checkpointed buffer; the packer here is 60 lines.
 """
 
 from __future__ import annotations
 
 import copy
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grain
@@ -37,57 +39,88 @@ from data.prepare import load_tokenizer
 from data.tokenizer import Tokenizer
 from parallelism import layouts
 
-STATE_VERSION = 3  # 2 had a document stream per row.
+STATE_VERSION = 3  # 2 had a document stream per row, each over its own slice of the split.
+
+
+class _Stream:
+  """Packs consecutive rows from one (possibly infinite) stream of documents."""
+
+  def __init__(self, read: Callable[[int, int], packing.Part | None], seq_len: int,
+               pad_id: int, cross_document_attention: bool):
+    self._read, self._seq_len = read, seq_len
+    self._pad_id, self._cross = pad_id, cross_document_attention
+    self.position = packing.StreamPosition()
+    self.done = False
+
+  def next_row(self) -> dict[str, np.ndarray] | None:
+    if not self.done:
+      packed = packing.pack_row(self._read, self.position, self._seq_len, self._pad_id,
+                                self._cross)
+      if packed is not None:
+        row, self.position = packed
+        return row
+      self.done = True
+    return None
 
 
 class _BatchProducer:
-  """Cuts the stream into batches of `batch_rows` rows and keeps this process's `rows`."""
+  """Row r of each batch from stream r mod K; keeps this process's rows, in order."""
 
-  def __init__(self, read: DocumentParts, batch_rows: int, rows: Sequence[int], seq_len: int,
-               layout: str, num_shards: int, pad_id: int, cross_document_attention: bool):
-    self._read, self._batch_rows, self._rows = read, batch_rows, set(rows)
+  def __init__(self, streams: dict[int, _Stream], stream_count: int, batch_rows: int,
+               rows: Sequence[int], seq_len: int, layout: str, num_shards: int, pad_id: int):
+    self._streams = streams  # Only the streams this process's rows come from.
+    self._stream_count, self._batch_rows, self._rows = stream_count, batch_rows, set(rows)
     self._seq_len, self._layout, self._num_shards = seq_len, layout, num_shards
-    self._pad_id, self._cross = pad_id, cross_document_attention
-    self._position = packing.StreamPosition()
-    self._done = False
+    self._pad_id = pad_id
 
   def __iter__(self):
     return self
 
   def __next__(self) -> dict[str, np.ndarray]:
-    if self._done:
-      raise StopIteration
-    # A finite stream that ran out leaves padding rows: shapes stay static.
-    empty = packing.empty_row(self._seq_len, self._pad_id)
     rows = []
     for row in range(self._batch_rows):
-      packed = None if self._done else packing.pack_row(
-          self._read, self._position, self._seq_len, self._pad_id, self._cross)
-      if packed is None:
-        self._done = True
-        if row == 0:
-          raise StopIteration
-      else:
-        self._position = packed[1]
-      if row in self._rows:
-        rows.append(empty if packed is None else packed[0])
+      stream = self._streams.get(row % self._stream_count)
+      if stream is not None:  # Its rows that other processes hold still move it on.
+        packed = stream.next_row()
+        if row in self._rows:
+          rows.append(packed)
+    if all(row is None for row in rows):
+      raise StopIteration
+    # A finite stream that ran out gives padding rows: shapes stay static.
+    empty = packing.empty_row(self._seq_len, self._pad_id)
+    rows = [empty if row is None else row for row in rows]
     return {name: layouts.permute(np.stack([r[name] for r in rows]), self._layout,
                                   self._num_shards)
             for name in packing.FIELDS}
 
   def get_state(self) -> dict[str, Any]:
-    position = self._position
-    return {"version": STATE_VERSION, "doc": int(position.doc), "part": int(position.part),
-            "offset": int(position.offset), "done": self._done}
+    return {"version": STATE_VERSION, "stream_count": self._stream_count, "streams": {
+        str(k): {"doc": int(s.position.doc), "part": int(s.position.part),
+                 "offset": int(s.position.offset), "done": s.done}
+        for k, s in self._streams.items()}}
 
   def set_state(self, state: dict[str, Any]) -> None:
     if state.get("version") != STATE_VERSION:
       raise DataError(f"data iterator state version {state.get('version')} is not "
                       f"{STATE_VERSION}: it was saved by another version of the data pipeline; "
                       f"resume with the code that started the run, or start a new run")
-    self._position = packing.StreamPosition(int(state["doc"]), int(state["part"]),
-                                            int(state["offset"]))
-    self._done = bool(state["done"])
+    if state["stream_count"] != self._stream_count:
+      raise DataError(f"data iterator state has {state['stream_count']} document streams, this "
+                      f"run {self._stream_count}: train.batch_size or the split's documents "
+                      f"changed since it was saved")
+    for k, stream in self._streams.items():
+      saved = state["streams"][str(k)]
+      stream.position = packing.StreamPosition(int(saved["doc"]), int(saved["part"]),
+                                               int(saved["offset"]))
+      stream.done = bool(saved["done"])
+
+
+def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
+  """One state holding every stream of several processes' states (streams two hold agree)."""
+  streams: dict[str, Any] = {}
+  for state in states:
+    streams.update(state["streams"])
+  return {**states[0], "streams": dict(sorted(streams.items(), key=lambda kv: int(kv[0])))}
 
 
 class DataIterator:
@@ -172,14 +205,20 @@ def build_iterator(cfg: DataConfig, tokenizer: Tokenizer, split: str, global_bat
                    rows: Sequence[int] | None = None) -> DataIterator:
   check_layout(cfg.seq_len, layout, num_shards)
   own_rows = _own_rows(global_batch_size, process_index, process_count, rows)
-  records = grain.MapDataset.source(sources.split_source(cfg, split))
-  # The shuffle covers the whole split; repeated, each epoch gets its own order.
-  documents = records.shuffle(seed=int(np.random.SeedSequence(seed % 2**32).generate_state(1)[0]))
+  source = sources.split_source(cfg, split)
+  stream_count = min(global_batch_size, len(source))
+  # Shuffled before it is repeated: grain reseeds the shuffle for each epoch (index // len).
+  documents = grain.MapDataset.source(source).shuffle(
+      seed=int(np.random.SeedSequence(seed % 2**32).generate_state(1)[0]))
   if repeat:
     documents = documents.repeat()
-  read = DocumentParts(documents.map(_document(cfg)), tokenizer.encode_document)
-  producer = _BatchProducer(read, global_batch_size, own_rows, cfg.seq_len, layout, num_shards,
-                            tokenizer.pad_id, cfg.cross_document_attention)
+  documents = documents.map(_document(cfg))
+  streams = {}
+  for k in sorted({row % stream_count for row in own_rows}):
+    read = DocumentParts(documents[k::stream_count], tokenizer.encode_document)
+    streams[k] = _Stream(read, cfg.seq_len, tokenizer.pad_id, cfg.cross_document_attention)
+  producer = _BatchProducer(streams, stream_count, global_batch_size, own_rows, cfg.seq_len,
+                            layout, num_shards, tokenizer.pad_id)
   return DataIterator(producer, cfg.prefetch)
 
 

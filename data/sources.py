@@ -169,8 +169,10 @@ def iter_texts(cfg: DataConfig, split: str, limit: int) -> Iterator[str]:
   source = split_source(cfg, split)
   count = min(limit, len(source))
   for index in np.linspace(0, len(source) - 1, count).astype(int):
-    text = text_of(cfg, source[int(index)])
-    bounds = parts.part_bounds(text, parts.PART_CHARS)
+    example = source[int(index)]
+    text = text_of(cfg, example)
+    answers = example.get("answer_spans")
+    bounds = parts.bounds_of(text, answers is not None and len(answers) > 0)
     yield from (text[start:end] for start, end in zip(bounds, bounds[1:]))
 
 

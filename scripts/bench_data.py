@@ -1,6 +1,6 @@
 """Tokens/sec of the data pipeline alone (no model): read, tokenize, pack, permute, prefetch.
 
-  python scripts/bench_data.py                  # both cases, appends results/bench_data.jsonl
+  python scripts/bench_data.py                  # every case, appends results/bench_data.jsonl
   python scripts/bench_data.py --case tiny --batches 200
   python scripts/bench_data.py --case 8k --path DIR   # a directory of .txt files (text_files)
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from data import packing
-from data.pipeline import _BatchProducer
+from data.pipeline import _BatchProducer, _Stream
 from parallelism import layouts
 
 PAD = 0
@@ -110,9 +110,10 @@ def test_a_document_in_parts_packs_as_if_whole():
 
 
 def _producer(docs, seq_len, batch_rows=1, layout="ring", shards=1, rows=None):
-  """A batch producer over one stream of hand-made documents."""
+  """A batch producer whose rows all come from one stream of hand-made documents."""
   rows = range(batch_rows) if rows is None else rows
-  return _BatchProducer(_reader(docs), batch_rows, rows, seq_len, layout, shards, PAD, False)
+  stream = _Stream(_reader(docs), seq_len, PAD, False)
+  return _BatchProducer({0: stream}, 1, batch_rows, rows, seq_len, layout, shards, PAD)
 
 
 @pytest.mark.parametrize("layout", layouts.LAYOUTS)

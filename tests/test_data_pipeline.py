@@ -124,14 +124,14 @@ def test_finite_read_yields_every_token_once_and_epochs_reshuffle(small_cfg):
   assert sorted(docs[:16]) == sorted(docs[16:32]) and docs[:16] != docs[16:32]
 
 
-def test_processes_read_disjoint_slices(small_cfg):
+def test_processes_hold_disjoint_rows(small_cfg):
   seen = []
   for index in range(2):
     it = data.make_iterator(small_cfg, split="train", global_batch_size=4, seed=0,
                             process_index=index, process_count=2, repeat=False)
     batch = next(it)
     assert batch["tokens"].shape == (2, 64)
-    # Padding rows (a row stream that ran out) are alike everywhere; real rows never are.
+    # Padding rows (a stream that ran out) are alike everywhere; real rows never are.
     seen.append({tuple(r) for b in [batch, *it]
                  for r, segments in zip(b["tokens"], b["segment_ids"]) if segments.any()})
   assert not seen[0] & seen[1]
@@ -146,11 +146,11 @@ def test_global_batch_does_not_depend_on_the_process_count(small_cfg):
     parts = [next(half) for half in halves]
     for name in data.FIELDS:
       assert np.array_equal(np.concatenate([p[name] for p in parts]), expected[name]), name
-  # Every process walks the one stream: its state is the one-process state, and resumes it.
-  state = whole.get_state()
-  assert all(half.get_state() == state for half in halves)
+  # Both halves' states merge into the one-process state and resume it exactly.
+  merged = data.pipeline.merge_states([half.get_state() for half in halves])
+  assert merged == whole.get_state()
   resumed = make(rows=[2, 3])
-  resumed.set_state(state)
+  resumed.set_state(merged)
   assert np.array_equal(next(resumed)["tokens"], next(whole)["tokens"][2:])
 
 

@@ -100,9 +100,10 @@ def test_text_files_keeps_a_published_book_level_split(tmp_path):
 
 
 def test_five_books_fill_every_row_of_a_larger_batch(tmp_path, monkeypatch):
-  """Fewer documents than rows: the one stream fills every row; a long book spans batches."""
+  """Fewer documents than rows: 4 streams fill 8 rows; a long book, read in parts, runs on
+  across rows and batches, and a position inside it resumes exactly."""
   from data import parts
-  monkeypatch.setattr(parts, "PART_CHARS", 200)  # The long book comes in several parts.
+  monkeypatch.setattr(parts, "PART_CHARS", 200)
   books = tmp_path / "books"
   books.mkdir()
   lengths = [40, 600, 30, 50, 45]  # Words; book 0 goes to validation.
@@ -111,26 +112,43 @@ def test_five_books_fill_every_row_of_a_larger_batch(tmp_path, monkeypatch):
   cfg = data.DataConfig(dataset="text_files", path=str(books), seq_len=32,
                         tokenizer_vocab_size=300, data_dir=str(tmp_path / "d"), prefetch=0)
   data.prepare(cfg)
-  assert len(sources.split_source(cfg, "train")) == 4
-  batches = list(data.make_iterator(cfg, split="train", global_batch_size=8, repeat=False))
-  tokens = sum(int((b["segment_ids"] > 0).sum()) for b in batches)
-  assert len(batches) >= 3 and batches[0]["segment_ids"].all()  # Full rows at the start.
-  tok = data.load_tokenizer(cfg)
   texts = [sources.text_of(cfg, r) for r in sources.split_source(cfg, "train")]
+  assert len(texts) == 4
+  make = lambda repeat: data.make_iterator(cfg, split="train", global_batch_size=8,
+                                           repeat=repeat)
+  batches = list(make(repeat=False))
+  tok = data.load_tokenizer(cfg)
+  tokens = sum(int((b["segment_ids"] > 0).sum()) for b in batches)
   assert tokens == sum(len(tok.encode(t)) + 2 for t in texts)  # Every token once.
+  assert batches[0]["segment_ids"].all()  # Full rows at the start.
   long_rows = [(b, r) for b, batch in enumerate(batches) for r in range(8)
                if "w1x" in tok.decode(batch["tokens"][r])]
   assert len({b for b, _ in long_rows}) >= 2  # The long book runs across batches.
 
+  it = make(repeat=True)
+  states = []
+  for _ in range(6):
+    states.append(it.get_state())
+    next(it)
+  inside = [s for s in states if any(p["part"] > 0 for p in s["streams"].values())]
+  assert inside, "the long book was never read in parts"
+  it.set_state(inside[0])
+  fresh = make(repeat=True)
+  fresh.set_state(inside[0])
+  for _ in range(3):
+    assert np.array_equal(next(it)["tokens"], next(fresh)["tokens"])
 
-def test_long_document_parts_tokenize_like_the_whole(text_cfg):
+
+def test_long_document_parts_tokenize_like_the_whole(text_cfg, monkeypatch):
   from data import parts
+  monkeypatch.setattr(parts, "PART_CHARS", 97)
   tok = data.load_tokenizer(text_cfg)
-  text = "  ".join(f"plain text {i} talks about\nrivers, hills and jsonl lines." for i in range(300))
+  text = "  ".join(f"plain text {i} talks about\nrivers,\thills and jsonl lines."
+                   for i in range(300))
   whole = tok.encode_document(text)[0]
   bounds = parts.part_bounds(text, 97)
-  assert len(bounds) > 100 and all(text[b] in " \n" for b in bounds[1:-1])
-  read = parts.DocumentParts([(text, None, None)], tok.encode_document, part_chars=97)
+  assert len(bounds) > 100 and all(text[b] in " \n\t" for b in bounds[1:-1])
+  read = parts.DocumentParts([(text, None, None)], tok.encode_document)
   joined, part = [], 0
   while True:
     chunk = read(0, part)

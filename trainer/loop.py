@@ -115,7 +115,7 @@ def _train(config, workdir: str, start_over: bool, signals: "_StopSignals",
           elif step == stage.first_step - 1 and stage.index > 0:
             state = stages.carry_over(state, parts.optimizer, parts.shardings,
                                       stage.keep_optimizer)
-            data_state = None  # The previous stage's position, in rows of its length.
+            data_state = None  # Each stage reads the data afresh, with a seed of its own.
           if stage.name and step < stage.last_step:
             log(_stage_line(stage, step))
           iterator = _make_iterator(stage.config, stage_model_cfg, mesh, data_cfg.train_split,
@@ -301,7 +301,8 @@ class _Run:
       if self.checkpointer.due(step) or step == steps or stop:
         self._read(*pending)  # Know the step was finite before its state is saved.
         pending = None
-        self.checkpointer.save(step, state, self.iterator.get_state(), self.meta)
+        self.checkpointer.save(step, state, data.gather_state(self.iterator.get_state()),
+                               self.meta)
         self._restart_clock(step)  # Save time is not step time.
       if self.config.train.eval_every and (step % self.config.train.eval_every == 0
                                            or step == steps):
