@@ -108,6 +108,10 @@ class _BatchProducer:
       raise DataError(f"data iterator state has {state['stream_count']} document streams, this "
                       f"run {self._stream_count}: train.batch_size or the split's documents "
                       f"changed since it was saved")
+    missing = [k for k in self._streams if str(k) not in state["streams"]]
+    if missing:
+      raise DataError(f"data iterator state has no position for streams {missing}; it holds "
+                      f"only some processes' streams")
     for k, stream in self._streams.items():
       saved = state["streams"][str(k)]
       stream.position = packing.StreamPosition(int(saved["doc"]), int(saved["part"]),
