@@ -125,6 +125,18 @@ def test_five_books_fill_every_row_of_a_larger_batch(tmp_path, monkeypatch):
                if "w1x" in tok.decode(batch["tokens"][r])]
   assert len({b for b, _ in long_rows}) >= 2  # The long book runs across batches.
 
+  # 4 processes of 2 rows: streams 0 and 1 feed processes 0 and 2, and so on. The global
+  # batch and its state are still the one-process ones.
+  whole = make(repeat=True)
+  processes = [data.make_iterator(cfg, split="train", global_batch_size=8, process_index=p,
+                                  process_count=4) for p in range(4)]
+  for _ in range(3):
+    expected = next(whole)
+    got = np.concatenate([next(process)["tokens"] for process in processes])
+    assert np.array_equal(got, expected["tokens"])
+  merged = data.pipeline.merge_states([process.get_state() for process in processes])
+  assert merged == whole.get_state()
+
   it = make(repeat=True)
   states = []
   for _ in range(6):
