@@ -42,9 +42,10 @@ def part_bounds(text: str, part_chars: int) -> list[int]:
   return bounds + [len(text)]
 
 
-def bounds_of(text: str, has_answers: bool) -> list[int]:
+def bounds_of(text: str, answer_spans) -> list[int]:
   """Where a document's parts start (then its end): one part when it has answer spans."""
-  return [0, len(text)] if has_answers else part_bounds(text, PART_CHARS)
+  whole = answer_spans is not None and len(answer_spans) > 0
+  return [0, len(text)] if whole else part_bounds(text, PART_CHARS)
 
 
 class DocumentParts:
@@ -68,8 +69,7 @@ class DocumentParts:
       return None
     if doc != self._doc_index:
       self._text, self._answers, self._facts = self._documents[doc]
-      has_answers = self._answers is not None and len(self._answers) > 0
-      self._bounds, self._doc_index = bounds_of(self._text, has_answers), doc
+      self._bounds, self._doc_index = bounds_of(self._text, self._answers), doc
     if part >= len(self._bounds) - 1:
       raise DataError(f"document {doc} of the stream has {len(self._bounds) - 1} part(s), "
                       f"not {part + 1}: the data position was saved with another cut rule")

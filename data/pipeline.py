@@ -25,6 +25,7 @@ restores by replaying from its last checkpointed buffer; the packer here is 60 l
 from __future__ import annotations
 
 import copy
+import functools
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -70,8 +71,9 @@ class _BatchProducer:
                rows: Sequence[int], seq_len: int, layout: str, num_shards: int, pad_id: int):
     self._streams = streams  # Only the streams this process's rows come from.
     self._stream_count, self._batch_rows, self._rows = stream_count, batch_rows, set(rows)
-    self._seq_len, self._layout, self._num_shards = seq_len, layout, num_shards
-    self._pad_id = pad_id
+    self._layout, self._num_shards = layout, num_shards
+    # Stands in for the rows of a finite stream that ran out: shapes stay static.
+    self._empty = packing.empty_row(seq_len, pad_id)
 
   def __iter__(self):
     return self
@@ -86,9 +88,7 @@ class _BatchProducer:
           rows.append(packed)
     if all(row is None for row in rows):
       raise StopIteration
-    # A finite stream that ran out gives padding rows: shapes stay static.
-    empty = packing.empty_row(self._seq_len, self._pad_id)
-    rows = [empty if row is None else row for row in rows]
+    rows = [self._empty if row is None else row for row in rows]
     return {name: layouts.permute(np.stack([r[name] for r in rows]), self._layout,
                                   self._num_shards)
             for name in packing.FIELDS}
@@ -172,13 +172,6 @@ def _release(holder: list) -> None:
   holder.append(None)
 
 
-def _document(cfg: DataConfig):
-  def document(example: dict[str, Any]) -> tuple[str, Any, Any]:
-    return sources.text_of(cfg, example), example.get("answer_spans"), example.get("fact_spans")
-
-  return document
-
-
 def check_layout(seq_len: int, layout: str, num_shards: int) -> None:
   """DataError unless `seq_len` splits evenly over the sequence shards of `layout`."""
   try:
@@ -216,7 +209,7 @@ def build_iterator(cfg: DataConfig, tokenizer: Tokenizer, split: str, global_bat
       seed=int(np.random.SeedSequence(seed % 2**32).generate_state(1)[0]))
   if repeat:
     documents = documents.repeat()
-  documents = documents.map(_document(cfg))
+  documents = documents.map(functools.partial(sources.document_of, cfg))
   streams = {}
   for k in sorted({row % stream_count for row in own_rows}):
     read = DocumentParts(documents[k::stream_count], tokenizer.encode_document)

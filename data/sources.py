@@ -161,6 +161,12 @@ def text_of(cfg: DataConfig, example: dict[str, Any]) -> str:
   return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
 
 
+def document_of(cfg: DataConfig, example: dict[str, Any]) -> tuple[str, Any, Any]:
+  """(text, answer_spans, fact_spans) of one decoded record; the spans are None unless the
+  dataset marks answers (the synthetic corpus)."""
+  return text_of(cfg, example), example.get("answer_spans"), example.get("fact_spans")
+
+
 def iter_texts(cfg: DataConfig, split: str, limit: int) -> Iterator[str]:
   """Up to `limit` documents of a split, spread evenly over it (for tokenizer training).
 
@@ -169,10 +175,8 @@ def iter_texts(cfg: DataConfig, split: str, limit: int) -> Iterator[str]:
   source = split_source(cfg, split)
   count = min(limit, len(source))
   for index in np.linspace(0, len(source) - 1, count).astype(int):
-    example = source[int(index)]
-    text = text_of(cfg, example)
-    answers = example.get("answer_spans")
-    bounds = parts.bounds_of(text, answers is not None and len(answers) > 0)
+    text, answers, _ = document_of(cfg, source[int(index)])
+    bounds = parts.bounds_of(text, answers)
     yield from (text[start:end] for start, end in zip(bounds, bounds[1:]))
 
 
