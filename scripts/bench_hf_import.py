@@ -106,8 +106,7 @@ def measure(directory: str) -> dict:
   mesh = parallelism.make_mesh(config.mesh)
   cfg = model_config(config)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.mesh.rules):
-    state = abstract_state(Decoder(cfg), make_optimizer(config.train), mesh, config.mesh.rules,
-                           8, 256)
+    state = abstract_state(Decoder(cfg), make_optimizer(config.train), mesh, config.mesh.rules)
     files = hf_import.tensor_files(directory)
     largest_read = 0
     for name, path in files.items():

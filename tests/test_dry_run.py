@@ -25,8 +25,7 @@ def _real_step_peak(config) -> tuple[int, list[tuple[int, ...]]]:
   seq_len = config.data.seq_len
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.mesh.rules):
     parts = build_training(config, mesh)
-    state = init_state(parts.model, parts.optimizer, parts.shardings, config.seed,
-                       parts.init_rows, seq_len)
+    state = init_state(parts.model, parts.optimizer, parts.shardings, config.seed)
     batch = {name: jax.device_put(np.zeros((config.train.batch_size, seq_len), dtype),
                                   parts.batch_sharding)
              for name, dtype in dry_run.BATCH_DTYPES.items()}

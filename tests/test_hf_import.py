@@ -53,8 +53,7 @@ def imported_logits(directory: str, attention: str) -> tuple[np.ndarray, np.ndar
   cfg = model_config(config)
   model = Decoder(cfg)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.mesh.rules):
-    state = abstract_state(model, make_optimizer(config.train), mesh, config.mesh.rules, 1,
-                           seq_len)
+    state = abstract_state(model, make_optimizer(config.train), mesh, config.mesh.rules)
     params = hf_import.load_params(directory, cfg, state.params, log=lambda line: None)
     index = np.arange(seq_len, dtype=np.int32)[None]
     shards = mesh.shape["sequence"]

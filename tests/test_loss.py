@@ -44,8 +44,8 @@ def test_chunked_scores_and_gradients_equal_the_full_logits(tie, mesh_shape, chu
   segments = jnp.ones((batch, seq_len), jnp.int32)
   with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
     optimizer = _optimizer()
-    state = init_state(model, optimizer, shardings_of(abstract_state(
-        model, optimizer, mesh, RULES, batch, seq_len)), 0, batch, seq_len)
+    state = init_state(model, optimizer,
+                       shardings_of(abstract_state(model, optimizer, mesh, RULES)), 0)
 
     def full(params):
       logits = model.apply({"params": params}, tokens, index, index, segments)

@@ -97,3 +97,42 @@ def test_packed_documents_do_not_see_each_other():
   changed = model.apply(variables, tokens.at[:, 3].set((tokens[:, 3] + 1) % 101),
                         positions, index, segments)
   np.testing.assert_array_equal(changed[:, 12:], base[:, 12:])
+
+
+@pytest.mark.parametrize("attention, remat, strategy, mesh_shape, ulysses", [
+    ("striped", "save_attention", "ring", (1, 2, 4, 1), 1),
+    ("zigzag", "full", "hybrid", (1, 1, 4, 1), 2),
+    ("ring", "offload", "allgather", (2, 1, 2, 2), 1),
+])
+def test_the_init_gives_the_parameters_of_the_model_that_trains(attention, remat, strategy,
+                                                                  mesh_shape, ulysses):
+  """`init_state` inits a dense, remat-free model on a few tokens (trainer/state.py); the
+  parameters equal, bit for bit and sharding for sharding, those of the model's own init
+  on a whole training batch."""
+  import importlib
+
+  import flax.linen as nn
+
+  import parallelism
+  from trainer.optimizer import make_optimizer
+  from trainer.state import abstract_state, init_state, shardings_of
+  from trainer.training import model_config
+
+  config = importlib.import_module("configs.tiny_cpu").get_config(attention)
+  config.train.remat, config.model.sequence_parallel = remat, strategy
+  config.mesh.data, config.mesh.fsdp, config.mesh.sequence, config.mesh.tensor = mesh_shape
+  config.mesh.ulysses = ulysses
+  model, optimizer = Decoder(model_config(config)), make_optimizer(config.train)
+  mesh = parallelism.make_mesh(config.mesh)
+  rows, seq_len = config.train.batch_size, config.data.seq_len
+  index = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (rows, seq_len))
+  with jax.set_mesh(mesh), nn.logical_axis_rules(config.mesh.rules):
+    shardings = shardings_of(abstract_state(model, optimizer, mesh, config.mesh.rules))
+    params = init_state(model, optimizer, shardings, seed=3).params
+    trained_init = jax.jit(lambda rng: nn.meta.unbox(model.init(
+        rng, jnp.zeros_like(index), index, index, jnp.ones_like(index))["params"]),
+                           out_shardings=shardings.params)(jax.random.key(3))
+  assert jax.tree.structure(params) == jax.tree.structure(trained_init)
+  for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(trained_init)):
+    assert got.sharding == want.sharding
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

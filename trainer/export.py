@@ -70,13 +70,12 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str = "bfloat
     def abstract_state_of(meta):
       # A staged run's step exports with its stage's RoPE and length.
       config = stages.holding(stages.plan(ml_collections.ConfigDict(meta["config"])), step).config
-      config.model.attention = "dense"  # The parameters are the same under every layout.
       rules = tuple((name, tuple(axes) if isinstance(axes, list) else axes)
                     for name, axes in config.mesh.rules)
       found.update(config=config, rules=rules)
       with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         return abstract_state(Decoder(model_config(config)), make_optimizer(config.train),
-                              mesh, rules, jax.device_count(), config.data.seq_len)
+                              mesh, rules)
 
     log(f"reading {checkpointer.directory}/{step}")
     params, meta = checkpointer.read_params(step, abstract_state_of)

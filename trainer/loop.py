@@ -181,8 +181,7 @@ def _combined(summaries: list[dict[str, Any]]) -> dict[str, Any]:
 def _initial_state(config, model_cfg: ModelConfig, parts: "Training", log) -> TrainState:
   """Step 0's state: random weights from the seed, or a Hugging Face checkpoint's."""
   if not config.init.from_hf:
-    return init_state(parts.model, parts.optimizer, parts.shardings, config.seed,
-                      parts.init_rows, config.data.seq_len)
+    return init_state(parts.model, parts.optimizer, parts.shardings, config.seed)
   log(f"loading weights from {config.init.from_hf}")
   params = hf_import.load_params(config.init.from_hf, model_cfg, parts.abstract_state.params,
                                  log)

@@ -78,8 +78,7 @@ def untrained(config: ml_collections.ConfigDict,
   config = stages.plan(config)[0].config
   mesh, parts = _on_mesh(config)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.mesh.rules):
-    state = init_state(parts.model, parts.optimizer, parts.shardings, config.seed,
-                       parts.init_rows, config.data.seq_len)
+    state = init_state(parts.model, parts.optimizer, parts.shardings, config.seed)
   return Sampler(config, mesh, state.params, data.load_tokenizer(data_config(config)), log)
 
 

@@ -2,16 +2,24 @@
 
 `eval_shape` gives the shapes and logical axis names, the rules table turns names into
 mesh shardings, and a jitted init with those `out_shardings` writes each shard in place.
+
+Both trace the init of `_param_model`: the model with dense attention and no remat, on the
+smallest batch the mesh shards. A parameter's name, shape and random value depend on the
+module tree and the rng only, not on the attention, remat or sequence length
+(`tests/test_model.py` checks every strategy bit for bit), so the init need not trace or
+compile a ring for a 256k-token forward whose output it throws away.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -26,19 +34,26 @@ class TrainState:
   opt_state: optax.OptState
 
 
-def dummy_inputs(batch: int, seq_len: int) -> tuple[jax.Array, ...]:
-  """Zero tokens and trivial indices of the right shapes, for init and eval_shape."""
-  tokens_BS = jnp.zeros((batch, seq_len), jnp.int32)
-  index_BS = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len))
-  return tokens_BS, index_BS, index_BS, jnp.ones((batch, seq_len), jnp.int32)
+def _param_model(model: Decoder) -> Decoder:
+  return Decoder(dataclasses.replace(model.cfg, attention="dense", remat="none"))
+
+
+def _param_inputs(mesh) -> tuple[jax.Array, ...]:
+  """Zero tokens and trivial indices, one row per batch shard and one token per sequence
+  shard."""
+  shape = (parallelism.batch_shards(mesh),
+           int(np.prod([mesh.shape[axis] for axis in parallelism.SEQUENCE_AXES])))
+  index_BS = jnp.broadcast_to(jnp.arange(shape[1], dtype=jnp.int32), shape)
+  return jnp.zeros(shape, jnp.int32), index_BS, index_BS, jnp.ones(shape, jnp.int32)
 
 
 def abstract_state(model: Decoder, optimizer: optax.GradientTransformation, mesh: Mesh,
-                   rules, batch: int, seq_len: int) -> TrainState:
+                   rules) -> TrainState:
   """Shape, dtype and target sharding of every state leaf, allocating nothing (restores,
   AOT compiles). One trace of the init gives the shapes and the parameters' logical names;
   the rules table turns the names into shardings."""
-  boxed = jax.eval_shape(model.init, jax.random.key(0), *dummy_inputs(batch, seq_len))["params"]
+  boxed = jax.eval_shape(_param_model(model).init, jax.random.key(0),
+                         *_param_inputs(mesh))["params"]
   param_specs = jax.tree.map(
       lambda spec: parallelism.logical_to_spec(spec, rules), nn.get_partition_spec(boxed),
       is_leaf=lambda x: isinstance(x, P))
@@ -66,8 +81,8 @@ def shardings_of(state: TrainState) -> TrainState:
   return jax.tree.map(lambda leaf: leaf.sharding, state)
 
 
-def _init(model, optimizer, rng, batch, seq_len) -> TrainState:
-  params = nn.meta.unbox(model.init(rng, *dummy_inputs(batch, seq_len))["params"])
+def _init(model, optimizer, rng, mesh) -> TrainState:
+  params = nn.meta.unbox(_param_model(model).init(rng, *_param_inputs(mesh))["params"])
   return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                     opt_state=optimizer.init(params))
 
@@ -80,6 +95,7 @@ def state_from_params(params, optimizer: optax.GradientTransformation,
 
 
 def init_state(model: Decoder, optimizer: optax.GradientTransformation, shardings: TrainState,
-               seed: int, batch: int, seq_len: int) -> TrainState:
-  return jax.jit(lambda rng: _init(model, optimizer, rng, batch, seq_len),
+               seed: int) -> TrainState:
+  mesh = shardings.step.mesh
+  return jax.jit(lambda rng: _init(model, optimizer, rng, mesh),
                  out_shardings=shardings)(jax.random.key(seed))

@@ -34,7 +34,6 @@ class Training(NamedTuple):
   optimizer: optax.GradientTransformation
   shardings: TrainState  # NamedShardings of every state leaf, from the rules table.
   abstract_state: TrainState  # ShapeDtypeStructs with those shardings (restores, AOT).
-  init_rows: int  # Smallest batch that shards: enough for init shapes.
   batch_sharding: jax.sharding.NamedSharding
   step_fn: Any  # The jitted train step.
 
@@ -46,10 +45,9 @@ def build_training(config: ml_collections.ConfigDict, mesh) -> Training:
   config's logical axis rules.
   """
   model, optimizer = Decoder(model_config(config)), make_optimizer(config.train)
-  rows, seq_len = parallelism.batch_shards(mesh), config.data.seq_len
   batch_sharding = parallelism.batch_sharding(mesh)
-  state = abstract_state(model, optimizer, mesh, config.mesh.rules, rows, seq_len)
+  state = abstract_state(model, optimizer, mesh, config.mesh.rules)
   shardings = shardings_of(state)
   step_fn = jit_train_step(model, optimizer, make_schedule(config.train),
                            config.train.micro_batches, shardings, batch_sharding)
-  return Training(model, optimizer, shardings, state, rows, batch_sharding, step_fn)
+  return Training(model, optimizer, shardings, state, batch_sharding, step_fn)
