@@ -45,7 +45,9 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
   # ulysses (all-to-all over mesh.ulysses: whole sequence, a shard of the heads) or hybrid
   # (Ulysses over mesh.ulysses inside a ring over mesh.sequence). Every layout works with each.
   config.model.sequence_parallel = "ring"
-  config.model.kernel = "xla"  # Block kernel of ring layouts (parallelism/kernels.py): xla or pallas.
+  # Block kernel of ring layouts (parallelism/kernels.py): auto (pallas on GPUs, else xla),
+  # xla or pallas. The loop prints the one it runs; config.json records it.
+  config.model.kernel = "auto"
   config.model.attention_tile = 512  # Query/key tile of the blockwise kernels (tile skipping).
   config.model.dtype = "bfloat16"  # Compute dtype of activations and matmuls.
   config.model.param_dtype = "float32"  # Dtype of parameters (master weights).

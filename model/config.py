@@ -19,7 +19,7 @@ def named_strategy(attention: str, sequence_parallel: str) -> str | None:
   """The sequence-parallel strategy worth naming beside the layout (run names, plans): None
   for dense attention, which splits nothing, and for the default ring."""
   return None if attention == "dense" or sequence_parallel == "ring" else sequence_parallel
-KERNELS = tuple(parallelism.KERNELS)
+KERNELS = (parallelism.AUTO_KERNEL, *parallelism.KERNELS)
 REMAT_POLICIES = ("none", "full", "save_dots", "save_attention", "offload")
 
 
@@ -41,7 +41,7 @@ class ModelConfig:
   init_std: float = 0.02
   attention: str = "dense"
   sequence_parallel: str = "ring"  # parallelism/strategies.py
-  kernel: str = "xla"
+  kernel: str = "auto"
   attention_tile: int = 512
   dtype: str = "bfloat16"
   param_dtype: str = "float32"

@@ -19,7 +19,8 @@ matplotlib.use("Agg")
 from matplotlib import image as mpl_image  # noqa: E402
 
 from model import ModelConfig  # noqa: E402
-from trainer import flops, tracking, wandb_tracker  # noqa: E402
+import parallelism  # noqa: E402
+from trainer import flops, provenance, tracking, wandb_tracker  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAKE_KEY = "f4k3" * 10  # 40 characters, like a real W&B API key.
@@ -143,8 +144,18 @@ def test_names_group_by_model_and_length_and_tag_the_layout():
   config.model.sequence_parallel = "hybrid"
   assert wandb_tracker.run_names(config) == ("d128x2L-256-ring-hybrid", "d128x2L-256",
                                              ["ring", "hybrid", "sweep1"])
-  assert wandb_tracker.resolved_mesh({"data": 1, "fsdp": -1, "sequence": 4, "tensor": 1}, 8) == {
-      "data": 1, "fsdp": 2, "sequence": 4, "ulysses": 1, "tensor": 1}
+
+
+def test_the_resolved_record_fills_the_mesh_and_names_the_auto_kernel():
+  config = _config()
+  config.mesh.data, config.mesh.fsdp, config.mesh.sequence, config.mesh.tensor = 1, -1, 4, 1
+  resolved = provenance.run_resolved(config)
+  assert resolved["mesh"] == {"data": 1, "fsdp": 2, "sequence": 4, "ulysses": 1, "tensor": 1}
+  assert (config.model.kernel, resolved["attention_kernel"], resolved["backend"]) == (
+      "auto", "xla", "cpu")
+  assert [parallelism.resolve_kernel("auto", backend) for backend in ("gpu", "tpu", "cpu")] == [
+      "pallas", "xla", "xla"]
+  assert parallelism.resolve_kernel("pallas", "cpu") == "pallas"  # A named kernel is kept.
 
 
 def test_scrub_redacts_secret_fields_and_values_but_keeps_tokenizer():

@@ -1,13 +1,16 @@
 """The train loop end to end on the tiny config: determinism, learning, outputs."""
 
 import ast
+import gzip
 import json
 import os
 import subprocess
 
 import numpy as np
+import pytest
 
 import data
+from trainer import profiling
 from trainer.loop import train
 from trainer.provenance import run_provenance
 
@@ -29,14 +32,20 @@ def test_same_seed_same_losses_and_the_loss_falls(tmp_path, tiny_config):
   assert np.mean(first[-5:]) < first[0] - 0.5, first
 
 
-def test_run_writes_config_and_metrics_lines(tmp_path, tiny_config, monkeypatch):
+def test_run_writes_config_metrics_and_profile(tmp_path, tiny_config, monkeypatch, capsys):
   config = tiny_config(**{"train.steps": 4, "train.log_every": 2, "train.eval_every": 4,
                           "train.eval_steps": 1})
   sent = []  # The fields of every batch that reaches the devices.
   real = data.to_global_batch
   monkeypatch.setattr(data, "to_global_batch",
                       lambda batch, *args: sent.append(set(batch)) or real(batch, *args))
-  summary = train(config, str(tmp_path))
+  summary = train(config, str(tmp_path), profile_steps=(2, 3))
+  # The trace of steps 2-3, for Perfetto: it holds the train step's kernels.
+  said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("profile")]
+  assert len(said) == 1 and said[0].startswith("profile of steps 2-3: "), said
+  traces = list(tmp_path.glob("profile/plugins/profile/*/perfetto_trace.json.gz"))
+  assert len(traces) == 1 and str(traces[0]) in said[0]
+  assert b"train_step" in gzip.decompress(traces[0].read_bytes())
   # Training gets what it needs; only eval batches carry the retrieval evaluator's field.
   assert sent == [set(data.TRAIN_FIELDS)] * 4 + [{*data.TRAIN_FIELDS, "answer_distance"}]
   written = json.loads((tmp_path / "config.json").read_text())
@@ -45,6 +54,7 @@ def test_run_writes_config_and_metrics_lines(tmp_path, tiny_config, monkeypatch)
                         text=True).stdout.strip()
   assert written["provenance"]["commit"] == (head or None)  # None outside a git checkout.
   assert isinstance(written["provenance"]["dirty"], (bool, type(None)))
+  assert written["resolved"]["num_devices"] == 8 and written["resolved"]["backend"] == "cpu"
   records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   steps = [r for r in records if "loss" in r]
   assert [r["step"] for r in steps] == [2, 4]
@@ -60,6 +70,14 @@ def test_run_writes_config_and_metrics_lines(tmp_path, tiny_config, monkeypatch)
   assert 0 <= evals[0]["eval_retrieval_accuracy"] <= 1 and len(buckets) >= 2, evals[0]
   assert all(0 <= evals[0][key] <= 1 for key in buckets)
   assert summary["steps"] == 4
+
+
+def test_profile_steps_are_first_colon_last():
+  assert profiling.parse_steps("") is None
+  assert profiling.parse_steps("5:7") == (5, 7) and profiling.parse_steps("3") == (3, 3)
+  for bad in ("3:x", "0:2", "4:2", "2-3"):
+    with pytest.raises(ValueError, match="--profile_steps"):
+      profiling.parse_steps(bad)
 
 
 def test_provenance_redacts_secrets_from_the_command_line(monkeypatch):

@@ -28,7 +28,7 @@ import ml_collections
 from ml_collections import config_flags
 
 import data
-from trainer import distributed, hf_import, stages
+from trainer import distributed, hf_import, profiling, stages
 from trainer.config_check import ConfigError, check_config
 from trainer.checkpointing import CheckpointError
 from model.hf_format import HFFormatError
@@ -65,6 +65,9 @@ _COORDINATOR = flags.DEFINE_string(
     "SLURM / MPI / TPU pod environments, or single-process).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-host: this process's id.")
+_PROFILE_STEPS = flags.DEFINE_string(
+    "profile_steps", "", "FIRST:LAST: write a jax.profiler trace of these training steps "
+    "under <workdir>/profile (Perfetto or TensorBoard); FIRST >= 2 leaves out the compile.")
 _START_OVER = flags.DEFINE_bool(
     "start_over_from_step_0", False, "Train from step 0 although the workdir's "
     "checkpoints_unusable/ holds damaged checkpoints set aside by an earlier run (they are "
@@ -164,10 +167,14 @@ def main(argv: list[str]) -> None:
     if jax.process_count() > 1:  # `train` installs no handler then (see loop._StopSignals):
       signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is an error exit.
     check_config(config, jax.device_count())
+    try:
+      profile_steps = profiling.parse_steps(_PROFILE_STEPS.value)
+    except ValueError as error:
+      raise ConfigError(str(error)) from None
     name = os.path.splitext(os.path.basename(config_flags.get_config_filename(
         flags.FLAGS["config"])))[0]
     train(config, _WORKDIR.value or os.path.join("runs", name),
-          start_over=_START_OVER.value)
+          start_over=_START_OVER.value, profile_steps=profile_steps)
   except StoppedBeforeTraining as stopped:
     print(stopped, flush=True)
   except (ConfigError, data.DataError, CheckpointError, NonFiniteError, WorkdirError,

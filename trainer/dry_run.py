@@ -271,7 +271,7 @@ def _print(config, out: dict[str, Any], memory_gib: float, mfu: float, accelerat
   strategy = f", {strategy} sequence-parallel" if strategy else ""
   lines = [
       f"dry run: {out['params'] / 1e6:,.1f}M params, {m.num_layers} layers, attention "
-      f"{m.attention} ({m.kernel} kernel{strategy}), {t.batch_size} x "
+      f"{m.attention} ({parallelism.resolve_kernel(m.kernel)} kernel{strategy}), {t.batch_size} x "
       f"{config.data.seq_len:,} tokens per step in {t.micro_batches} micro-batch(es), "
       f"remat {t.remat}",
       f"mesh: {mesh} = {out['devices']} devices (fake CPU; compiled in {out['compile_s']:.0f} s)",

@@ -25,7 +25,8 @@ from model import ModelConfig
 from trainer import flops, hf_import, stages
 from trainer.checkpointing import CheckpointError, Checkpointer
 from trainer.config_check import ConfigError
-from trainer.provenance import run_provenance
+from trainer.profiling import StepProfiler
+from trainer.provenance import run_provenance, run_resolved
 from trainer import workdir as workdir_lock
 from trainer.resume import (checkpoint_meta, compatibility_check, config_dict,
                             config_path, file_sha256)
@@ -40,12 +41,13 @@ class NonFiniteError(RuntimeError):
   """The loss or gradient of a step was NaN or Inf and the config says stop."""
 
 
-def train(config: ml_collections.ConfigDict, workdir: str,
-          start_over: bool = False) -> dict[str, Any]:
+def train(config: ml_collections.ConfigDict, workdir: str, start_over: bool = False,
+          profile_steps: tuple[int, int] | None = None) -> dict[str, Any]:
   """Trains up to `config.train.steps`, resuming from `workdir` when it holds a checkpoint.
 
   Holds the workdir's lock throughout (one run per workdir). `start_over` allows a fresh
-  start beside damaged checkpoints set aside in `checkpoints_unusable/`. Returns a summary
+  start beside damaged checkpoints set aside in `checkpoints_unusable/`; `profile_steps`
+  (first, last) traces those steps (trainer/profiling.py). Returns a summary
   (first/last loss, median speed, final step, whether a signal stopped it).
   """
   is_writer = jax.process_index() == 0
@@ -53,14 +55,14 @@ def train(config: ml_collections.ConfigDict, workdir: str,
     if is_writer:
       workdir_lock.claim(workdir)
     try:
-      return _train(config, workdir, start_over, signals, is_writer)
+      return _train(config, workdir, start_over, signals, is_writer, profile_steps)
     finally:
       if is_writer:
         workdir_lock.release(workdir)
 
 
 def _train(config, workdir: str, start_over: bool, signals: "_StopSignals",
-           is_writer: bool) -> dict[str, Any]:
+           is_writer: bool, profile_steps: tuple[int, int] | None) -> dict[str, Any]:
   mesh = parallelism.make_mesh(config.mesh)
   plan = stages.plan(config)
   # The stages share the dataset, tokenizer and model shape: only the row length differs.
@@ -72,6 +74,10 @@ def _train(config, workdir: str, start_over: bool, signals: "_StopSignals",
   provenance = run_provenance() if is_writer else None  # For config.json and W&B alike.
   log = (lambda line: print(line, flush=True)) if is_writer else (lambda line: None)
 
+  if model_cfg.attention != "dense":
+    kernel = parallelism.resolve_kernel(model_cfg.kernel)
+    log(f"attention: {model_cfg.attention}, block kernel {kernel}"
+        + (f" (auto on {jax.default_backend()})" if model_cfg.kernel != kernel else ""))
   if jax.default_backend() == "cpu" and any(s.config.train.remat == "offload" for s in plan):
     log("train.remat='offload' on the CPU: there is no device memory apart from the host's "
         "to relieve, so the layer inputs stay put and it runs as 'full'")
@@ -80,6 +86,7 @@ def _train(config, workdir: str, start_over: bool, signals: "_StopSignals",
   checkpointer = Checkpointer(workdir, config.checkpoint.every_steps, config.checkpoint.keep,
                               config.checkpoint.async_save)
   trackers, iterator = [], None
+  profiler = StepProfiler(profile_steps, workdir, log)
   try:
     with jax.set_mesh(mesh), nn.logical_axis_rules(config.mesh.rules):
       changes: list[str] = []
@@ -98,7 +105,8 @@ def _train(config, workdir: str, start_over: bool, signals: "_StopSignals",
           lambda step: build_training(stages.holding(plan, step).config, mesh).abstract_state,
           check_with_stage, start_over)
       if is_writer:  # After the restore: an older checkpoint is checked against the old one.
-        written = {**config_dict(config), "provenance": provenance}
+        written = {**config_dict(config), "provenance": provenance,
+                   "resolved": run_resolved(config)}
         workdir_lock.write_atomically(config_path(workdir),
                                       json.dumps(written, indent=2, sort_keys=True))
       step, state, data_state = restored[:3] if restored else (0, None, None)
@@ -131,7 +139,7 @@ def _train(config, workdir: str, start_over: bool, signals: "_StopSignals",
           run = _Run(stage, stage_model_cfg, mesh, checkpointer, trackers, iterator, eval_fn,
                      evaluator, {**checkpoint_meta(config, tokenizer_sha256),
                                  **stage.checkpoint_meta()})
-          state, summary = run.loop(state, parts.step_fn, step, signals)
+          state, summary = run.loop(state, parts.step_fn, step, signals, profiler)
           iterator.close()
           iterator = None
           summaries.append(summary)
@@ -147,6 +155,7 @@ def _train(config, workdir: str, start_over: bool, signals: "_StopSignals",
           print(f"also: {error}", flush=True)
         raise
   finally:
+    profiler.close()
     if iterator is not None:
       iterator.close()
     checkpointer.close()
@@ -278,8 +287,8 @@ class _Run:
     self.sampler = None  # For the needle eval, made at the first.
     self.needles_off = False
 
-  def loop(self, state, step_fn, start: int,
-           signals: _StopSignals) -> tuple[TrainState, dict[str, Any]]:
+  def loop(self, state, step_fn, start: int, signals: _StopSignals,
+           profiler: StepProfiler) -> tuple[TrainState, dict[str, Any]]:
     """Trains from step `start` to the stage's last step; the last state and a summary."""
     steps = self.config.train.steps
     sharding = parallelism.batch_sharding(self.mesh)
@@ -291,7 +300,9 @@ class _Run:
     for step in range(start + 1, steps + 1):
       batch = data.to_global_batch(data.fields(next(self.iterator), data.TRAIN_FIELDS),
                                    sharding, self.config.train.batch_size)
+      profiler.before(step)
       state, metrics = step_fn(state, batch)
+      profiler.after(step, metrics)
       self.checkpointer.check()  # A failed background save stops the run now.
       if pending:
         self._read(*pending)

@@ -1,8 +1,10 @@
-"""Which code and which command trained a run: the git commit, whether the checkout had
-uncommitted changes, and the command line with secrets redacted.
+"""Which code, command and machine trained a run.
 
-W&B's own git and command-line capture stays off (it would record the unscrubbed command and
-more); this is the small, scrubbed record instead, written to `config.json` and the W&B run.
+`run_provenance`: the git commit, whether the checkout had uncommitted changes, and the
+command line with secrets redacted. W&B's own git and command-line capture stays off (it
+would record the unscrubbed command and more); this is the small, scrubbed record instead.
+`run_resolved`: what the config's automatic choices became here (devices, the mesh's -1,
+the `auto` attention kernel). Both are written to `config.json` and the W&B run.
 """
 
 from __future__ import annotations
@@ -14,6 +16,10 @@ import subprocess
 import sys
 from typing import Any
 
+import jax
+import ml_collections
+
+import parallelism
 from trainer.tracking import REDACTED, is_secret_field, scrub
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,3 +52,12 @@ def run_provenance(argv: list[str] | None = None) -> dict[str, Any]:
   status = _git("status", "--porcelain", "--untracked-files=no") if commit else None
   return {"commit": commit, "dirty": None if status is None else bool(status),
           "command": " ".join(shlex.quote(_scrub_argument(arg)) for arg in argv)}
+
+
+def run_resolved(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """Devices, the mesh with its -1 filled, and the attention kernel `model.kernel` names."""
+  shape = parallelism.resolve_mesh_shape(config.mesh.to_dict(), jax.device_count())
+  return {"num_devices": jax.device_count(), "num_processes": jax.process_count(),
+          "device_kind": jax.devices()[0].device_kind, "backend": jax.default_backend(),
+          "mesh": dict(zip(parallelism.MESH_AXES, shape)),
+          "attention_kernel": parallelism.resolve_kernel(config.model.kernel)}

@@ -118,7 +118,8 @@ def compatibility_check(config: ml_collections.ConfigDict, workdir: str, tokeniz
       try:
         with open(config_path(workdir), encoding="utf-8") as f:
           stored, where = json.load(f), config_path(workdir)
-        stored.pop("provenance", None)  # Which commit wrote it, not a config field.
+        for record in ("provenance", "resolved"):  # Which commit and machine: not config fields.
+          stored.pop(record, None)
       except (OSError, ValueError) as error:  # Older versions wrote it non-atomically.
         print(f"warning: cannot read {config_path(workdir)} ({error}) to compare configs; "
               f"the checkpoint's array shapes are still checked", flush=True)

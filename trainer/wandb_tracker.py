@@ -25,13 +25,11 @@ import string
 from typing import Any
 from urllib.parse import urlparse
 
-import jax
 import ml_collections
 
-import parallelism
 from model.config import named_strategy
 from trainer.config_check import WANDB_MODES
-from trainer.provenance import run_provenance
+from trainer.provenance import run_provenance, run_resolved
 from trainer.tracking import NoopTracker, Tracker, scrub, secret_values
 from trainer.workdir import write_atomically
 
@@ -79,11 +77,6 @@ def run_names(config: ml_collections.ConfigDict) -> tuple[str, str, list[str]]:
   tags = attention + [tag.strip() for tag in config.wandb.tags.split(",")
                       if tag.strip() and tag.strip() not in attention]
   return name, group, tags
-
-
-def resolved_mesh(mesh: dict[str, int], num_devices: int) -> dict[str, int]:
-  """The mesh axis sizes with a -1 filled from the device count."""
-  return dict(zip(parallelism.MESH_AXES, parallelism.resolve_mesh_shape(mesh, num_devices)))
 
 
 class WandbTracker:
@@ -151,10 +144,7 @@ def make(config: ml_collections.ConfigDict, workdir: str,
       secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
   name, group, tags = scrub(run_names(config))
   logged_config = scrub(config.to_dict())
-  logged_config["resolved"] = {
-      "num_devices": jax.device_count(), "num_processes": jax.process_count(),
-      "device_kind": jax.devices()[0].device_kind,
-      "mesh": resolved_mesh(config.mesh.to_dict(), jax.device_count())}
+  logged_config["resolved"] = run_resolved(config)
   logged_config["provenance"] = provenance or run_provenance()  # W&B's git capture is off.
   kwargs = dict(project=scrub(config.wandb.project), entity=scrub(config.wandb.entity) or None,
                 name=name, group=group, tags=tags, job_type="train", config=logged_config,
