@@ -1,7 +1,7 @@
 """The Pallas block kernel on one GPU: vs cuDNN, and the ring / striped / zigzag schedule.
 
   PYTHONPATH=. python3 scripts/bench_kernel.py                    # check, sweep, cudnn, ring
-  PYTHONPATH=. python3 scripts/bench_kernel.py --parts e2e        # 1B model tokens/s and MFU
+  PYTHONPATH=. python3 scripts/bench_kernel.py --parts e2e        # python -m trainer, 1B, 1 GPU
 
 Parts (each appends JSON lines to results/bench_kernel.jsonl):
 - check: the Pallas kernel (Triton, float32 inputs) against the `xla` kernel on ring,
@@ -25,11 +25,13 @@ Parts (each appends JSON lines to results/bench_kernel.jsonl):
   bytes/s per direction. Critical path = sum over steps. Reported as ideal / critical path
   with ideal = N x t(causal block); ring should be near N/(2N-1). The log-sum-exp merges
   and delta are left out (elementwise, the same for every layout).
-- e2e: the 1B model (configs/1b_32k_striped.py shapes) on one GPU, attention 'ring' on one
-  local block (no sequence mesh), kernel 'pallas' with its DEFAULT_CONFIG (the model does
-  not take a KernelConfig), AdamW step: tokens/s and MFU = (6 x matmul params + 6 x layers
-  x q heads x head_dim x S) x tokens/s / 989e12. remat 'none' at 8k, 'full' above (by
-  estimate no-remat activations at 32k exceed 80 GB); recompute is not counted as FLOPs.
+- e2e: `python -m trainer` itself (part_e2e), one run per sequence length and kernel
+  (`--e2e_kernels`, default auto and xla): the config's model (default the 1B of
+  configs/1b_32k_striped.py) on one device, batch 1, the synthetic corpus and the real
+  pipeline, loss and optimizer; tokens/s, MFU and the loss from the run's metrics.jsonl,
+  the kernel from its config.json. remat 'none' at 8k, 'full' above (by estimate
+  no-remat activations at 32k exceed 80 GB). The trainer needs the project's packages
+  (ml_collections, tensorflow_datasets, grain, sentencepiece...) where it runs.
 Timing: warm-up calls, then the median of repeats, each call synchronised with
 block_until_ready (perf_counter around it); every input random normal, never zeros.
 """
@@ -40,8 +42,11 @@ import datetime
 import functools
 import json
 import os
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -50,20 +55,21 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import bench_results  # noqa: E402
 from parallelism import kernel_pallas, kernel_xla  # noqa: E402
 from parallelism.layouts import LAYOUTS  # noqa: E402
 from parallelism.schedule import ring_schedule  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                       "results", "bench_kernel.jsonl")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "results", "bench_kernel.jsonl")
 TILE = 512  # ring_attention's default tile_size; the kernel clips its own tiles to it
 F32, BF16 = jnp.float32, jnp.bfloat16
 _STAMP = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def record(**row) -> None:
+def record(device: str | None = None, **row) -> None:
   """Appends one JSON line at once, so a later part that fails loses nothing before it."""
-  line = json.dumps(dict(time=_STAMP, device=jax.devices()[0].device_kind, **row),
+  line = json.dumps(dict(time=_STAMP, device=device or jax.devices()[0].device_kind, **row),
                     default=float)
   paths = [RESULTS]
   if os.environ.get("OUT"):  # the device machine hands back only what is under $OUT
@@ -330,59 +336,59 @@ def part_ring(config, blocks, num_shards: int, heads: int, bandwidth: float) -> 
     del q, k, v, dout
 
 
-def part_e2e(seq_lens, remat_policy: str = "auto", attention: str = "pallas") -> None:
-  """`attention='cudnn'` swaps the model's attention for cuDNN's causal kernel (one device,
-  one segment, so the same function): the MFU the rest of the step allows, for comparison."""
-  import flax.linen as nn
-  import optax
-
-  import parallelism
-  from model import Decoder, ModelConfig
-  from trainer import flops
-  if attention == "cudnn":
-    parallelism.ring_attention = lambda q, k, v, *_, **__: jax.nn.dot_product_attention(
-        q, k, v, is_causal=True, implementation="cudnn")
-  print(f"\ne2e: 1B model (d 2048, ff 5504, 22 layers, 16 heads, vocab 32000), "
-        f"attention {attention}")
+def part_e2e(config_file: str, seq_lens, kernels, steps: int, remat_policy: str,
+             overrides: list[str]) -> None:
+  """`python -m trainer` itself, one run per (sequence length, kernel), on one device: the
+  config's model, mesh 1x1x1x1, batch 1, the synthetic corpus (no download), the real data
+  pipeline, loss and optimizer. Tokens/s and MFU are the trainer's own, read from its
+  metrics.jsonl (median over the steps after the first two); the kernel is the one the run
+  resolved (config.json); the loss must fall. Nothing of JAX runs in this process, so the
+  trainer has the whole device."""
+  print(f"\ne2e: python -m trainer --config {config_file}, one device, {steps} steps")
+  print(f"{'S':>7} {'kernel':>12} {'remat':>6} {'step ms':>9} {'tokens/s':>10} {'MFU':>6} "
+        f"{'loss':>15}")
   for seq_len in seq_lens:
     remat = remat_policy if remat_policy != "auto" else "none" if seq_len <= 8192 else "full"
-    cfg = ModelConfig(num_layers=22, d_model=2048, num_heads=16, num_kv_heads=16, d_ff=5504,
-                      vocab_size=32000, rope_theta=500000.0, attention="ring", kernel="pallas",
-                      attention_tile=TILE, remat=remat)
-    model = Decoder(cfg)
-    tokens = jax.random.randint(jax.random.key(0), (1, seq_len), 0, cfg.vocab_size)
-    index = jnp.arange(seq_len, dtype=jnp.int32)[None]
-    seg = jnp.zeros_like(index)
-    params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(1), tokens, index, index, seg))
-    opt = optax.adamw(3e-4)
-    opt_state = jax.jit(opt.init)(params)
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def step(params, opt_state, tokens):
-      def loss_fn(p):
-        logits = model.apply(p, tokens, index, index, seg)
-        targets = jnp.roll(tokens, -1, axis=1)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-      loss, grads = jax.value_and_grad(loss_fn)(params)
-      updates, opt_state = opt.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state, loss
-
-    times = []
-    for i in range(7):
-      start = time.perf_counter()
-      params, opt_state, loss = step(params, opt_state, tokens)
-      jax.block_until_ready(loss)
-      times.append(time.perf_counter() - start)
-    t = statistics.median(times[2:])
-    tps = seq_len / t
-    peak = flops.PEAK_FLOPS[flops.accelerator_name(jax.devices()[0].device_kind) or "h100"]
-    mfu = flops.mfu(flops.flops_per_token(cfg, seq_len), tps, 1, peak)
-    print(f"  S={seq_len} remat={remat}: step {t * 1e3:.1f} ms, {tps:,.0f} tokens/s, "
-          f"MFU {mfu:.3f} (peak {peak:.3g}), loss {float(loss):.3f}")
-    record(part="e2e", attention=attention, seq_len=seq_len, remat=remat, step_s=t,
-           tokens_per_sec=tps, mfu=mfu,
-           loss=float(loss), config=dataclasses.asdict(kernel_pallas.DEFAULT_CONFIG))
-    del params, opt_state
+    for kernel in kernels:
+      workdir = tempfile.mkdtemp(prefix="bench_e2e_")
+      command = [sys.executable, "-m", "trainer", "--config", config_file, "--workdir", workdir,
+                 "--config.mesh.data=1", "--config.mesh.fsdp=1", "--config.mesh.sequence=1",
+                 "--config.mesh.tensor=1", "--config.train.batch_size=1",
+                 f"--config.data.seq_len={seq_len}", f"--config.train.steps={steps}",
+                 "--config.train.warmup_steps=1", "--config.train.log_every=1",
+                 "--config.train.eval_every=0", f"--config.checkpoint.every_steps={steps + 1}",
+                 "--config.data.dataset=synthetic_longrange",
+                 "--config.data.tokenizer_vocab_size=512", "--config.wandb.mode=disabled",
+                 f"--config.model.kernel={kernel}", f"--config.train.remat={remat}", *overrides]
+      done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
+      if done.returncode:
+        print(f"  S={seq_len} kernel={kernel}: the run failed (exit {done.returncode}):\n"
+              + (done.stdout + done.stderr)[-2000:])
+        continue
+      with open(os.path.join(workdir, "config.json")) as f:
+        written = json.load(f)
+      with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        rows = [r for r in map(json.loads, f) if "loss" in r]
+      timed = rows[2:] or rows[-1:]
+      step_s = statistics.median(r["step_time_s"] for r in timed)
+      tokens_per_sec = statistics.median(r["tokens_per_sec"] for r in timed)
+      mfus = [r["mfu"] for r in timed if r["mfu"] is not None]
+      mfu = statistics.median(mfus) if mfus else None
+      losses = (rows[0]["loss"], rows[-1]["loss"])
+      resolved = written["resolved"]
+      name = resolved["attention_kernel"]
+      name = name if kernel == name else f"{kernel}={name}"
+      print(f"{seq_len:>7} {name:>12} {remat:>6} {step_s * 1e3:>9.1f} "
+            f"{tokens_per_sec:>10,.0f} {'-' if mfu is None else f'{mfu:.3f}':>6} "
+            f"{losses[0]:>7.3f}->{losses[1]:<7.3f}"
+            + ("" if losses[1] < losses[0] else "  (the loss did not fall)"))
+      record(part="e2e", device=resolved["device_kind"], commit=bench_results.commit(),
+             config_file=config_file, attention=written["model"]["attention"],
+             kernel_requested=kernel, kernel=resolved["attention_kernel"], seq_len=seq_len,
+             remat=remat, steps=steps, step_s=step_s, tokens_per_sec=tokens_per_sec, mfu=mfu,
+             first_loss=losses[0], last_loss=losses[1], loss_falls=losses[1] < losses[0],
+             command=" ".join(command[1:]).replace(workdir, "WORKDIR"))
+      shutil.rmtree(workdir, ignore_errors=True)
 
 
 def main() -> None:
@@ -390,10 +396,16 @@ def main() -> None:
   parser.add_argument("--parts", default="check,sweep,cudnn,ring")
   parser.add_argument("--seq_lens", default="8192,16384,32768")
   parser.add_argument("--sweep_seq_len", type=int, default=16384)
+  parser.add_argument("--e2e_config", default="configs/1b_32k_striped.py",
+                      help="e2e: the config `python -m trainer` runs")
   parser.add_argument("--e2e_seq_lens", default="8192,32768")
-  parser.add_argument("--e2e_attention", default="pallas", choices=("pallas", "cudnn"))
+  parser.add_argument("--e2e_kernels", default="auto,xla",
+                      help="e2e: model.kernel values, one run each (auto: pallas on a GPU)")
+  parser.add_argument("--e2e_steps", type=int, default=12)
   parser.add_argument("--e2e_remat", default="auto",
                       help="remat policy of the e2e part; auto: none at 8k, full above")
+  parser.add_argument("--e2e_overrides", default="",
+                      help="e2e: more trainer flags, space-separated (--config.x.y=z ...)")
   parser.add_argument("--blocks", default="8192,16384,32768", help="ring: per-device block")
   parser.add_argument("--num_shards", type=int, default=8)
   parser.add_argument("--ring_heads", type=int, default=32)
@@ -402,7 +414,8 @@ def main() -> None:
   args = parser.parse_args()
   parts = args.parts.split(",")
   ints = lambda s: [int(x) for x in s.split(",")]
-  print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
+  if parts != ["e2e"]:  # The e2e runs need the device to themselves.
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
   config = dataclasses.replace(kernel_pallas.DEFAULT_CONFIG, **json.loads(args.config))
   if "check" in parts:
     part_check()
@@ -413,7 +426,8 @@ def main() -> None:
   if "ring" in parts:
     part_ring(config, ints(args.blocks), args.num_shards, args.ring_heads, args.bandwidth)
   if "e2e" in parts:
-    part_e2e(ints(args.e2e_seq_lens), args.e2e_remat, args.e2e_attention)
+    part_e2e(args.e2e_config, ints(args.e2e_seq_lens), args.e2e_kernels.split(","),
+             args.e2e_steps, args.e2e_remat, args.e2e_overrides.split())
   print(f"\nappended to {RESULTS}")
 
 
