@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Wheels, at this repo's pins, of what `python -m trainer` needs and the lent GPU machines'
+# image lacks (/work/.library/device/KINDS.md lists the image's packages; it has JAX, flax,
+# optax, orbax, sentencepiece and tensorstore, not TFDS, grain or ml_collections). Those
+# machines reach no package index, so the wheels travel with the run (11 MB):
+#
+#   scripts/gpu_wheels.sh            # here, once: fills .gpu_wheels/ (git-ignored)
+#   run(carry=[".gpu_wheels"], command="python3 -m pip install -q --no-index \
+#       --find-links .gpu_wheels .gpu_wheels/*.whl && python3 scripts/bench_kernel.py \
+#       --parts e2e")
+#
+# W&B is left out: the benchmarks run with wandb.mode=disabled, which never imports it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PIP=".venv/bin/python -m pip --disable-pip-version-check"
+OUT=.gpu_wheels
+PACKAGES="tensorflow-datasets array_record grain ml_collections dm-tree immutabledict
+  simple-parsing tensorflow-metadata termcolor toml googleapis-common-protos docstring_parser
+  importlib_resources portpicker"
+pins=()
+for name in $PACKAGES; do
+  pin=$(grep -iE "^${name//[-_]/[-_]}==" constraints.txt) || { echo "no pin for $name"; exit 1; }
+  pins+=("$pin")
+done
+mkdir -p "$OUT"
+# The image's Python is 3.12 on x86-64 Linux.
+$PIP download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+  --platform manylinux2014_x86_64 --platform any -d "$OUT" "${pins[@]}"
+# promise publishes no wheel; it is pure Python, so one built here installs there.
+$PIP wheel --quiet --no-deps -w "$OUT" "$(grep -iE '^promise==' constraints.txt)"
+ls "$OUT"
+du -sh "$OUT"
