@@ -7,20 +7,34 @@ Calls `trainer.dry_run.plan` (what `python -m trainer --dry_run` prints) once pe
 fake CPU devices and appends one JSON line per plan to results/bench_plan.jsonl, with the
 commit measured, so plans before and after a change sit side by side. Compile-only: no
 accelerator is needed and nothing is allocated.
+
+`--on_device` compiles the same step on this machine's own devices instead (their count
+must be the mesh's: on one GPU, `--sequence 1` for the 8-device configs) and records XLA's
+memory analysis of it under the same keys, `backend` telling the rows apart. The planner's
+CPU figure against the real compile, on one GPU:
+
+  python scripts/bench_plan.py --config configs/1b_32k_striped.py --seq_lens 32768 \
+      --sequence 1                       # the plan, on one fake CPU device
+  python scripts/bench_plan.py --config configs/1b_32k_striped.py --seq_lens 32768 \
+      --sequence 1 --on_device           # the step compiled for the GPU
 """
 
 import os
 import sys
 
 if __name__ == "__main__":
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  if "--on_device" not in sys.argv:  # The planner's fake devices are CPU ones.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
 import importlib.util  # noqa: E402
 
+import jax  # noqa: E402
+
 import bench_results  # noqa: E402  (scripts/, first on the path)
+import parallelism  # noqa: E402
 from trainer import dry_run  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,6 +48,18 @@ def _load_config(path: str):
   return module.get_config()
 
 
+def on_device(config, memory_gib: float) -> dict:
+  """The step compiled for this machine's devices: XLA's memory analysis, and the verdict
+  for `memory_gib` on its figure (no CPU promotion here, so the floor is the figure)."""
+  dry_run.check_config(config, jax.device_count())
+  mesh = parallelism.make_mesh(config.mesh)
+  compiled, _ = dry_run.compile_step(config, mesh)
+  out = {"devices": jax.device_count(), "mesh": dict(mesh.shape),
+         **dry_run.memory_figures(compiled)}
+  out["total_bytes"] = out["floor_total_bytes"] = out["peak_bytes"] + out["code_bytes"]
+  return dry_run.with_verdict(out, memory_gib)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--config", required=True)
@@ -42,6 +68,8 @@ def main() -> None:
   parser.add_argument("--sequence", type=int, default=0, help="override mesh.sequence")
   parser.add_argument("--memory_gib", type=float, default=80.0)
   parser.add_argument("--no_save", action="store_true")
+  parser.add_argument("--on_device", action="store_true",
+                      help="compile on this machine's devices, not fake CPU ones (no plan)")
   args = parser.parse_args()
   commit = bench_results.commit()
   stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -53,15 +81,21 @@ def main() -> None:
       config.train.remat = args.remat
     if args.sequence:
       config.mesh.sequence = args.sequence
-    out = dry_run.plan(config, device_memory_gib=args.memory_gib)
+    try:
+      out = (on_device(config, args.memory_gib) if args.on_device
+             else dry_run.plan(config, device_memory_gib=args.memory_gib))
+    except dry_run.ConfigError as error:
+      sys.exit(f"error: {error}")
     record = {"config": args.config, "seq_len": seq_len, "remat": config.train.remat,
+              "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
               "attention": config.model.attention, "commit": commit, "time": stamp,
               **{key: value for key, value in out.items() if key != "mesh"},
               "mesh": out["mesh"]}
     rows.append(record)
     if not args.no_save:
       bench_results.append("bench_plan.jsonl", [record])
-  print(f"\n{'seq_len':>10} {'remat':>8} {'total GiB':>10} {'floor GiB':>10} "
+  print(f"\non {jax.default_backend()} ({'compiled for it' if args.on_device else 'the plan'})")
+  print(f"{'seq_len':>10} {'remat':>8} {'total GiB':>10} {'floor GiB':>10} "
         f"{'temps GiB':>10}  verdict at {args.memory_gib:g} GiB")
   for r in rows:
     floor = r.get("floor_total_bytes")
