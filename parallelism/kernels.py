@@ -59,16 +59,42 @@ KERNELS = {
 
 def resolve(name: str, backend: str | None = None) -> str:
   """The kernel `name` runs on `backend` (default: JAX's). `auto` is `pallas` on GPUs: fused,
-  0.56-0.59x cuDNN forward+backward on an H100 (results/bench_kernel.jsonl) where `xla`
-  materialises every tile's scores in memory. Elsewhere it is `xla`: on the CPU `pallas`
-  only interprets, and its Triton kernel has no TPU (Mosaic) lowering."""
+  0.56-0.59x cuDNN forward+backward on an H100 (results/bench_kernel.jsonl), where `xla`
+  materialises every tile's scores in memory; not timed against `xla` on a GPU yet. For a
+  block whose shapes Triton cannot take (`kernel_pallas.gpu_unsupported`) `auto` runs `xla`
+  and says so once. Elsewhere `auto` is `xla`: on the CPU `pallas` only interprets, and its
+  Triton kernel has no TPU (Mosaic) lowering."""
   if name != AUTO:
     return name
   return "pallas" if (backend or jax.default_backend()) == "gpu" else "xla"
 
 
+_SAID: set[str] = set()
+
+
+def _for_blocks(q_shape, k_shape, tile: int) -> BlockKernel:
+  """`auto`'s kernel for these operands, chosen while tracing."""
+  name = resolve(AUTO)
+  reason = kernel_pallas.gpu_unsupported(q_shape, k_shape, tile) if name == "pallas" else None
+  if reason:
+    name = "xla"
+    if reason not in _SAID:
+      _SAID.add(reason)
+      print(f"model.kernel='auto': the pallas kernel cannot take these attention blocks "
+            f"({reason}); they run on xla", flush=True)
+  return KERNELS[name]
+
+
+def _auto(which: str) -> Callable:
+  def call(q, k, *args, **kwargs):  # Both halves of the contract take q and k first.
+    kernel = _for_blocks(q.shape, k.shape, kwargs["tile"])
+    return getattr(kernel, which)(q, k, *args, **kwargs)
+  return call
+
+
 def get(name: str) -> BlockKernel:
-  name = resolve(name)
+  if name == AUTO:
+    return BlockKernel(_auto("fwd"), _auto("bwd"))
   if name not in KERNELS:
     raise ValueError(f"unknown attention kernel '{name}'; choose one of "
                      f"{(AUTO, *KERNELS)}")

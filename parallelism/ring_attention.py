@@ -241,7 +241,7 @@ def operand_specs(mesh, rules: Rules, q_shape, num_kv: int) -> tuple[P, P, P]:
 
 
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None,
-                   *, layout: str, mesh=None, rules: Rules | None = None, kernel: str = "xla",
+                   *, layout: str, mesh=None, rules: Rules | None = None, kernel: str = "auto",
                    tile_size: int = 512, strategy: str = "ring") -> jax.Array:
   """Causal attention, exact, of q [B,S,Hq,D] on k/v [B,S,Hkv,D] sharded along S in `layout`.
 

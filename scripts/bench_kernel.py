@@ -65,6 +65,7 @@ RESULTS = os.path.join(ROOT, "results", "bench_kernel.jsonl")
 TILE = 512  # ring_attention's default tile_size; the kernel clips its own tiles to it
 F32, BF16 = jnp.float32, jnp.bfloat16
 _STAMP = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+_COMMIT = bench_results.commit()  # Before this run appends to the results file.
 
 
 def record(device: str | None = None, **row) -> None:
@@ -360,15 +361,18 @@ def part_e2e(config_file: str, seq_lens, kernels, steps: int, remat_policy: str,
                  "--config.data.dataset=synthetic_longrange",
                  "--config.data.tokenizer_vocab_size=512", "--config.wandb.mode=disabled",
                  f"--config.model.kernel={kernel}", f"--config.train.remat={remat}", *overrides]
-      done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
-      if done.returncode:
-        print(f"  S={seq_len} kernel={kernel}: the run failed (exit {done.returncode}):\n"
-              + (done.stdout + done.stderr)[-2000:])
-        continue
-      with open(os.path.join(workdir, "config.json")) as f:
-        written = json.load(f)
-      with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        rows = [r for r in map(json.loads, f) if "loss" in r]
+      try:  # The run ends with a checkpoint (13 GB at 1B); the workdir goes either way.
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
+        if done.returncode:
+          print(f"  S={seq_len} kernel={kernel}: the run failed (exit {done.returncode}):\n"
+                + (done.stdout + done.stderr)[-2000:])
+          continue
+        with open(os.path.join(workdir, "config.json")) as f:
+          written = json.load(f)
+        with open(os.path.join(workdir, "metrics.jsonl")) as f:
+          rows = [r for r in map(json.loads, f) if "loss" in r]
+      finally:
+        shutil.rmtree(workdir, ignore_errors=True)
       timed = rows[2:] or rows[-1:]
       step_s = statistics.median(r["step_time_s"] for r in timed)
       tokens_per_sec = statistics.median(r["tokens_per_sec"] for r in timed)
@@ -382,13 +386,12 @@ def part_e2e(config_file: str, seq_lens, kernels, steps: int, remat_policy: str,
             f"{tokens_per_sec:>10,.0f} {'-' if mfu is None else f'{mfu:.3f}':>6} "
             f"{losses[0]:>7.3f}->{losses[1]:<7.3f}"
             + ("" if losses[1] < losses[0] else "  (the loss did not fall)"))
-      record(part="e2e", device=resolved["device_kind"], commit=bench_results.commit(),
+      record(part="e2e", device=resolved["device_kind"], commit=_COMMIT,
              config_file=config_file, attention=written["model"]["attention"],
              kernel_requested=kernel, kernel=resolved["attention_kernel"], seq_len=seq_len,
              remat=remat, steps=steps, step_s=step_s, tokens_per_sec=tokens_per_sec, mfu=mfu,
              first_loss=losses[0], last_loss=losses[1], loss_falls=losses[1] < losses[0],
              command=" ".join(command[1:]).replace(workdir, "WORKDIR"))
-      shutil.rmtree(workdir, ignore_errors=True)
 
 
 def main() -> None:
@@ -414,7 +417,10 @@ def main() -> None:
   args = parser.parse_args()
   parts = args.parts.split(",")
   ints = lambda s: [int(x) for x in s.split(",")]
-  if parts != ["e2e"]:  # The e2e runs need the device to themselves.
+  if "e2e" in parts:  # First: the trainer's runs need the device before this process holds it.
+    part_e2e(args.e2e_config, ints(args.e2e_seq_lens), args.e2e_kernels.split(","),
+             args.e2e_steps, args.e2e_remat, args.e2e_overrides.split())
+  if parts != ["e2e"]:
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
   config = dataclasses.replace(kernel_pallas.DEFAULT_CONFIG, **json.loads(args.config))
   if "check" in parts:
@@ -425,9 +431,6 @@ def main() -> None:
     part_cudnn(config, ints(args.seq_lens))
   if "ring" in parts:
     part_ring(config, ints(args.blocks), args.num_shards, args.ring_heads, args.bandwidth)
-  if "e2e" in parts:
-    part_e2e(args.e2e_config, ints(args.e2e_seq_lens), args.e2e_kernels.split(","),
-             args.e2e_steps, args.e2e_remat, args.e2e_overrides.split())
   print(f"\nappended to {RESULTS}")
 
 

@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
-# Wheels, at this repo's pins, of what `python -m trainer` needs and the lent GPU machines'
-# image lacks (/work/.library/device/KINDS.md lists the image's packages; it has JAX, flax,
-# optax, orbax, sentencepiece and tensorstore, not TFDS, grain or ml_collections). Those
-# machines reach no package index, so the wheels travel with the run (11 MB):
+# Wheels, at this repo's pins, for a GPU machine that cannot reach a package index and
+# whose Python 3.12 already has JAX with CUDA, flax, optax, orbax, sentencepiece and
+# tensorstore, but not what `python -m trainer` also needs: TFDS, grain, array_record,
+# ml_collections and their small dependencies (11 MB).
 #
-#   scripts/gpu_wheels.sh            # here, once: fills .gpu_wheels/ (git-ignored)
-#   run(carry=[".gpu_wheels"], command="python3 -m pip install -q --no-index \
-#       --find-links .gpu_wheels .gpu_wheels/*.whl && python3 scripts/bench_kernel.py \
-#       --parts e2e")
+#   scripts/gpu_wheels.sh            # on a machine with the index: fills .gpu_wheels/
+#   # copy .gpu_wheels/ beside the checkout on the GPU machine, then there:
+#   python3 -m pip install --no-index --find-links .gpu_wheels .gpu_wheels/*.whl
 #
 # W&B is left out: the benchmarks run with wandb.mode=disabled, which never imports it.
 set -euo pipefail

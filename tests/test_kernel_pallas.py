@@ -193,3 +193,45 @@ def test_ring_attention_pallas_matches_dense(layout):
   out, vjp = jax.vjp(lambda q, k, v: _dense(q, k, v, index, seg), q, k, v)
   for name, g, w in zip(("out", "dq", "dk", "dv"), got, (out, *vjp(dout))):
     np.testing.assert_allclose(g, np.asarray(w), err_msg=name, **_F32_TOL)
+
+
+@pytest.mark.parametrize("q_len, heads, head_dim, tile", [
+    (256, 6, 64, 256),  # GQA group 3: Pallas pads it
+    (768, 4, 64, 256),  # a block of 3 x 256: the tiles are 64 and 128
+    (256, 4, 96, 256),  # head_dim 96
+    (100, 4, 64, 256),  # a block of 100: the tile is clipped to it
+])
+def test_auto_runs_pallas_on_gpus_where_triton_lowers_it(monkeypatch, capsys, q_len, heads,
+                                                         head_dim, tile):
+  """`kernel_pallas.gpu_unsupported` says no exactly where the CUDA cross-lowering fails,
+  and `auto` on a GPU then runs xla for the block, saying why once."""
+  from parallelism import kernels
+  schedule = ring_schedule("striped", 4 * q_len, 4)
+  q = jax.ShapeDtypeStruct((1, q_len, heads, head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, q_len, 2, head_dim), jnp.bfloat16)
+  reason = kernel_pallas.gpu_unsupported(q.shape, kv.shape, tile)
+  monkeypatch.setattr(kernel_pallas, "_interpret", lambda: False)
+  monkeypatch.setattr(kernel_pallas, "_check_shapes", lambda *_: None)  # Lower regardless.
+
+  def fwd(q, k, v, pair):
+    return kernel_pallas.block_fwd(q, k, v, None, None, schedule=schedule, pair=pair,
+                                   tile=tile)[0]
+
+  try:
+    export.export(jax.jit(fwd), platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+            q, kv, kv, jax.ShapeDtypeStruct((), jnp.int32))
+    lowered = True
+  except ValueError as error:
+    assert "power of 2" in str(error)
+    lowered = False
+  assert lowered == (reason is None), reason
+  monkeypatch.setattr(kernels.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(kernels, "_SAID", set())
+  for _ in range(2):
+    chosen = kernels._for_blocks(q.shape, kv.shape, tile)
+  assert chosen == kernels.KERNELS["pallas" if lowered else "xla"]
+  said = capsys.readouterr().out.splitlines()
+  assert said == ([] if lowered else [
+      f"model.kernel='auto': the pallas kernel cannot take these attention blocks ({reason}); "
+      f"they run on xla"])

@@ -185,5 +185,6 @@ def test_two_processes_log_the_losses_of_one(tmp_path, shared_data_dir, referenc
   for proc, output in zip(procs, outputs):
     assert proc.returncode == 0, output[-3000:]
   assert "step" in outputs[0] and "loss" not in outputs[1]  # Only process 0 logs.
+  assert "attention: striped, block kernel auto on cpu: xla\n" in outputs[0]
   assert len(_losses(workdir)) == steps
   np.testing.assert_allclose(_losses(workdir), reference_losses[:steps], rtol=1e-5)

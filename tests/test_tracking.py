@@ -148,6 +148,7 @@ def test_names_group_by_model_and_length_and_tag_the_layout():
 
 def test_the_resolved_record_fills_the_mesh_and_names_the_auto_kernel():
   config = _config()
+  config.model.attention = "striped"
   config.mesh.data, config.mesh.fsdp, config.mesh.sequence, config.mesh.tensor = 1, -1, 4, 1
   resolved = provenance.run_resolved(config)
   assert resolved["mesh"] == {"data": 1, "fsdp": 2, "sequence": 4, "ulysses": 1, "tensor": 1}

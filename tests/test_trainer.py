@@ -43,7 +43,7 @@ def test_run_writes_config_metrics_and_profile(tmp_path, tiny_config, monkeypatc
   # The trace of steps 2-3, for Perfetto: it holds the train step's kernels.
   said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("profile")]
   assert len(said) == 1 and said[0].startswith("profile of steps 2-3: "), said
-  traces = list(tmp_path.glob("profile/plugins/profile/*/perfetto_trace.json.gz"))
+  traces = list(tmp_path.glob("profile/process_0/plugins/profile/*/perfetto_trace.json.gz"))
   assert len(traces) == 1 and str(traces[0]) in said[0]
   assert b"train_step" in gzip.decompress(traces[0].read_bytes())
   # Training gets what it needs; only eval batches carry the retrieval evaluator's field.

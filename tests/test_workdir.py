@@ -19,6 +19,7 @@ from trainer.checkpointing import CheckpointError
 from trainer.config_check import ConfigError
 from trainer.loop import train
 from trainer.resume import compatibility_check, file_sha256
+from trainer.stop_signals import StoppedBeforeTraining
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -316,7 +317,7 @@ def test_a_signal_after_start_but_before_the_first_step_stops_at_once(tmp_path, 
     return real(*args)
 
   monkeypatch.setattr(loop, "build_training", signalled)
-  with pytest.raises(loop.StoppedBeforeTraining, match="stopped by SIGINT before the first"):
+  with pytest.raises(StoppedBeforeTraining, match="stopped by SIGINT before the first"):
     train(_config(tiny_config, **{"train.steps": 2}), str(tmp_path / "run"))
   assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
   assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Handlers restored.

@@ -32,7 +32,8 @@ from trainer import distributed, hf_import, profiling, stages
 from trainer.config_check import ConfigError, check_config
 from trainer.checkpointing import CheckpointError
 from model.hf_format import HFFormatError
-from trainer.loop import NonFiniteError, StoppedBeforeTraining, train
+from trainer.loop import NonFiniteError, train
+from trainer.stop_signals import StoppedBeforeTraining
 from trainer.tracking import TrackingError
 from trainer.workdir import WorkdirError
 
@@ -138,6 +139,12 @@ def main(argv: list[str]) -> None:
     sys.exit("error: --find_max_seq_len and --compare_strategies plan: pass them with --dry_run")
   if _FIND_MAX.value and _COMPARE.value:
     sys.exit("error: pass one of --find_max_seq_len and --compare_strategies")
+  if _PROFILE_STEPS.value and _DRY_RUN.value:
+    sys.exit("error: --profile_steps traces training steps; a --dry_run trains none")
+  try:
+    profile_steps = profiling.parse_steps(_PROFILE_STEPS.value)
+  except ValueError as error:
+    sys.exit(f"error: {error}")
   try:
     if config.init.from_hf:  # Sets the model's shape and tokenizer: before any check or plan.
       print(hf_import.apply_to_config(config), flush=True)
@@ -164,13 +171,13 @@ def main(argv: list[str]) -> None:
     if config.cpu_devices:
       jax.config.update("jax_num_cpu_devices", config.cpu_devices)
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-    if jax.process_count() > 1:  # `train` installs no handler then (see loop._StopSignals):
+    if jax.process_count() > 1:  # `train` installs no handler then (see stop_signals.StopSignals):
       signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is an error exit.
     check_config(config, jax.device_count())
-    try:
-      profile_steps = profiling.parse_steps(_PROFILE_STEPS.value)
-    except ValueError as error:
-      raise ConfigError(str(error)) from None
+    last_step = stages.plan(config)[-1].last_step
+    if profile_steps and profile_steps[0] > last_step:
+      raise ConfigError(f"--profile_steps={_PROFILE_STEPS.value} starts after the run's last "
+                        f"step, {last_step}")
     name = os.path.splitext(os.path.basename(config_flags.get_config_filename(
         flags.FLAGS["config"])))[0]
     train(config, _WORKDIR.value or os.path.join("runs", name),

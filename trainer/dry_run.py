@@ -271,7 +271,7 @@ def _print(config, out: dict[str, Any], memory_gib: float, mfu: float, accelerat
   strategy = f", {strategy} sequence-parallel" if strategy else ""
   lines = [
       f"dry run: {out['params'] / 1e6:,.1f}M params, {m.num_layers} layers, attention "
-      f"{m.attention} ({parallelism.resolve_kernel(m.kernel)} kernel{strategy}), {t.batch_size} x "
+      f"{m.attention} ({_kernel_label(m.kernel)}{strategy}), {t.batch_size} x "
       f"{config.data.seq_len:,} tokens per step in {t.micro_batches} micro-batch(es), "
       f"remat {t.remat}",
       f"mesh: {mesh} = {out['devices']} devices (fake CPU; compiled in {out['compile_s']:.0f} s)",
@@ -312,6 +312,15 @@ def _print(config, out: dict[str, Any], memory_gib: float, mfu: float, accelerat
                  f"{human_bytes(out['floor_total_bytes']).strip()}")
   lines.append(verdict_line(out, memory_gib))
   print("\n".join(lines), flush=True)
+
+
+def _kernel_label(kernel: str) -> str:
+  """The kernel this CPU plan compiles; `auto` picks another on a GPU."""
+  here = parallelism.resolve_kernel(kernel)
+  if here == kernel:
+    return f"{kernel} kernel"
+  return (f"{kernel} kernel: {here} in this plan, "
+          f"{parallelism.resolve_kernel(kernel, 'gpu')} on GPUs")
 
 
 def verdict_line(out: dict[str, Any], memory_gib: float) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import signal
 import statistics
 import time
 from typing import Any
@@ -31,6 +30,7 @@ from trainer import workdir as workdir_lock
 from trainer.resume import (checkpoint_meta, compatibility_check, config_dict,
                             config_path, file_sha256)
 from trainer.state import TrainState, init_state, state_from_params
+from trainer.stop_signals import StopSignals
 from trainer.step import eval_step
 from trainer.training import Training, build_training, data_config, model_config
 from trainer import wandb_tracker
@@ -51,7 +51,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, start_over: bool = Fa
   (first/last loss, median speed, final step, whether a signal stopped it).
   """
   is_writer = jax.process_index() == 0
-  with _StopSignals() as signals:
+  with StopSignals() as signals:
     if is_writer:
       workdir_lock.claim(workdir)
     try:
@@ -61,7 +61,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, start_over: bool = Fa
         workdir_lock.release(workdir)
 
 
-def _train(config, workdir: str, start_over: bool, signals: "_StopSignals",
+def _train(config, workdir: str, start_over: bool, signals: StopSignals,
            is_writer: bool, profile_steps: tuple[int, int] | None) -> dict[str, Any]:
   mesh = parallelism.make_mesh(config.mesh)
   plan = stages.plan(config)
@@ -74,10 +74,6 @@ def _train(config, workdir: str, start_over: bool, signals: "_StopSignals",
   provenance = run_provenance() if is_writer else None  # For config.json and W&B alike.
   log = (lambda line: print(line, flush=True)) if is_writer else (lambda line: None)
 
-  if model_cfg.attention != "dense":
-    kernel = parallelism.resolve_kernel(model_cfg.kernel)
-    log(f"attention: {model_cfg.attention}, block kernel {kernel}"
-        + (f" (auto on {jax.default_backend()})" if model_cfg.kernel != kernel else ""))
   if jax.default_backend() == "cpu" and any(s.config.train.remat == "offload" for s in plan):
     log("train.remat='offload' on the CPU: there is no device memory apart from the host's "
         "to relieve, so the layer inputs stay put and it runs as 'full'")
@@ -126,6 +122,8 @@ def _train(config, workdir: str, start_over: bool, signals: "_StopSignals",
             data_state = None  # Each stage reads the data afresh, with a seed of its own.
           if stage.name and step < stage.last_step:
             log(_stage_line(stage, step))
+          if stage_model_cfg.attention != "dense" and step < stage.last_step:
+            log(_kernel_line(stage_model_cfg))
           iterator = _make_iterator(stage.config, stage_model_cfg, mesh, data_cfg.train_split,
                                     stages.data_seed(config.seed, stage.index))
           if data_state is not None:
@@ -162,6 +160,12 @@ def _train(config, workdir: str, start_over: bool, signals: "_StopSignals",
     for tracker in trackers:
       tracker.close()
   return _combined(summaries)
+
+
+def _kernel_line(model_cfg: ModelConfig) -> str:
+  kernel = parallelism.resolve_kernel(model_cfg.kernel)
+  where = f"{model_cfg.kernel} on {jax.default_backend()}: " if model_cfg.kernel != kernel else ""
+  return f"attention: {model_cfg.attention}, block kernel {where}{kernel}"
 
 
 def _stage_line(stage: stages.Stage, step: int) -> str:
@@ -228,47 +232,6 @@ def _make_iterator(config, model_cfg, mesh, split, seed):
       repeat=True, rows=rows)
 
 
-class StoppedBeforeTraining(BaseException):
-  """SIGTERM or SIGINT arrived before the first step: nothing to save, nothing lost.
-
-  A BaseException, like KeyboardInterrupt: raised from a signal handler at any line, it must
-  pass through `except Exception` (a restore in progress must not read it as damage)."""
-
-
-class _StopSignals:
-  """Turns SIGTERM/SIGINT into a clean stop: before the loop, `StoppedBeforeTraining` at once
-  (nothing is trained yet, so nothing needs saving); in the loop, a request to save and stop
-  after the current step.
-
-  Single process only. With several processes each would see a signal at its own step and
-  save alone, so SIGTERM is left to JAX's preemption service (installed by
-  `jax.distributed.initialize`; a Python handler would replace it), which agrees on one
-  step for all processes: `Checkpointer.reached_preemption`.
-  """
-
-  def __init__(self):
-    self.received: str | None = None
-    self.in_loop = False
-    self._previous = {}
-
-  def __enter__(self):
-    if jax.process_count() == 1:
-      for sig in (signal.SIGTERM, signal.SIGINT):
-        self._previous[sig] = signal.signal(sig, self._handle)
-    return self
-
-  def _handle(self, signum, frame):
-    del frame
-    self.received = signal.Signals(signum).name
-    if not self.in_loop:
-      raise StoppedBeforeTraining(f"stopped by {self.received} before the first step; "
-                                  f"nothing was trained, so nothing was saved or lost")
-
-  def __exit__(self, *exc):
-    for sig, handler in self._previous.items():
-      signal.signal(sig, handler)
-
-
 class _Run:
   """The state of one pass of the host loop: timing, pending metrics, records."""
 
@@ -287,7 +250,7 @@ class _Run:
     self.sampler = None  # For the needle eval, made at the first.
     self.needles_off = False
 
-  def loop(self, state, step_fn, start: int, signals: _StopSignals,
+  def loop(self, state, step_fn, start: int, signals: StopSignals,
            profiler: StepProfiler) -> tuple[TrainState, dict[str, Any]]:
     """Trains from step `start` to the stage's last step; the last state and a summary."""
     steps = self.config.train.steps
@@ -298,19 +261,24 @@ class _Run:
     stop = None
     signals.in_loop = True
     for step in range(start + 1, steps + 1):
+      profiler.before(step)  # The trace holds the step's batch too.
       batch = data.to_global_batch(data.fields(next(self.iterator), data.TRAIN_FIELDS),
                                    sharding, self.config.train.batch_size)
-      profiler.before(step)
       state, metrics = step_fn(state, batch)
-      profiler.after(step, metrics)
       self.checkpointer.check()  # A failed background save stops the run now.
       if pending:
         self._read(*pending)
       pending = (step, metrics)
+      if profiler.ends_at(step):
+        self._read(*pending)  # Inside the trace: the step's results are computed.
+        pending = None
+        profiler.close()
+        self._restart_clock(step)  # Writing the trace out is not step time.
       stop = signals.received or self.checkpointer.reached_preemption(step)
       if self.checkpointer.due(step) or step == steps or stop:
-        self._read(*pending)  # Know the step was finite before its state is saved.
-        pending = None
+        if pending:
+          self._read(*pending)  # Know the step was finite before its state is saved.
+          pending = None
         self.checkpointer.save(step, state, data.gather_state(self.iterator.get_state()),
                                self.meta)
         self._restart_clock(step)  # Save time is not step time.

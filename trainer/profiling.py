@@ -1,24 +1,27 @@
-"""`--profile_steps=A:B`: a `jax.profiler` trace of training steps A to B, under the workdir.
+"""`--profile_steps=FIRST:LAST`: a `jax.profiler` trace of those training steps.
 
-The trace starts before step A is dispatched and stops once step B's results are on the
-host, so it holds whole steps: the host loop, the data, every compiled kernel and
-collective. Step 1's compile lands in it if A is 1, so A >= 2 shows steady steps. Each
-process writes its own trace (its own devices) to `<workdir>/profile/`; open
-`perfetto_trace.json.gz` at https://ui.perfetto.dev, or `tensorboard --logdir
-<workdir>/profile` with the profile plugin.
+The trace starts before step FIRST reads its batch and stops once step LAST's results are
+on the host, so it holds whole steps: the host loop, the data, every compiled kernel and
+collective. The first step a process trains compiles (step 1, the first after a resume,
+and each stage's first), so start the window after it to see steady steps. Each process
+traces its own devices into `<workdir>/profile/process_<i>/`; open a
+`perfetto_trace.json.gz` there at https://ui.perfetto.dev, or run `tensorboard --logdir
+<workdir>/profile` with the profile plugin. Writing the trace out is left out of the
+logged step times.
 """
 
 from __future__ import annotations
 
 import glob
 import os
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 
 
 def parse_steps(text: str) -> tuple[int, int] | None:
-  """(A, B) from 'A:B' ('' is None); a ValueError names what is wrong."""
+  """(FIRST, LAST) from 'FIRST:LAST' or 'STEP' ('' is None); a ValueError says what is
+  wrong."""
   if not text:
     return None
   first, sep, last = text.partition(":")
@@ -38,40 +41,45 @@ class StepProfiler:
   def __init__(self, steps: tuple[int, int] | None, workdir: str,
                log: Callable[[str], None]):
     self._steps, self._log = steps, log
-    self._directory = os.path.join(workdir, "profile")
+    self._directory = os.path.join(workdir, "profile", f"process_{jax.process_index()}")
     self._tracing = False
     self._first = self._last = None  # Steps traced.
 
   def before(self, step: int) -> None:
-    """Called before `step` is dispatched: starts at A, or at the first step a run resumed
-    inside the window trains."""
+    """Called before `step` reads its batch: starts at FIRST, or at the first step a run
+    resumed inside the window trains."""
     if self._steps and not self._tracing and self._steps[0] <= step <= self._steps[1]:
       jax.profiler.start_trace(self._directory, create_perfetto_trace=True)
-      self._tracing = True
-      self._first = step
+      self._tracing, self._first = True, step
+    if self._tracing:
+      self._last = step
 
-  def after(self, step: int, outputs: Any) -> None:
-    """Called after `step` is dispatched: stops at B, once its outputs are computed."""
-    if not self._tracing:
-      return
-    self._last = step
-    if step >= self._steps[1]:
-      jax.block_until_ready(outputs)
-      self.close()
+  def ends_at(self, step: int) -> bool:
+    """Whether the trace stops after `step` (LAST): the loop reads its results, then
+    closes."""
+    return self._tracing and step >= self._steps[1]
 
   def close(self) -> None:
-    """Stops a trace still running (the run ended or stopped inside the window); says so
-    if the run trained none of the chosen steps."""
+    """Stops a trace still running (at LAST, or a run that ended or stopped inside the
+    window); says so if the run trained none of the chosen steps. Never raises: a trace that
+    cannot be written is a warning, not a lost run."""
     if self._steps and self._first is None:
-      self._log(f"warning: --profile_steps={self._steps[0]}:{self._steps[1]}: the run "
+      self._log(f"warning: --profile_steps={self._steps[0]}:{self._steps[1]}: this run "
                 f"trained none of these steps; nothing was profiled")
-      self._steps = None  # Said once.
     if not self._tracing:
+      self._steps = None  # Said once.
       return
-    jax.profiler.stop_trace()
     self._tracing = False
+    try:
+      jax.profiler.stop_trace()
+    except Exception as error:  # pylint: disable=broad-except  # Training goes on.
+      self._log(f"warning: the profile could not be written ({type(error).__name__}: "
+                f"{error})")
+      return
     traces = sorted(glob.glob(os.path.join(self._directory, "plugins", "profile", "*",
                                            "perfetto_trace.json.gz")), key=os.path.getmtime)
     where = traces[-1] if traces else self._directory
     self._log(f"profile of steps {self._first}-{self._last}: {where} (open at "
-              f"https://ui.perfetto.dev, or tensorboard --logdir {self._directory})")
+              f"https://ui.perfetto.dev, or tensorboard --logdir "
+              f"{os.path.dirname(self._directory)})")
+    self._steps = None

@@ -55,9 +55,11 @@ def run_provenance(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def run_resolved(config: ml_collections.ConfigDict) -> dict[str, Any]:
-  """Devices, the mesh with its -1 filled, and the attention kernel `model.kernel` names."""
+  """Devices, the mesh with its -1 filled, and the block kernel `model.kernel` names (None
+  for dense attention, which runs none; a stage may name another)."""
   shape = parallelism.resolve_mesh_shape(config.mesh.to_dict(), jax.device_count())
   return {"num_devices": jax.device_count(), "num_processes": jax.process_count(),
           "device_kind": jax.devices()[0].device_kind, "backend": jax.default_backend(),
           "mesh": dict(zip(parallelism.MESH_AXES, shape)),
-          "attention_kernel": parallelism.resolve_kernel(config.model.kernel)}
+          "attention_kernel": None if config.model.attention == "dense"
+                              else parallelism.resolve_kernel(config.model.kernel)}

@@ -5,9 +5,10 @@ mesh shardings, and a jitted init with those `out_shardings` writes each shard i
 
 Both trace the init of `_param_model`: the model with dense attention and no remat, on the
 smallest batch the mesh shards. A parameter's name, shape and random value depend on the
-module tree and the rng only, not on the attention, remat or sequence length
-(`tests/test_model.py` checks every strategy bit for bit), so the init need not trace or
-compile a ring for a 256k-token forward whose output it throws away.
+module tree and the rng only, not on the attention, remat or sequence length (checked bit
+for bit in `tests/test_model.py` for ring, all-gather and hybrid runs under three remat
+policies), so the init need not trace or compile a ring for a 256k-token forward whose
+output it throws away.
 """
 
 from __future__ import annotations
