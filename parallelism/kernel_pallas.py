@@ -224,24 +224,29 @@ def _interpret() -> bool:
   return jax.default_backend() == "cpu"
 
 
-def gpu_unsupported(q_shape, k_shape, tile: int,
+def gpu_unsupported(q_shape, k_shape, tile: int, dtype,
                     config: KernelConfig = DEFAULT_CONFIG) -> str | None:
-  """Why Triton cannot lower these kernels for q [B,Tq,Hq,D] and k [B,Tk,Hkv,D] at `tile`
-  (None if it can): every array a kernel computes on must have a power-of-2 size, so the
-  head dim and the tiles (the config's, clipped to `tile` and the block) must be powers of
-  2. Whole blocks, GQA groups and tables are padded by Pallas (checked by cross-lowering in
-  tests/test_kernel_pallas.py)."""
+  """Why these kernels cannot run on a GPU for q [B,Tq,Hq,D] and k [B,Tk,Hkv,D] of `dtype`
+  at `tile` (None if they can). Every array a Triton kernel computes on must have a
+  power-of-2 size, so the head dim and the tiles (the config's, clipped to `tile` and the
+  block; `_size`) must be powers of 2, and each block a whole number of its tiles. Whole
+  blocks, GQA groups and tables are padded by Pallas (all checked against the CUDA
+  cross-lowering in tests/test_kernel_pallas.py)."""
+  config = config.for_operands(dtype)
   len_q, head_dim, len_k = q_shape[1], q_shape[3], k_shape[1]
-  odd = [f"head_dim {head_dim}"] if head_dim & (head_dim - 1) else []
+  problems = [f"head_dim {head_dim} is not a power of 2"] if head_dim & (head_dim - 1) else []
   for name, wanted, length in (("query", (config.fwd_q, config.dkv_q, config.dq_q), len_q),
                                ("key", (config.fwd_k, config.dkv_k, config.dq_k), len_k)):
-    odd += [f"{name} tile {size}" for size in sorted({min(w, tile, length) for w in wanted})
-            if size & (size - 1)]
-  return f"Triton needs powers of 2, and here {', '.join(odd)}" if odd else None
+    for size in sorted({min(w, tile, length) for w in wanted}):
+      if size & (size - 1):
+        problems.append(f"the {name} tile {size} is not a power of 2")
+      elif length % size:
+        problems.append(f"the {name} block {length} is not a multiple of the tile {size}")
+  return "; ".join(problems) or None
 
 
-def _check_shapes(q_shape, k_shape, tile: int) -> None:
-  reason = None if _interpret() else gpu_unsupported(q_shape, k_shape, tile)
+def _check_shapes(q_shape, k_shape, tile: int, dtype, config: KernelConfig) -> None:
+  reason = None if _interpret() else gpu_unsupported(q_shape, k_shape, tile, dtype, config)
   if reason:
     raise ValueError(f"model.kernel='pallas' cannot run these attention blocks: {reason}; "
                      f"use 'auto' (xla for such blocks) or 'xla'")
@@ -273,7 +278,7 @@ def _segments_and_tables(seg_args, seg_specs, tables):
 def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSchedule, pair,
               tile: int, config: KernelConfig = DEFAULT_CONFIG) -> tuple[jax.Array, jax.Array]:
   """Attention of a query block on a key block: (out [B,Tq,Hq,D] f32, lse [B,Tq,Hq] f32)."""
-  _check_shapes(q_BTHD.shape, k_BTKD.shape, tile)
+  _check_shapes(q_BTHD.shape, k_BTKD.shape, tile, q_BTHD.dtype, config)
   config = config.for_operands(q_BTHD.dtype)
   batch, len_q, num_heads, head_dim = q_BTHD.shape
   len_k, num_kv = k_BTKD.shape[1], k_BTKD.shape[2]
@@ -303,7 +308,7 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
   `lse_BTH` and `delta_BTH = sum(dout * out, -1)` are the GLOBAL ones (merged over all key
   blocks), as in `kernel_xla.block_bwd`. dout is cast to q's dtype (the matmul operands).
   """
-  _check_shapes(q_BTHD.shape, k_BTKD.shape, tile)
+  _check_shapes(q_BTHD.shape, k_BTKD.shape, tile, q_BTHD.dtype, config)
   batch, len_q, num_heads, head_dim = q_BTHD.shape
   len_k, num_kv = k_BTKD.shape[1], k_BTKD.shape[2]
   group = num_heads // num_kv

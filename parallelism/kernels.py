@@ -31,8 +31,8 @@ The ring (`parallelism.ring_attention`) merges the partial results and drives th
 
 `xla` is the reference, in plain JAX on any backend; `pallas` is fused (Triton on GPUs,
 interpret mode on CPU for tests). A new kernel is one module with these two functions and
-one line below; `auto` (the default of `model.kernel`) names the fastest exact one of the
-backend, by `resolve`.
+one line below. `auto` (the default of `model.kernel`) is the fastest exact one of the
+backend for each block, chosen while tracing (`resolve`, `_for_blocks`).
 """
 
 from __future__ import annotations
@@ -72,13 +72,15 @@ def resolve(name: str, backend: str | None = None) -> str:
 _SAID: set[str] = set()
 
 
-def _for_blocks(q_shape, k_shape, tile: int) -> BlockKernel:
-  """`auto`'s kernel for these operands, chosen while tracing."""
+def _for_blocks(q_shape, k_shape, tile: int, dtype) -> BlockKernel:
+  """`auto`'s kernel for these operands, chosen while tracing; a fallback is said once per
+  process (by process 0)."""
   name = resolve(AUTO)
-  reason = kernel_pallas.gpu_unsupported(q_shape, k_shape, tile) if name == "pallas" else None
+  reason = (kernel_pallas.gpu_unsupported(q_shape, k_shape, tile, dtype)
+            if name == "pallas" else None)
   if reason:
     name = "xla"
-    if reason not in _SAID:
+    if reason not in _SAID and jax.process_index() == 0:
       _SAID.add(reason)
       print(f"model.kernel='auto': the pallas kernel cannot take these attention blocks "
             f"({reason}); they run on xla", flush=True)
@@ -87,7 +89,7 @@ def _for_blocks(q_shape, k_shape, tile: int) -> BlockKernel:
 
 def _auto(which: str) -> Callable:
   def call(q, k, *args, **kwargs):  # Both halves of the contract take q and k first.
-    kernel = _for_blocks(q.shape, k.shape, kwargs["tile"])
+    kernel = _for_blocks(q.shape, k.shape, kwargs["tile"], q.dtype)
     return getattr(kernel, which)(q, k, *args, **kwargs)
   return call
 

@@ -380,6 +380,8 @@ def part_e2e(config_file: str, seq_lens, kernels, steps: int, remat_policy: str,
       mfu = statistics.median(mfus) if mfus else None
       losses = (rows[0]["loss"], rows[-1]["loss"])
       resolved = written["resolved"]
+      if "they run on xla" in done.stdout:  # auto fell back for some blocks (said once).
+        resolved["attention_kernel"] += "+xla"
       name = resolved["attention_kernel"]
       name = name if kernel == name else f"{kernel}={name}"
       print(f"{seq_len:>7} {name:>12} {remat:>6} {step_s * 1e3:>9.1f} "

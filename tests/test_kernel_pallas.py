@@ -199,37 +199,40 @@ def test_ring_attention_pallas_matches_dense(layout):
     (256, 6, 64, 256),  # GQA group 3: Pallas pads it
     (768, 4, 64, 256),  # a block of 3 x 256: the tiles are 64 and 128
     (256, 4, 96, 256),  # head_dim 96
-    (100, 4, 64, 256),  # a block of 100: the tile is clipped to it
+    (100, 4, 64, 100),  # a block of 100: the ring clips the tile to it
+    (192, 4, 64, 192),  # a block of 192: not a whole number of 128-token tiles
 ])
 def test_auto_runs_pallas_on_gpus_where_triton_lowers_it(monkeypatch, capsys, q_len, heads,
                                                          head_dim, tile):
-  """`kernel_pallas.gpu_unsupported` says no exactly where the CUDA cross-lowering fails,
-  and `auto` on a GPU then runs xla for the block, saying why once."""
+  """`kernel_pallas.gpu_unsupported` says no exactly where the CUDA cross-lowering of the
+  forward and backward fails, and `auto` on a GPU then runs xla for the block, saying why
+  once."""
   from parallelism import kernels
   schedule = ring_schedule("striped", 4 * q_len, 4)
   q = jax.ShapeDtypeStruct((1, q_len, heads, head_dim), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((1, q_len, 2, head_dim), jnp.bfloat16)
-  reason = kernel_pallas.gpu_unsupported(q.shape, kv.shape, tile)
+  reason = kernel_pallas.gpu_unsupported(q.shape, kv.shape, tile, q.dtype)
   monkeypatch.setattr(kernel_pallas, "_interpret", lambda: False)
   monkeypatch.setattr(kernel_pallas, "_check_shapes", lambda *_: None)  # Lower regardless.
 
-  def fwd(q, k, v, pair):
-    return kernel_pallas.block_fwd(q, k, v, None, None, schedule=schedule, pair=pair,
-                                   tile=tile)[0]
+  def fwd_bwd(q, k, v, pair):
+    attend = dict(schedule=schedule, pair=pair, tile=tile)
+    out, lse = kernel_pallas.block_fwd(q, k, v, None, None, **attend)
+    return kernel_pallas.block_bwd(q, k, v, q, lse, lse, None, None, **attend)
 
   try:
-    export.export(jax.jit(fwd), platforms=["cuda"], disabled_checks=[
+    export.export(jax.jit(fwd_bwd), platforms=["cuda"], disabled_checks=[
         export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
             q, kv, kv, jax.ShapeDtypeStruct((), jnp.int32))
     lowered = True
-  except ValueError as error:
-    assert "power of 2" in str(error)
+  except ValueError as error:  # Triton's lowering, or the kernel's own tile division.
+    assert "power of 2" in str(error) or "not divisible by the kernel tile" in str(error)
     lowered = False
   assert lowered == (reason is None), reason
   monkeypatch.setattr(kernels.jax, "default_backend", lambda: "gpu")
   monkeypatch.setattr(kernels, "_SAID", set())
   for _ in range(2):
-    chosen = kernels._for_blocks(q.shape, kv.shape, tile)
+    chosen = kernels._for_blocks(q.shape, kv.shape, tile, q.dtype)
   assert chosen == kernels.KERNELS["pallas" if lowered else "xla"]
   said = capsys.readouterr().out.splitlines()
   assert said == ([] if lowered else [

@@ -261,6 +261,12 @@ class _Run:
     stop = None
     signals.in_loop = True
     for step in range(start + 1, steps + 1):
+      if profiler.starts_at(step):
+        if pending:
+          self._read(*pending)
+          pending = None
+        profiler.start(step)
+        self._restart_clock(step - 1)  # Starting the trace is not step time.
       profiler.before(step)  # The trace holds the step's batch too.
       batch = data.to_global_batch(data.fields(next(self.iterator), data.TRAIN_FIELDS),
                                    sharding, self.config.train.batch_size)

@@ -45,12 +45,23 @@ class StepProfiler:
     self._tracing = False
     self._first = self._last = None  # Steps traced.
 
-  def before(self, step: int) -> None:
-    """Called before `step` reads its batch: starts at FIRST, or at the first step a run
-    resumed inside the window trains."""
-    if self._steps and not self._tracing and self._steps[0] <= step <= self._steps[1]:
+  def starts_at(self, step: int) -> bool:
+    """Whether the trace starts before `step` (FIRST, or the first step a run resumed inside
+    the window trains): the loop reads the steps before, then calls `start`."""
+    return bool(self._steps) and not self._tracing and self._steps[0] <= step <= self._steps[1]
+
+  def start(self, step: int) -> None:
+    try:
       jax.profiler.start_trace(self._directory, create_perfetto_trace=True)
-      self._tracing, self._first = True, step
+    except Exception as error:  # pylint: disable=broad-except  # Training goes on.
+      self._log(f"warning: the profile could not start ({type(error).__name__}: {error}); "
+                f"training goes on without it")
+      self._steps = None
+      return
+    self._tracing, self._first = True, step
+
+  def before(self, step: int) -> None:
+    """Called before `step` reads its batch: counts the steps traced."""
     if self._tracing:
       self._last = step
 
@@ -63,23 +74,24 @@ class StepProfiler:
     """Stops a trace still running (at LAST, or a run that ended or stopped inside the
     window); says so if the run trained none of the chosen steps. Never raises: a trace that
     cannot be written is a warning, not a lost run."""
-    if self._steps and self._first is None:
-      self._log(f"warning: --profile_steps={self._steps[0]}:{self._steps[1]}: this run "
-                f"trained none of these steps; nothing was profiled")
-    if not self._tracing:
-      self._steps = None  # Said once.
-      return
-    self._tracing = False
     try:
-      jax.profiler.stop_trace()
-    except Exception as error:  # pylint: disable=broad-except  # Training goes on.
+      self._close()
+    except Exception as error:  # pylint: disable=broad-except
       self._log(f"warning: the profile could not be written ({type(error).__name__}: "
                 f"{error})")
+
+  def _close(self) -> None:
+    steps, self._steps = self._steps, None  # Said, or stopped, once.
+    if steps and self._first is None:
+      self._log(f"warning: --profile_steps={steps[0]}:{steps[1]}: this run trained none of "
+                f"these steps; nothing was profiled")
+    if not self._tracing:
       return
+    self._tracing = False
+    jax.profiler.stop_trace()
     traces = sorted(glob.glob(os.path.join(self._directory, "plugins", "profile", "*",
                                            "perfetto_trace.json.gz")), key=os.path.getmtime)
     where = traces[-1] if traces else self._directory
     self._log(f"profile of steps {self._first}-{self._last}: {where} (open at "
               f"https://ui.perfetto.dev, or tensorboard --logdir "
               f"{os.path.dirname(self._directory)})")
-    self._steps = None
