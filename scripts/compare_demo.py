@@ -1,6 +1,6 @@
 """Striped against ring on a laptop: `make compare`.
 
-    .venv/bin/python scripts/compare_demo.py [--steps 16] [--seq_len 8192] [--out compare.png]
+    .venv/bin/python scripts/compare_demo.py [--steps 16] [--seq_len 8192] [--out FILE.png]
 
 The embedded default (`make train`) runs 8 simulated devices on 2 cores: the devices take
 turns on the cores, so the time of a step is the sum of all devices' work, and the critical
@@ -78,7 +78,7 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=16)
   parser.add_argument("--seq_len", type=int, default=8192)
   parser.add_argument("--tile", type=int, default=256)  # Finer skipping: bound 1.44, not 1.39.
-  parser.add_argument("--out", default="compare.png")
+  parser.add_argument("--out", default="runs/compare/compare.png")  # Beside the runs: not in git.
   args = parser.parse_args()
   cores = sorted(os.sched_getaffinity(0))[:2]
   if len(cores) < 2 or not shutil.which("taskset"):
