@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import data
-from trainer import profiling
+from trainer import profiling, run_flags
 from trainer.loop import train
 from trainer.provenance import run_provenance
 
@@ -55,6 +55,9 @@ def test_run_writes_config_metrics_and_profile(tmp_path, tiny_config, monkeypatc
   assert written["provenance"]["commit"] == (head or None)  # None outside a git checkout.
   assert isinstance(written["provenance"]["dirty"], (bool, type(None)))
   assert written["resolved"]["num_devices"] == 8 and written["resolved"]["backend"] == "cpu"
+  # Tools that read the run's config (sampling, the needle eval) get the config alone.
+  read_back = run_flags.run_config(str(tmp_path))
+  assert "resolved" not in read_back and "provenance" not in read_back
   records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   steps = [r for r in records if "loss" in r]
   assert [r["step"] for r in steps] == [2, 4]

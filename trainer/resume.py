@@ -42,6 +42,11 @@ MAY_CHANGE = (
     "init.")
 
 
+# What config.json holds beside the config: which commit and command, and what the config's
+# automatic choices became on the machine (trainer/provenance.py). Not config fields.
+RUN_RECORDS = ("provenance", "resolved")
+
+
 def config_path(workdir: str) -> str:
   return os.path.join(workdir, "config.json")
 
@@ -118,7 +123,7 @@ def compatibility_check(config: ml_collections.ConfigDict, workdir: str, tokeniz
       try:
         with open(config_path(workdir), encoding="utf-8") as f:
           stored, where = json.load(f), config_path(workdir)
-        for record in ("provenance", "resolved"):  # Which commit and machine: not config fields.
+        for record in RUN_RECORDS:
           stored.pop(record, None)
       except (OSError, ValueError) as error:  # Older versions wrote it non-atomically.
         print(f"warning: cannot read {config_path(workdir)} ({error}) to compare configs; "

@@ -11,7 +11,7 @@ from typing import Callable
 import jax
 import ml_collections
 
-from trainer.resume import config_path
+from trainer.resume import RUN_RECORDS, config_path
 
 
 class SampleError(RuntimeError):
@@ -30,7 +30,8 @@ def run_config(workdir: str) -> ml_collections.ConfigDict:
     raise SampleError(f"cannot read {path} ({error})") from None
   if not isinstance(stored, dict) or "mesh" not in stored or "model" not in stored:
     raise SampleError(f"{path} is not the config.json of a run of `python -m trainer`")
-  stored.pop("provenance", None)
+  for record in RUN_RECORDS:
+    stored.pop(record, None)
   # Fields added since the run started take their defaults (e.g. mesh.ulysses).
   from configs import base  # pylint: disable=g-import-not-at-top
   config = base.get_config()
