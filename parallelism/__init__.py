@@ -3,7 +3,8 @@ attention (ring, all-gather, Ulysses, hybrid) and the sampler's decode attention
 sharded KV cache (see DESIGN.md)."""
 
 from parallelism.decoding import CACHE_NAMES, cache_positions, decode_attention, decode_rules
-from parallelism.kernels import AUTO as AUTO_KERNEL, KERNELS, resolve as resolve_kernel
+from parallelism.kernels import (AUTO as AUTO_KERNEL, KERNELS, describe as describe_kernel,
+                                 resolve as resolve_kernel)
 from parallelism.layouts import LAYOUTS, check_seq_len, permute, unpermute
 from parallelism.mesh import (MESH_AXES, SEQUENCE_AXES, batch_sharding, batch_shards, check_rules,
                               logical_to_spec, make_mesh, resolve_mesh_shape)

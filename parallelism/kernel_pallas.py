@@ -237,12 +237,15 @@ def gpu_unsupported(q_shape, k_shape, tile: int, dtype,
   problems = [f"head_dim {head_dim} is not a power of 2"] if head_dim & (head_dim - 1) else []
   for name, wanted, length in (("query", (config.fwd_q, config.dkv_q, config.dq_q), len_q),
                                ("key", (config.fwd_k, config.dkv_k, config.dq_k), len_k)):
-    for size in sorted({min(w, tile, length) for w in wanted}):
+    for w in sorted(set(wanted)):
+      try:
+        size = _size(w, tile, length, name)
+      except ValueError as error:  # The block is not a whole number of tiles.
+        problems.append(str(error))
+        continue
       if size & (size - 1):
         problems.append(f"the {name} tile {size} is not a power of 2")
-      elif length % size:
-        problems.append(f"the {name} block {length} is not a multiple of the tile {size}")
-  return "; ".join(problems) or None
+  return "; ".join(dict.fromkeys(problems)) or None
 
 
 def _check_shapes(q_shape, k_shape, tile: int, dtype, config: KernelConfig) -> None:

@@ -69,6 +69,13 @@ def resolve(name: str, backend: str | None = None) -> str:
   return "pallas" if (backend or jax.default_backend()) == "gpu" else "xla"
 
 
+def describe(name: str, backend: str | None = None) -> str:
+  """`name` as the run states it: 'xla', or 'auto on cpu: xla'."""
+  backend = backend or jax.default_backend()
+  kernel = resolve(name, backend)
+  return kernel if kernel == name else f"{name} on {backend}: {kernel}"
+
+
 _SAID: set[str] = set()
 
 

@@ -36,6 +36,7 @@ import jax  # noqa: E402
 import bench_results  # noqa: E402  (scripts/, first on the path)
 import parallelism  # noqa: E402
 from trainer import dry_run  # noqa: E402
+from trainer.config_check import ConfigError, check_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 2.0 ** 30
@@ -51,7 +52,7 @@ def _load_config(path: str):
 def on_device(config, memory_gib: float) -> dict:
   """The step compiled for this machine's devices: XLA's memory analysis, and the verdict
   for `memory_gib` on its figure (no CPU promotion here, so the floor is the figure)."""
-  dry_run.check_config(config, jax.device_count())
+  check_config(config, jax.device_count())
   mesh = parallelism.make_mesh(config.mesh)
   compiled, _ = dry_run.compile_step(config, mesh)
   out = {"devices": jax.device_count(), "mesh": dict(mesh.shape),
@@ -84,7 +85,7 @@ def main() -> None:
     try:
       out = (on_device(config, args.memory_gib) if args.on_device
              else dry_run.plan(config, device_memory_gib=args.memory_gib))
-    except dry_run.ConfigError as error:
+    except ConfigError as error:
       sys.exit(f"error: {error}")
     record = {"config": args.config, "seq_len": seq_len, "remat": config.train.remat,
               "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,

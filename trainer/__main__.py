@@ -68,7 +68,8 @@ _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-host: number
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-host: this process's id.")
 _PROFILE_STEPS = flags.DEFINE_string(
     "profile_steps", "", "FIRST:LAST: write a jax.profiler trace of these training steps "
-    "under <workdir>/profile (Perfetto or TensorBoard); FIRST >= 2 leaves out the compile.")
+    "under <workdir>/profile (Perfetto or TensorBoard); start after the first step a process "
+    "trains, which compiles.")
 _START_OVER = flags.DEFINE_bool(
     "start_over_from_step_0", False, "Train from step 0 although the workdir's "
     "checkpoints_unusable/ holds damaged checkpoints set aside by an earlier run (they are "

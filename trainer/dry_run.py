@@ -315,12 +315,10 @@ def _print(config, out: dict[str, Any], memory_gib: float, mfu: float, accelerat
 
 
 def _kernel_label(kernel: str) -> str:
-  """The kernel this CPU plan compiles; `auto` picks another on a GPU."""
-  here = parallelism.resolve_kernel(kernel)
-  if here == kernel:
-    return f"{kernel} kernel"
-  return (f"{kernel} kernel: {here} in this plan, "
-          f"{parallelism.resolve_kernel(kernel, 'gpu')} on GPUs")
+  """The kernel this CPU plan compiles, and on GPUs (`auto` picks another there)."""
+  here = parallelism.describe_kernel(kernel)
+  return f"{here} kernel" + ("" if here == kernel else
+                             f", {parallelism.describe_kernel(kernel, 'gpu')}")
 
 
 def verdict_line(out: dict[str, Any], memory_gib: float) -> str:

@@ -25,7 +25,7 @@ from trainer import flops, hf_import, stages
 from trainer.checkpointing import CheckpointError, Checkpointer
 from trainer.config_check import ConfigError
 from trainer.profiling import StepProfiler
-from trainer.provenance import run_provenance, run_resolved
+from trainer.provenance import run_records
 from trainer import workdir as workdir_lock
 from trainer.resume import (checkpoint_meta, compatibility_check, config_dict,
                             config_path, file_sha256)
@@ -71,7 +71,7 @@ def _train(config, workdir: str, start_over: bool, signals: StopSignals,
   data.check_vocab(data_cfg, model_cfg.vocab_size)
   tokenizer_file = data.tokenizer_path(data_cfg)
   tokenizer_sha256 = file_sha256(tokenizer_file)  # Read once: checked on restore, then stored.
-  provenance = run_provenance() if is_writer else None  # For config.json and W&B alike.
+  records = run_records(config) if is_writer else None  # For config.json and W&B alike.
   log = (lambda line: print(line, flush=True)) if is_writer else (lambda line: None)
 
   if jax.default_backend() == "cpu" and any(s.config.train.remat == "offload" for s in plan):
@@ -101,8 +101,7 @@ def _train(config, workdir: str, start_over: bool, signals: StopSignals,
           lambda step: build_training(stages.holding(plan, step).config, mesh).abstract_state,
           check_with_stage, start_over)
       if is_writer:  # After the restore: an older checkpoint is checked against the old one.
-        written = {**config_dict(config), "provenance": provenance,
-                   "resolved": run_resolved(config)}
+        written = {**config_dict(config), **records}
         workdir_lock.write_atomically(config_path(workdir),
                                       json.dumps(written, indent=2, sort_keys=True))
       step, state, data_state = restored[:3] if restored else (0, None, None)
@@ -133,7 +132,7 @@ def _train(config, workdir: str, start_over: bool, signals: StopSignals,
               functools.partial(eval_step, model=parts.model, evaluator=evaluator),
               in_shardings=(parts.shardings.params, parts.batch_sharding))
           if is_writer and not trackers:  # Once the first step is near: files, W&B run.
-            trackers = make_trackers(config, workdir, provenance, plan[-1].last_step)
+            trackers = make_trackers(config, workdir, records, plan[-1].last_step)
           run = _Run(stage, stage_model_cfg, mesh, checkpointer, trackers, iterator, eval_fn,
                      evaluator, {**checkpoint_meta(config, tokenizer_sha256),
                                  **stage.checkpoint_meta()})
@@ -163,9 +162,8 @@ def _train(config, workdir: str, start_over: bool, signals: StopSignals,
 
 
 def _kernel_line(model_cfg: ModelConfig) -> str:
-  kernel = parallelism.resolve_kernel(model_cfg.kernel)
-  where = f"{model_cfg.kernel} on {jax.default_backend()}: " if model_cfg.kernel != kernel else ""
-  return f"attention: {model_cfg.attention}, block kernel {where}{kernel}"
+  return (f"attention: {model_cfg.attention}, block kernel "
+          f"{parallelism.describe_kernel(model_cfg.kernel)}")
 
 
 def _stage_line(stage: stages.Stage, step: int) -> str:
@@ -202,11 +200,11 @@ def _initial_state(config, model_cfg: ModelConfig, parts: "Training", log) -> Tr
 
 
 def make_trackers(config: ml_collections.ConfigDict, workdir: str,
-                  provenance: dict[str, Any], total_steps: int) -> list[Tracker]:
+                  records: dict[str, Any], total_steps: int) -> list[Tracker]:
   """The trackers of process 0 for this run: JSONL, console, and W&B unless disabled."""
   return [JsonlTracker(os.path.join(workdir, "metrics.jsonl")),
           ConsoleTracker(total_steps),
-          wandb_tracker.make(config, workdir, provenance)]
+          wandb_tracker.make(config, workdir, records)]
 
 
 def _prepare_data(data_cfg: data.DataConfig, is_writer: bool) -> None:
@@ -257,14 +255,12 @@ class _Run:
     sharding = parallelism.batch_sharding(self.mesh)
     self.last_time, self.last_step = time.monotonic(), start
     self.start_step = start
-    pending = None  # (step, metrics) dispatched but not read yet.
+    self._pending = None  # (step, metrics) dispatched but not read yet.
     stop = None
     signals.in_loop = True
     for step in range(start + 1, steps + 1):
       if profiler.starts_at(step):
-        if pending:
-          self._read(*pending)
-          pending = None
+        self._read_pending()
         profiler.start(step)
         self._restart_clock(step - 1)  # Starting the trace is not step time.
       profiler.before(step)  # The trace holds the step's batch too.
@@ -272,36 +268,35 @@ class _Run:
                                    sharding, self.config.train.batch_size)
       state, metrics = step_fn(state, batch)
       self.checkpointer.check()  # A failed background save stops the run now.
-      if pending:
-        self._read(*pending)
-      pending = (step, metrics)
+      self._read_pending()
+      self._pending = (step, metrics)
       if profiler.ends_at(step):
-        self._read(*pending)  # Inside the trace: the step's results are computed.
-        pending = None
+        self._read_pending()  # Inside the trace: the step's results are computed.
         profiler.close()
         self._restart_clock(step)  # Writing the trace out is not step time.
       stop = signals.received or self.checkpointer.reached_preemption(step)
       if self.checkpointer.due(step) or step == steps or stop:
-        if pending:
-          self._read(*pending)  # Know the step was finite before its state is saved.
-          pending = None
+        self._read_pending()  # Know the step was finite before its state is saved.
         self.checkpointer.save(step, state, data.gather_state(self.iterator.get_state()),
                                self.meta)
         self._restart_clock(step)  # Save time is not step time.
       if self.config.train.eval_every and (step % self.config.train.eval_every == 0
                                            or step == steps):
-        if pending:
-          self._read(*pending)
-          pending = None
+        self._read_pending()
         self._evaluate(state, step)
         self._restart_clock(step)
       if stop:
         print(f"stopping at step {step} on {signals.received or 'preemption'}: saved a "
               f"checkpoint; re-run with the same --workdir to resume", flush=True)
         break
-    if pending:
-      self._read(*pending)
+    self._read_pending()
     return state, self._summarise(stopped=bool(stop))
+
+  def _read_pending(self) -> None:
+    """Reads the step in flight, if any (before host work that must not overlap it)."""
+    if self._pending:
+      self._read(*self._pending)
+      self._pending = None
 
   def _read(self, step: int, metrics) -> None:
     """Reads a step's metrics (blocking until it is done; the next step is queued)."""

@@ -20,6 +20,7 @@ import ml_collections
 
 from trainer import fields
 from trainer.config_check import ConfigError
+from trainer.provenance import config_of
 from trainer.tracking import scrub
 
 # Fields (or groups, ending in '.') a resumed run may change. They decide how the same
@@ -40,11 +41,6 @@ MAY_CHANGE = (
     "data.data_dir", "data.tokenizer", "data.prefetch", "data.eval_split",
     # Where step 0's weights came from: a resumed run starts from its checkpoint instead.
     "init.")
-
-
-# What config.json holds beside the config: which commit and command, and what the config's
-# automatic choices became on the machine (trainer/provenance.py). Not config fields.
-RUN_RECORDS = ("provenance", "resolved")
 
 
 def config_path(workdir: str) -> str:
@@ -122,9 +118,7 @@ def compatibility_check(config: ml_collections.ConfigDict, workdir: str, tokeniz
     if stored is None and os.path.exists(config_path(workdir)):  # An older checkpoint.
       try:
         with open(config_path(workdir), encoding="utf-8") as f:
-          stored, where = json.load(f), config_path(workdir)
-        for record in RUN_RECORDS:
-          stored.pop(record, None)
+          stored, where = config_of(json.load(f)), config_path(workdir)
       except (OSError, ValueError) as error:  # Older versions wrote it non-atomically.
         print(f"warning: cannot read {config_path(workdir)} ({error}) to compare configs; "
               f"the checkpoint's array shapes are still checked", flush=True)

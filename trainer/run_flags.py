@@ -11,7 +11,8 @@ from typing import Callable
 import jax
 import ml_collections
 
-from trainer.resume import RUN_RECORDS, config_path
+from trainer.provenance import config_of
+from trainer.resume import config_path
 
 
 class SampleError(RuntimeError):
@@ -30,8 +31,7 @@ def run_config(workdir: str) -> ml_collections.ConfigDict:
     raise SampleError(f"cannot read {path} ({error})") from None
   if not isinstance(stored, dict) or "mesh" not in stored or "model" not in stored:
     raise SampleError(f"{path} is not the config.json of a run of `python -m trainer`")
-  for record in RUN_RECORDS:
-    stored.pop(record, None)
+  stored = config_of(stored)
   # Fields added since the run started take their defaults (e.g. mesh.ulysses).
   from configs import base  # pylint: disable=g-import-not-at-top
   config = base.get_config()

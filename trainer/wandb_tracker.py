@@ -29,7 +29,7 @@ import ml_collections
 
 from model.config import named_strategy
 from trainer.config_check import WANDB_MODES
-from trainer.provenance import run_provenance, run_resolved
+from trainer.provenance import run_records
 from trainer.tracking import NoopTracker, Tracker, scrub, secret_values
 from trainer.workdir import write_atomically
 
@@ -124,10 +124,10 @@ class WandbTracker:
 
 
 def make(config: ml_collections.ConfigDict, workdir: str,
-         provenance: dict[str, Any] | None = None) -> Tracker:
+         records: dict[str, Any] | None = None) -> Tracker:
   """The W&B tracker of this run, or a no-op one when W&B is disabled or cannot start.
 
-  `provenance` is the loop's `run_provenance()` (the same record as config.json's)."""
+  `records` are the loop's `run_records` (the same as config.json's)."""
   mode = resolve_mode(config.wandb.mode)
   if mode == "disabled":
     return NoopTracker()
@@ -144,8 +144,7 @@ def make(config: ml_collections.ConfigDict, workdir: str,
       secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
   name, group, tags = scrub(run_names(config))
   logged_config = scrub(config.to_dict())
-  logged_config["resolved"] = run_resolved(config)
-  logged_config["provenance"] = provenance or run_provenance()  # W&B's git capture is off.
+  logged_config.update(records or run_records(config))  # W&B's git capture is off.
   kwargs = dict(project=scrub(config.wandb.project), entity=scrub(config.wandb.entity) or None,
                 name=name, group=group, tags=tags, job_type="train", config=logged_config,
                 id=run_id, resume="allow", dir=workdir)
