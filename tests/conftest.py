@@ -5,8 +5,12 @@ import os
 import shutil
 import tempfile
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# LLVM's -O1 instead of its default -O2 for the CPU code XLA emits: the suite spends most of
+# its time compiling tiny programs, and -O1 compiles them faster without slowing their few
+# steps (the suite: 1194 s -> 1005 s on 2 cores). Numerics are unchanged: neither level
+# enables fast-math, and every comparison runs both sides under the same flags.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=1"
+                           " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("WANDB_MODE", "disabled")
 # One persistent compilation cache for the session, shared with the trainer subprocesses that

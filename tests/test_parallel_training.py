@@ -167,8 +167,9 @@ def test_two_processes_log_the_losses_of_one(tmp_path, shared_data_dir, referenc
   reference: the same config and schedule in this process)."""
   steps = 5
   address = f"127.0.0.1:{_free_port()}"
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "WANDB_MODE": "disabled",
-         "XLA_FLAGS": ""}  # The device count comes from --config.cpu_devices.
+  # The device count comes from --config.cpu_devices, not the 8 that XLA_FLAGS asks for.
+  xla_flags = os.environ["XLA_FLAGS"].replace("--xla_force_host_platform_device_count=8", "")
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "WANDB_MODE": "disabled", "XLA_FLAGS": xla_flags}
   overrides = [f"--config.data.data_dir={shared_data_dir}", "--config.train.eval_every=0",
                "--config.train.log_every=1", f"--config.train.steps={steps}",
                "--config.train.schedule_steps=20", "--config.model.dtype=float32",
