@@ -36,9 +36,11 @@ def _extend_config(data_dir, steps=(6, 6)):
   config.wandb.mode = "disabled"
   # Stages are the same under every attention; dense compiles in a fraction of the time.
   # And its 64-token stage reloads safely from the session's persistent compilation cache,
-  # which a striped one does not: XLA:CPU aborts in rendezvous.cc when a second process
-  # reloads the striped 64-token step (`configs/tiny_cpu.py:striped --config.data.seq_len=64`
-  # twice on one fresh JAX_COMPILATION_CACHE_DIR; 256 tokens and dense reload fine).
+  # which a striped one does not: a second process that reloads the striped 64-token step
+  # (`configs/tiny_cpu.py:striped --config.data.seq_len=64` twice on one fresh
+  # JAX_COMPILATION_CACHE_DIR) starts an all-reduce on some devices before the all-gather
+  # their peers wait in, and rendezvous.cc aborts it. Dense at 64 tokens and striped at 256
+  # reload fine.
   config.model.attention = "dense"
   return config
 
