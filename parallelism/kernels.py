@@ -77,6 +77,9 @@ def describe(name: str, backend: str | None = None) -> str:
 
 
 _SAID: set[str] = set()
+# How the line `auto` prints for a block it moves to xla ends; `bench_kernel --parts e2e`
+# looks for it in the trainer's output to record the fallback.
+FALLBACK_SAID = "they run on xla"
 
 
 def _for_blocks(q_shape, k_shape, tile: int, dtype) -> BlockKernel:
@@ -90,7 +93,7 @@ def _for_blocks(q_shape, k_shape, tile: int, dtype) -> BlockKernel:
     if reason not in _SAID and jax.process_index() == 0:
       _SAID.add(reason)
       print(f"model.kernel='auto': the pallas kernel cannot take these attention blocks "
-            f"({reason}); they run on xla", flush=True)
+            f"({reason}); {FALLBACK_SAID}", flush=True)
   return KERNELS[name]
 
 

@@ -57,6 +57,7 @@ import numpy as np  # noqa: E402
 
 import bench_results  # noqa: E402
 from parallelism import kernel_pallas, kernel_xla  # noqa: E402
+from parallelism.kernels import FALLBACK_SAID  # noqa: E402
 from parallelism.layouts import LAYOUTS  # noqa: E402
 from parallelism.schedule import ring_schedule  # noqa: E402
 
@@ -380,7 +381,7 @@ def part_e2e(config_file: str, seq_lens, kernels, steps: int, remat_policy: str,
       mfu = statistics.median(mfus) if mfus else None
       losses = (rows[0]["loss"], rows[-1]["loss"])
       resolved = written["resolved"]
-      if "they run on xla" in done.stdout:  # auto fell back for some blocks (said once).
+      if FALLBACK_SAID in done.stdout:  # auto fell back for some blocks (said once).
         resolved["attention_kernel"] += "+xla"
       name = resolved["attention_kernel"]
       name = name if kernel == name else f"{kernel}={name}"
