@@ -5,10 +5,12 @@ import os
 import shutil
 import tempfile
 
-# LLVM's -O1 instead of its default -O2 for the CPU code XLA emits: the suite spends most of
-# its time compiling tiny programs, and -O1 compiles them faster without slowing their few
-# steps. Neither level enables fast-math, and each comparison runs both sides in one session.
+# The suite spends most of its time compiling tiny programs, so it compiles them the cheaper
+# way: LLVM at -O1 instead of -O2, and fusions through XLA:CPU's elemental IR emitter instead
+# of its MLIR fusion emitters (about 20% less on a training test module; runtimes unchanged
+# at this size). Neither enables fast-math, and every comparison runs both sides in one session.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=1"
+                           " --xla_cpu_use_fusion_emitters=false"
                            " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("WANDB_MODE", "disabled")
