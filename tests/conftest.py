@@ -7,7 +7,7 @@ import tempfile
 
 # The suite spends most of its time compiling tiny programs, so it compiles them the cheaper
 # way: LLVM at -O1 instead of -O2, and fusions through XLA:CPU's elemental IR emitter instead
-# of its MLIR fusion emitters (about 20% less on a training test module; runtimes unchanged
+# of its MLIR fusion emitters (the suite: 955 s -> 820 s on 2 cores; runtimes unchanged
 # at this size). Neither enables fast-math, and every comparison runs both sides in one session.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=1"
                            " --xla_cpu_use_fusion_emitters=false"
