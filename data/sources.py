@@ -43,6 +43,13 @@ def _quiet_absl():
     logger.setLevel(level)
 
 
+def _is_prepared(builder: tfds.core.DatasetBuilder) -> bool:
+  # TFDS warns "Variant folder ... has no dataset_info.json" for a dataset not prepared yet,
+  # which every first run is: the line that follows ("preparing ...") says it better.
+  with _quiet_absl():
+    return builder.is_prepared()
+
+
 def _builder(cfg: DataConfig) -> tfds.core.DatasetBuilder:
   if cfg.dataset == "synthetic_longrange":
     config = synthetic.SyntheticLongrangeConfig(
@@ -76,7 +83,7 @@ def _registered_builder(cfg: DataConfig) -> tfds.core.DatasetBuilder:
 def prepare_dataset(cfg: DataConfig) -> tfds.core.DatasetBuilder:
   """Builds the dataset's array_record files under `cfg.data_dir` unless already there."""
   builder = dataset_builder(cfg)
-  if builder.is_prepared():
+  if _is_prepared(builder):
     _check_format(cfg, builder)
     return builder
   if cfg.dataset not in ("synthetic_longrange", "text_files"):
@@ -135,7 +142,7 @@ def _check_format(cfg: DataConfig, builder: tfds.core.DatasetBuilder) -> None:
 def split_source(cfg: DataConfig, split: str) -> Sequence[dict[str, Any]]:
   """Random-access records of one split of a prepared dataset."""
   builder = dataset_builder(cfg)
-  if not builder.is_prepared():
+  if not _is_prepared(builder):
     raise DataError(f"'{cfg.dataset}' is not prepared under data.data_dir={cfg.data_dir}; "
                     f"call data.prepare(cfg) first")
   _check_format(cfg, builder)

@@ -73,6 +73,17 @@ def test_text_files_builds_skips_bad_files_and_yields_batches(text_cfg, capsys):
   assert "preparing" not in capsys.readouterr().out
 
 
+def test_a_first_preparation_logs_no_tfds_warning(tmp_path, caplog):
+  """TFDS warns that a dataset not prepared yet has no dataset_info.json: every first run."""
+  _write_corpus(tmp_path / "docs", bad=False)
+  cfg = data.DataConfig(dataset="text_files", path=str(tmp_path / "docs"),
+                        data_dir=str(tmp_path / "prepared"))
+  with caplog.at_level("WARNING"):
+    sources.prepare_dataset(cfg)
+  assert sources.split_source(cfg, "train")
+  assert not [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+
 def test_text_files_fail_policy_names_the_file(tmp_path):
   _write_corpus(tmp_path / "docs")
   cfg = data.DataConfig(dataset="text_files", path=str(tmp_path / "docs"), on_bad_file="fail",
