@@ -304,7 +304,7 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSched
 
 
 def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k_seg_BT, *,
-              schedule: RingSchedule, pair, tile: int,
+              schedule: RingSchedule, pair, tile: int, out_BTHD=None,
               config: KernelConfig = DEFAULT_CONFIG) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Gradient contributions (dq, dk, dv, all float32) of one query block x key block.
 

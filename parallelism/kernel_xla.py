@@ -162,7 +162,8 @@ def _bwd_update(carry, q_xs, k_xs, visible_T, *, scale: float):
 
 
 def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k_seg_BT, *,
-              schedule: RingSchedule, pair, tile: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+              schedule: RingSchedule, pair, tile: int,
+              out_BTHD=None) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Gradient contributions (dq, dk, dv, all float32) of one query block x key block.
 
   `lse_BTH` is the GLOBAL log-sum-exp of the queries (merged over all key blocks) and

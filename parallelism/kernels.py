@@ -7,7 +7,7 @@ The ring (`parallelism.ring_attention`) merges the partial results and drives th
     block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule, pair, tile)
         -> (out_BTHD, lse_BTH)
     block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k_seg_BT, *,
-              schedule, pair, tile)
+              schedule, pair, tile, out_BTHD=None)
         -> (dq_BTHD, dk_BTKD, dv_BTKD)
 
 - q `[B, Tq, Hq, D]`, k/v `[B, Tk, Hkv, D]` with Hq % Hkv == 0 (q head h reads kv head
@@ -27,11 +27,14 @@ The ring (`parallelism.ring_attention`) merges the partial results and drives th
   that sees no key of the block gets output 0 and lse -inf, never NaN.
 - Backward takes the GLOBAL (merged over all key blocks) lse and `delta = sum(dout * out,
   -1)` of the global output, float32, recomputes the block's probabilities from them, and
-  returns this block's contributions to dq, dk, dv in float32.
+  returns this block's contributions to dq, dk, dv in float32. The ring also hands it the
+  global output itself (`out_BTHD`), for a library kernel that forms delta on its own
+  (cuDNN's backward takes the output, not delta); `xla` and `pallas` ignore it.
 
 `xla` is the reference, in plain JAX on any backend; `pallas` is fused (Triton on GPUs,
-interpret mode on CPU for tests). A new kernel is one module with these two functions and
-one line below. `auto` (the default of `model.kernel`) is the fastest exact one of the
+interpret mode on CPU for tests); `cudnn` (CUDA GPUs only, not yet run on one) is cuDNN's
+flash attention for the pairs whose mask it can express and `pallas` for the rest. A new
+kernel is one module with these two functions and one line below. `auto` (the default of `model.kernel`) is the fastest exact one of the
 backend for each block, chosen while tracing (`resolve`, `_for_blocks`).
 """
 
@@ -41,7 +44,7 @@ from typing import Callable, NamedTuple
 
 import jax
 
-from parallelism import kernel_pallas, kernel_xla
+from parallelism import kernel_cudnn, kernel_pallas, kernel_xla
 
 AUTO = "auto"
 
@@ -54,6 +57,7 @@ class BlockKernel(NamedTuple):
 KERNELS = {
     "xla": BlockKernel(kernel_xla.block_fwd, kernel_xla.block_bwd),
     "pallas": BlockKernel(kernel_pallas.block_fwd, kernel_pallas.block_bwd),
+    "cudnn": BlockKernel(kernel_cudnn.block_fwd, kernel_cudnn.block_bwd),
 }
 
 
@@ -62,7 +66,8 @@ def resolve(name: str, backend: str | None = None) -> str:
   0.56-0.59x cuDNN forward+backward on an H100 (results/bench_kernel.jsonl), where `xla`
   materialises every tile's scores in memory; not timed against `xla` on a GPU yet. For a
   block whose shapes Triton cannot take (`kernel_pallas.gpu_unsupported`) `auto` runs `xla`
-  and says so once. Elsewhere `auto` is `xla`: on the CPU `pallas` only interprets, and its
+  and says so once. Not `cudnn` until that kernel has been checked and timed on a GPU.
+  Elsewhere `auto` is `xla`: on the CPU `pallas` only interprets, and its
   Triton kernel has no TPU (Mosaic) lowering."""
   if name != AUTO:
     return name

@@ -117,13 +117,13 @@ class RingDevice:
       return attend()  # a query always sees itself: the own block is never empty
     return self._unless_empty(step, out_lse, lambda: merge(*out_lse, *attend()))
 
-  def backward_step(self, step, dq_dkv, q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH,
-                    q_seg_BT, k_seg_BT):
+  def backward_step(self, step, dq_dkv, q_BTHD, k_BTKD, v_BTKD, out_BTHD, dout_BTHD, lse_BTH,
+                    delta_BTH, q_seg_BT, k_seg_BT):
     """At step 0 (`dq_dkv` None) the own block's (dq, dk, dv); after it, (dq, dK/dV
     accumulator [2, B, T, Hkv, D]) with this step's block's contributions added."""
     grads = lambda: self.kernel.bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH,
                                     q_seg_BT, k_seg_BT, schedule=self.schedule,
-                                    pair=self.pair_S[step], tile=self.tile)
+                                    pair=self.pair_S[step], tile=self.tile, out_BTHD=out_BTHD)
     if dq_dkv is None:
       return grads()
 
@@ -169,7 +169,7 @@ def backward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, dout_BTHD, 
   ring = RingDevice(schedule, device_index(axis, num_shards), kernel, tile)
   delta_BTH = softmax_delta(dout_BTHD, out_BTHD)
   step = lambda s, carry, k_b, v_b, *seg_b: ring.backward_step(
-      s, carry, q_BTHD, k_b, v_b, dout_BTHD, lse_BTH, delta_BTH, seg_BT,
+      s, carry, q_BTHD, k_b, v_b, out_BTHD, dout_BTHD, lse_BTH, delta_BTH, seg_BT,
       seg_b[0] if seg_b else None)
 
   def start(*own):

@@ -183,7 +183,7 @@ def _gathered_backward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, d
   block = _every_block(k_BTKD, v_BTKD, seg_BT, axis)
   delta_BTH = ring.softmax_delta(dout_BTHD, out_BTHD)
   grads = lambda step, carry, k_b, v_b, seg_b: runner.backward_step(
-      step, carry, q_BTHD, k_b, v_b, dout_BTHD, lse_BTH, delta_BTH, seg_BT, seg_b)
+      step, carry, q_BTHD, k_b, v_b, out_BTHD, dout_BTHD, lse_BTH, delta_BTH, seg_BT, seg_b)
 
   def visit(step, carry):
     dq_BTHD, dkv_N2BTKD = carry

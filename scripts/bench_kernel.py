@@ -8,6 +8,11 @@ Parts (each appends JSON lines to results/bench_kernel.jsonl):
   striped and zigzag block pairs with GQA and packed segments: max relative errors.
 - sweep: a few tile / warp / stage settings on one causal block (S=--sweep_seq_len); the
   fastest forward and backward settings are used below.
+- cudnn_kernel: the `cudnn` block kernel (parallelism/kernel_cudnn.py; this part is its
+  first GPU run) against the Pallas one on the same causal and strictly causal blocks
+  (a ring of one; striped's cross-device block at N=2), bf16, B=1, 32 heads, head_dim 128:
+  TFLOP/s forward and forward+backward, and each kernel's relative error against the xla
+  reference on the same inputs.
 - cudnn: one causal block (a ring of one device, no segment ids), bf16, B=1, 32 heads,
   head_dim 128: ours vs `jax.nn.dot_product_attention(implementation='cudnn',
   is_causal=True)`, TFLOP/s forward and forward+backward and the ratio, plus the relative
@@ -56,7 +61,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import bench_results  # noqa: E402
-from parallelism import kernel_pallas, kernel_xla  # noqa: E402
+from parallelism import kernel_cudnn, kernel_pallas, kernel_xla  # noqa: E402
 from parallelism.kernels import FALLBACK_SAID  # noqa: E402
 from parallelism.layouts import LAYOUTS  # noqa: E402
 from parallelism.schedule import ring_schedule  # noqa: E402
@@ -111,13 +116,22 @@ def fwd_bwd(block_fwd, block_bwd, schedule):
     at = dict(schedule=schedule, pair=pair, tile=TILE)
     out, lse = block_fwd(q, k, v, qs, ks, **at)
     delta = jnp.sum(out * dout.astype(F32), axis=-1)
-    return block_bwd(q, k, v, dout, lse, delta, qs, ks, **at), out, lse
+    # The global out is the block's own here (one block); cuDNN's backward takes it.
+    return block_bwd(q, k, v, dout, lse, delta, qs, ks, out_BTHD=out, **at), out, lse
   return run
 
 
 def causal_block(seq_len: int):
   """A ring of one device: its only block pair is one causal block."""
   return ring_schedule("ring", seq_len, 1), jnp.int32(0)
+
+
+def strictly_causal_block(seq_len: int):
+  """Striped at N=2: device 0's queries on device 1's keys (step 1) are strictly causal."""
+  schedule = ring_schedule("striped", 2 * seq_len, 2)
+  pair = int(schedule.pair[0, 1])
+  assert schedule.shapes[pair] == "strictly_causal", schedule.shapes
+  return schedule, jnp.int32(pair)
 
 
 def part_check() -> None:
@@ -248,6 +262,39 @@ def part_cudnn(config, seq_lens) -> None:
            ratio_fwd_bwd=tf[2] / tf[3], rel_err_out=errs[0], rel_err_dq=errs[1],
            rel_err_dk=errs[2], rel_err_dv=errs[3], seconds=times, config=dataclasses.asdict(config),
            jax_pallas_mha_tflops=ref_tf)
+
+
+def part_cudnn_kernel(config, seq_lens) -> None:
+  """The cudnn block kernel vs the Pallas one, both checked against the xla reference."""
+  kernels = {"cudnn": (kernel_cudnn.block_fwd, kernel_cudnn.block_bwd), "pallas": _ours(config)}
+  print("\ncudnn_kernel: B=1, 32 heads, head_dim 128, bf16; TFLOP/s, rel err vs xla "
+        "(out, dq, dk, dv)")
+  for seq_len in seq_lens:
+    q, k, v, dout = _causal_inputs(seq_len, seed=seq_len)
+    fwd_flops = _causal_fwd_flops(seq_len)
+    for shape, (schedule, pair) in (("causal", causal_block(seq_len)),
+                                    ("strictly_causal", strictly_causal_block(seq_len))):
+      (g_ref, o_ref, _) = jax.jit(fwd_bwd(kernel_xla.block_fwd, kernel_xla.block_bwd,
+                                          schedule))(*(x.astype(F32) for x in (q, k, v, dout)),
+                                                     pair)
+      row = {}
+      for name, (fwd, bwd) in kernels.items():
+        f = jax.jit(lambda q, k, v, pair, fwd=fwd, schedule=schedule: fwd(
+            q, k, v, None, None, schedule=schedule, pair=pair, tile=TILE))
+        fb = jax.jit(fwd_bwd(fwd, bwd, schedule))
+        (dq, dk, dv), out, _ = fb(q, k, v, dout, pair)
+        errs = [rel_err(out, o_ref), *(rel_err(g, w) for g, w in zip((dq, dk, dv), g_ref))]
+        t_f, t_fb = median_time(f, q, k, v, pair), median_time(fb, q, k, v, dout, pair)
+        row[name] = dict(fwd_tflops=fwd_flops / t_f / 1e12,
+                         fwd_bwd_tflops=3.5 * fwd_flops / t_fb / 1e12, rel_errs=errs)
+        print(f"{seq_len:>6} {shape:>15} {name:>6}: fwd {row[name]['fwd_tflops']:6.1f}  f+b "
+              f"{row[name]['fwd_bwd_tflops']:6.1f}  " + " ".join(f"{e:.1e}" for e in errs))
+      ratios = {f"cudnn_over_pallas_{what}": row["cudnn"][f"{what}_tflops"] /
+                row["pallas"][f"{what}_tflops"] for what in ("fwd", "fwd_bwd")}
+      print(f"{'':>22} cudnn / pallas: fwd {ratios['cudnn_over_pallas_fwd']:.2f}  f+b "
+            f"{ratios['cudnn_over_pallas_fwd_bwd']:.2f}")
+      record(part="cudnn_kernel", seq_len=seq_len, shape=shape, **row, **ratios,
+             config=dataclasses.asdict(config))
 
 
 def _jax_pallas_reference(q, k, v, dout, fwd_flops):
@@ -430,6 +477,8 @@ def main() -> None:
     part_check()
   if "sweep" in parts:
     config = part_sweep(args.sweep_seq_len)
+  if "cudnn_kernel" in parts:
+    part_cudnn_kernel(config, ints(args.seq_lens))
   if "cudnn" in parts:
     part_cudnn(config, ints(args.seq_lens))
   if "ring" in parts:

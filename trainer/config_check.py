@@ -48,6 +48,9 @@ def _check_one(config: ml_collections.ConfigDict, num_devices: int) -> None:
   _require(d.seq_len > 0, f"data.seq_len={d.seq_len} must be positive")
   _require(m.attention in ATTENTIONS, f"model.attention='{m.attention}' must be one of {ATTENTIONS}")
   _require(m.kernel in KERNELS, f"model.kernel='{m.kernel}' must be one of {KERNELS}")
+  if m.kernel == "cudnn":  # Also in a dry run: cuDNN's calls do not compile for the CPU.
+    unusable = parallelism.kernel_cudnn.unusable()
+    _require(unusable is None, unusable or "")
   _require(t.remat in REMAT_POLICIES, f"train.remat='{t.remat}' must be one of {REMAT_POLICIES}")
   for field in ("dtype", "param_dtype"):
     _require(_is_float_dtype(m[field]), f"model.{field}='{m[field]}' is not a float dtype")
