@@ -18,7 +18,10 @@ call branches once on it (`lax.switch` on the traced pair):
 - empty: out 0, lse -inf, zero gradients;
 - general: the Pallas kernel.
 Packed documents (segment ids), float32 operands or a head size cuDNN cannot take send the
-whole call to the Pallas kernel, said once per process.
+whole call to the Pallas kernel, said once per process. The trainer's batches always carry
+segment ids (`data/packing.py`, padding included), so in `python -m trainer` this kernel is
+Pallas until it uses cuDNN's packed layout (`q_offsets`/`kv_offsets`); without segment ids
+(benchmarks, direct `ring_attention` callers) it is cuDNN.
 
 Forward: `dot_product_attention(..., return_residual=True)` also returns cuDNN's softmax
 statistics, the natural-log log-sum-exp of the scaled scores, [B, H, T]. Backward: cuDNN's
