@@ -66,6 +66,9 @@ def unusable(backend: str | None = None) -> str | None:
   backend = backend or jax.default_backend()
   if backend != "gpu":
     return f"model.kernel='cudnn' needs a CUDA GPU; this run's backend is {backend}"
+  platform = jax.devices()[0].client.platform_version  # 'gpu' is also ROCm's name
+  if "cuda" not in platform.lower():
+    return f"model.kernel='cudnn' needs a CUDA GPU; this GPU's platform is {platform}"
   return None
 
 
