@@ -34,8 +34,9 @@ The ring (`parallelism.ring_attention`) merges the partial results and drives th
 `xla` is the reference, in plain JAX on any backend; `pallas` is fused (Triton on GPUs,
 interpret mode on CPU for tests); `cudnn` (CUDA GPUs only, not yet run on one) is cuDNN's
 flash attention for the pairs whose mask it can express and `pallas` for the rest. A new
-kernel is one module with these two functions and one line below. `auto` (the default of `model.kernel`) is the fastest exact one of the
-backend for each block, chosen while tracing (`resolve`, `_for_blocks`).
+kernel is one module with these two functions and one line below. `auto` (the default of
+`model.kernel`) is the fastest exact one of the backend for each block, chosen while
+tracing (`resolve`, `_for_blocks`).
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ def resolve(name: str, backend: str | None = None) -> str:
   materialises every tile's scores in memory; not timed against `xla` on a GPU yet. For a
   block whose shapes Triton cannot take (`kernel_pallas.gpu_unsupported`) `auto` runs `xla`
   and says so once. Not `cudnn` until that kernel has been checked and timed on a GPU.
-  Elsewhere `auto` is `xla`: on the CPU `pallas` only interprets, and its
-  Triton kernel has no TPU (Mosaic) lowering."""
+  Elsewhere `auto` is `xla`: on the CPU `pallas` only interprets, and its Triton kernel has
+  no TPU (Mosaic) lowering."""
   if name != AUTO:
     return name
   return "pallas" if (backend or jax.default_backend()) == "gpu" else "xla"
