@@ -18,10 +18,11 @@ call branches once on it (`lax.switch` on the traced pair):
 - empty: out 0, lse -inf, zero gradients;
 - general: the Pallas kernel.
 Packed documents (segment ids), float32 operands or a head size cuDNN cannot take send the
-whole call to the Pallas kernel, said once per process. The trainer's batches always carry
-segment ids (`data/packing.py`, padding included), so in `python -m trainer` this kernel is
-Pallas until it uses cuDNN's packed layout (`q_offsets`/`kv_offsets`); without segment ids
-(benchmarks, direct `ring_attention` callers) it is cuDNN.
+whole call to the Pallas kernel (`pallas_reason`; `kernels.get` routes it and says so once).
+The trainer's batches always carry segment ids (`data/packing.py`, padding included), so in
+`python -m trainer` this kernel is Pallas until it uses cuDNN's packed layout
+(`q_offsets`/`kv_offsets`); without segment ids (benchmarks, direct `ring_attention`
+callers) it is cuDNN.
 
 Forward: `dot_product_attention(..., return_residual=True)` also returns cuDNN's softmax
 statistics, the natural-log log-sum-exp of the scaled scores, [B, H, T]. Backward: cuDNN's
@@ -46,7 +47,6 @@ from parallelism.schedule import RingSchedule
 # against; on another the kernel stops with a message instead of calling what may differ.
 CHECKED_JAX = ("0.10.2", "0.11.2")
 _F32 = jnp.float32
-_SAID: set[str] = set()
 
 
 def api():
@@ -72,22 +72,16 @@ def unusable(backend: str | None = None) -> str | None:
   return None
 
 
-def _pallas_reason(q_BTHD, q_seg_BT) -> str | None:
+def pallas_reason(q_shape, dtype, segments: bool) -> str | None:
   """Why a call goes to the Pallas kernel whole, or None."""
-  if q_seg_BT is not None:
+  if segments:
     return "packed documents (segment ids): cuDNN's causal and no-mask kernels cannot mask them"
-  if q_BTHD.dtype not in (jnp.bfloat16, jnp.float16):
-    return f"{q_BTHD.dtype} operands: cuDNN's flash attention takes bf16 or fp16"
-  head_dim = q_BTHD.shape[3]
+  if dtype not in (jnp.bfloat16, jnp.float16):
+    return f"{jnp.dtype(dtype)} operands: cuDNN's flash attention takes bf16 or fp16"
+  head_dim = q_shape[3]
   if head_dim % 8 or head_dim > 128:
     return f"head size {head_dim}: cuDNN's flash attention here takes multiples of 8 up to 128"
   return None
-
-
-def _to_pallas(reason: str) -> None:
-  if reason not in _SAID and jax.process_index() == 0:
-    _SAID.add(reason)
-    print(f"model.kernel='cudnn': {reason}; these blocks run on pallas", flush=True)
 
 
 def _nothing_seen(q_BTHD):
@@ -130,12 +124,9 @@ def _by_shape(schedule: RingSchedule, pair, branch):
 
 def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSchedule, pair,
               tile: int) -> tuple[jax.Array, jax.Array]:
-  """Attention of a query block on a key block: (out [B,Tq,Hq,D] f32, lse [B,Tq,Hq] f32)."""
-  reason = _pallas_reason(q_BTHD, q_seg_BT)
-  if reason:
-    _to_pallas(reason)
-    return kernel_pallas.block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT,
-                                   schedule=schedule, pair=pair, tile=tile)
+  """Attention of a query block on a key block: (out [B,Tq,Hq,D] f32, lse [B,Tq,Hq] f32).
+  Segment ids are never given here (`pallas_reason`)."""
+  del q_seg_BT, k_seg_BT
 
   def branch(shape: str, p: int):
     if shape == "empty":
@@ -158,13 +149,9 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
               ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Gradient contributions (dq, dk, dv, float32) of one query block x key block, from the
   GLOBAL lse and out (`out_BTHD`; cuDNN forms delta from it itself)."""
-  reason = _pallas_reason(q_BTHD, q_seg_BT)
-  if reason or out_BTHD is None:
-    if reason:
-      _to_pallas(reason)
-    return kernel_pallas.block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH,
-                                   q_seg_BT, k_seg_BT, schedule=schedule, pair=pair,
-                                   tile=tile)
+  del q_seg_BT, k_seg_BT  # never given (`pallas_reason`)
+  if out_BTHD is None:
+    raise ValueError("the cudnn kernel's backward needs the global output (out_BTHD)")
 
   def branch(shape: str, p: int):
     if shape == "empty":

@@ -83,37 +83,47 @@ def describe(name: str, backend: str | None = None) -> str:
 
 
 _SAID: set[str] = set()
-# How the line `auto` prints for a block it moves to xla ends; `bench_kernel --parts e2e`
+
+
+def _they_run_on(kernel: str) -> str:
+  return f"they run on {kernel}"
+
+
+# How the line ends that `auto` prints for blocks it moves to xla; `bench_kernel --parts e2e`
 # looks for it in the trainer's output to record the fallback.
-FALLBACK_SAID = "they run on xla"
+FALLBACK_SAID = _they_run_on("xla")
 
 
-def _for_blocks(q_shape, k_shape, tile: int, dtype) -> BlockKernel:
-  """`auto`'s kernel for these operands, chosen while tracing; a fallback is said once per
-  process (by process 0)."""
-  name = resolve(AUTO)
-  reason = (kernel_pallas.gpu_unsupported(q_shape, k_shape, tile, dtype)
-            if name == "pallas" else None)
-  if reason:
-    name = "xla"
-    if reason not in _SAID and jax.process_index() == 0:
-      _SAID.add(reason)
-      print(f"model.kernel='auto': the pallas kernel cannot take these attention blocks "
-            f"({reason}); {FALLBACK_SAID}", flush=True)
-  return KERNELS[name]
+def _for_blocks(q_shape, k_shape, tile: int, dtype, name: str = AUTO,
+                segments: bool = False) -> BlockKernel:
+  """The kernel that runs `name` on these operands, chosen while tracing: `auto` resolved
+  for the backend, then the fallback for calls a kernel cannot take (`pallas` under `auto`:
+  shapes Triton cannot take, to `xla`; `cudnn`: operands and masks cuDNN cannot take, to
+  `pallas`). A fallback is said once per process (by process 0)."""
+  chosen = resolve(name)
+  reason, instead = None, None
+  if name == AUTO and chosen == "pallas":
+    reason, instead = kernel_pallas.gpu_unsupported(q_shape, k_shape, tile, dtype), "xla"
+  elif chosen == "cudnn":
+    reason, instead = kernel_cudnn.pallas_reason(q_shape, dtype, segments), "pallas"
+  if not reason:
+    return KERNELS[chosen]
+  if reason not in _SAID and jax.process_index() == 0:
+    _SAID.add(reason)
+    print(f"model.kernel='{name}': the {chosen} kernel cannot take these attention blocks "
+          f"({reason}); {_they_run_on(instead)}", flush=True)
+  return KERNELS[instead]
 
 
-def _auto(which: str) -> Callable:
-  def call(q, k, *args, **kwargs):  # Both halves of the contract take q and k first.
-    kernel = _for_blocks(q.shape, k.shape, kwargs["tile"], q.dtype)
+def _chosen_per_call(name: str, which: str) -> Callable:
+  def call(q, k, *args, **kwargs):  # Both halves take q and k first, (q_seg, k_seg) last.
+    kernel = _for_blocks(q.shape, k.shape, kwargs["tile"], q.dtype, name, args[-2] is not None)
     return getattr(kernel, which)(q, k, *args, **kwargs)
   return call
 
 
 def get(name: str) -> BlockKernel:
-  if name == AUTO:
-    return BlockKernel(_auto("fwd"), _auto("bwd"))
-  if name not in KERNELS:
+  if name != AUTO and name not in KERNELS:
     raise ValueError(f"unknown attention kernel '{name}'; choose one of "
                      f"{(AUTO, *KERNELS)}")
-  return KERNELS[name]
+  return BlockKernel(_chosen_per_call(name, "fwd"), _chosen_per_call(name, "bwd"))

@@ -65,12 +65,11 @@ def test_on_the_cpu_cudnn_is_a_config_error(tiny_config):
 
 
 def test_what_goes_to_pallas_whole():
-  bf16 = jnp.zeros((1, 64, 4, 128), jnp.bfloat16)
-  assert kernel_cudnn._pallas_reason(bf16, None) is None
-  assert "segment ids" in kernel_cudnn._pallas_reason(bf16, jnp.zeros((1, 64), jnp.int32))
-  assert "float32" in kernel_cudnn._pallas_reason(bf16.astype(jnp.float32), None)
-  assert "head size 256" in kernel_cudnn._pallas_reason(jnp.zeros((1, 64, 4, 256), jnp.bfloat16),
-                                                        None)
+  shape, reason = (1, 64, 4, 128), kernel_cudnn.pallas_reason
+  assert reason(shape, jnp.bfloat16, False) is None
+  assert "segment ids" in reason(shape, jnp.bfloat16, True)
+  assert "float32" in reason(shape, jnp.float32, False)
+  assert "head size 256" in reason((1, 64, 4, 256), jnp.bfloat16, False)
 
 
 class _ReferenceCudnn:
@@ -123,7 +122,7 @@ def test_the_decomposition_by_mask_shape_is_exact(layout, monkeypatch):
   and strictly causal ones, zigzag general ones (the fallback kernel, here `xla`)."""
   reference_api = _ReferenceCudnn()
   monkeypatch.setattr(kernel_cudnn, "api", lambda: reference_api)
-  monkeypatch.setattr(kernel_cudnn, "_pallas_reason", lambda q, seg: None)  # float32 in
+  monkeypatch.setattr(kernel_cudnn, "pallas_reason", lambda *_: None)  # float32 in
   monkeypatch.setattr(kernel_cudnn, "kernel_pallas", kernel_xla)  # CPU: no interpret mode
   inputs = make_inputs(seq_len=128, seed=3)
   got = ring_in_layout(layout, seq_mesh(4), *inputs, packed=False, tile_size=8,
