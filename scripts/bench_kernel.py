@@ -30,7 +30,7 @@ Parts (each appends JSON lines to results/bench_kernel.jsonl):
   bytes/s per direction. Critical path = sum over steps. Reported as ideal / critical path
   with ideal = N x t(causal block); ring should be near N/(2N-1). The log-sum-exp merges
   and delta are left out (elementwise, the same for every layout).
-- e2e: `python -m trainer` itself (part_e2e), one run per sequence length and kernel
+- e2e: `python -m trainer` itself (scripts/bench_kernel_e2e.py), one run per sequence length and kernel
   (`--e2e_kernels`, default auto and xla): the config's model (default the 1B of
   configs/1b_32k_striped.py) on one device, batch 1, the synthetic corpus and the real
   pipeline, loss and optimizer; tokens/s, MFU and the loss from the run's metrics.jsonl,
@@ -47,11 +47,8 @@ import datetime
 import functools
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -60,9 +57,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import bench_results  # noqa: E402
-from parallelism import kernel_cudnn, kernel_pallas, kernel_xla  # noqa: E402
-from parallelism.kernels import FALLBACK_SAID  # noqa: E402
+import bench_kernel_e2e  # noqa: E402  (scripts/, first on the path)
+from parallelism import kernel_pallas, kernel_xla  # noqa: E402
+from parallelism.kernels import get as get_kernel  # noqa: E402
 from parallelism.layouts import LAYOUTS  # noqa: E402
 from parallelism.schedule import ring_schedule  # noqa: E402
 
@@ -71,7 +68,6 @@ RESULTS = os.path.join(ROOT, "results", "bench_kernel.jsonl")
 TILE = 512  # ring_attention's default tile_size; the kernel clips its own tiles to it
 F32, BF16 = jnp.float32, jnp.bfloat16
 _STAMP = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-_COMMIT = bench_results.commit()  # Before this run appends to the results file.
 
 
 def record(device: str | None = None, **row) -> None:
@@ -266,7 +262,7 @@ def part_cudnn(config, seq_lens) -> None:
 
 def part_cudnn_kernel(config, seq_lens) -> None:
   """The cudnn block kernel vs the Pallas one, both checked against the xla reference."""
-  kernels = {"cudnn": (kernel_cudnn.block_fwd, kernel_cudnn.block_bwd), "pallas": _ours(config)}
+  kernels = {"cudnn": tuple(get_kernel("cudnn")), "pallas": _ours(config)}
   print("\ncudnn_kernel: B=1, 32 heads, head_dim 128, bf16; TFLOP/s, rel err vs xla "
         "(out, dq, dk, dv)")
   for seq_len in seq_lens:
@@ -385,65 +381,6 @@ def part_ring(config, blocks, num_shards: int, heads: int, bandwidth: float) -> 
     del q, k, v, dout
 
 
-def part_e2e(config_file: str, seq_lens, kernels, steps: int, remat_policy: str,
-             overrides: list[str]) -> None:
-  """`python -m trainer` itself, one run per (sequence length, kernel), on one device: the
-  config's model, mesh 1x1x1x1, batch 1, the synthetic corpus (no download), the real data
-  pipeline, loss and optimizer. Tokens/s and MFU are the trainer's own, read from its
-  metrics.jsonl (median over the steps after the first two); the kernel is the one the run
-  resolved (config.json); the loss must fall. Nothing of JAX runs in this process, so the
-  trainer has the whole device."""
-  print(f"\ne2e: python -m trainer --config {config_file}, one device, {steps} steps")
-  print(f"{'S':>7} {'kernel':>12} {'remat':>6} {'step ms':>9} {'tokens/s':>10} {'MFU':>6} "
-        f"{'loss':>15}")
-  for seq_len in seq_lens:
-    remat = remat_policy if remat_policy != "auto" else "none" if seq_len <= 8192 else "full"
-    for kernel in kernels:
-      workdir = tempfile.mkdtemp(prefix="bench_e2e_")
-      command = [sys.executable, "-m", "trainer", "--config", config_file, "--workdir", workdir,
-                 "--config.mesh.data=1", "--config.mesh.fsdp=1", "--config.mesh.sequence=1",
-                 "--config.mesh.tensor=1", "--config.train.batch_size=1",
-                 f"--config.data.seq_len={seq_len}", f"--config.train.steps={steps}",
-                 "--config.train.warmup_steps=1", "--config.train.log_every=1",
-                 "--config.train.eval_every=0", f"--config.checkpoint.every_steps={steps + 1}",
-                 "--config.data.dataset=synthetic_longrange",
-                 "--config.data.tokenizer_vocab_size=512", "--config.wandb.mode=disabled",
-                 f"--config.model.kernel={kernel}", f"--config.train.remat={remat}", *overrides]
-      try:  # The run ends with a checkpoint (13 GB at 1B); the workdir goes either way.
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
-        if done.returncode:
-          print(f"  S={seq_len} kernel={kernel}: the run failed (exit {done.returncode}):\n"
-                + (done.stdout + done.stderr)[-2000:])
-          continue
-        with open(os.path.join(workdir, "config.json")) as f:
-          written = json.load(f)
-        with open(os.path.join(workdir, "metrics.jsonl")) as f:
-          rows = [r for r in map(json.loads, f) if "loss" in r]
-      finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-      timed = rows[2:] or rows[-1:]
-      step_s = statistics.median(r["step_time_s"] for r in timed)
-      tokens_per_sec = statistics.median(r["tokens_per_sec"] for r in timed)
-      mfus = [r["mfu"] for r in timed if r["mfu"] is not None]
-      mfu = statistics.median(mfus) if mfus else None
-      losses = (rows[0]["loss"], rows[-1]["loss"])
-      resolved = written["resolved"]
-      if FALLBACK_SAID in done.stdout:  # auto fell back for some blocks (said once).
-        resolved["attention_kernel"] += "+xla"
-      name = resolved["attention_kernel"]
-      name = name if kernel == name else f"{kernel}={name}"
-      print(f"{seq_len:>7} {name:>12} {remat:>6} {step_s * 1e3:>9.1f} "
-            f"{tokens_per_sec:>10,.0f} {'-' if mfu is None else f'{mfu:.3f}':>6} "
-            f"{losses[0]:>7.3f}->{losses[1]:<7.3f}"
-            + ("" if losses[1] < losses[0] else "  (the loss did not fall)"))
-      record(part="e2e", device=resolved["device_kind"], commit=_COMMIT,
-             config_file=config_file, attention=written["model"]["attention"],
-             kernel_requested=kernel, kernel=resolved["attention_kernel"], seq_len=seq_len,
-             remat=remat, steps=steps, step_s=step_s, tokens_per_sec=tokens_per_sec, mfu=mfu,
-             first_loss=losses[0], last_loss=losses[1], loss_falls=losses[1] < losses[0],
-             command=" ".join(command[1:]).replace(workdir, "WORKDIR"))
-
-
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--parts", default="check,sweep,cudnn,ring")
@@ -468,8 +405,9 @@ def main() -> None:
   parts = args.parts.split(",")
   ints = lambda s: [int(x) for x in s.split(",")]
   if "e2e" in parts:  # First: the trainer's runs need the device before this process holds it.
-    part_e2e(args.e2e_config, ints(args.e2e_seq_lens), args.e2e_kernels.split(","),
-             args.e2e_steps, args.e2e_remat, args.e2e_overrides.split())
+    bench_kernel_e2e.part_e2e(args.e2e_config, ints(args.e2e_seq_lens),
+                              args.e2e_kernels.split(","), args.e2e_steps, args.e2e_remat,
+                              args.e2e_overrides.split(), record)
   if parts != ["e2e"]:
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
   config = dataclasses.replace(kernel_pallas.DEFAULT_CONFIG, **json.loads(args.config))
