@@ -12,3 +12,4 @@ from parallelism.ring_attention import (SAVED_NAMES, block_tile, ring_attention,
                                         shortest_ring_length)
 from parallelism.schedule import RingSchedule, ring_schedule
 from parallelism.strategies import STRATEGIES, ULYSSES, kv_repeat
+from parallelism.target import compiling_for

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from parallelism import kernel_pallas
+from parallelism import kernel_pallas, target
 from parallelism.schedule import RingSchedule
 
 # JAX versions whose jax/_src/cudnn/fused_attention_stablehlo.py this module was read
@@ -63,9 +63,11 @@ def api():
 
 def unusable(backend: str | None = None) -> str | None:
   """Why `cudnn` cannot run in this process at all, or None."""
-  backend = backend or jax.default_backend()
+  backend = backend or target.backend()
   if backend != "gpu":
     return f"model.kernel='cudnn' needs a CUDA GPU; this run's backend is {backend}"
+  if target.described():  # A plan's described GPUs are NVIDIA's (trainer.plan_target).
+    return None
   platform = jax.devices()[0].client.platform_version  # 'gpu' is also ROCm's name
   if "cuda" not in platform.lower():
     return f"model.kernel='cudnn' needs a CUDA GPU; this GPU's platform is {platform}"

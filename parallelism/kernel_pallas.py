@@ -31,6 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from parallelism import target
 from parallelism.schedule import RingSchedule, TileLists, over_tiles
 
 _F32 = jnp.float32
@@ -220,8 +221,9 @@ def _size(wanted: int, tile: int, length: int, what: str) -> int:
 
 
 def _interpret() -> bool:
-  """The CPU has no Pallas compiler: there the kernels run in interpret mode."""
-  return jax.default_backend() == "cpu"
+  """The CPU has no Pallas compiler: there the kernels run in interpret mode (not when a
+  plan compiles for described GPUs, `parallelism.target`)."""
+  return target.backend() == "cpu"
 
 
 def gpu_unsupported(q_shape, k_shape, tile: int, dtype,

@@ -45,7 +45,7 @@ from typing import Callable, NamedTuple
 
 import jax
 
-from parallelism import kernel_cudnn, kernel_pallas, kernel_xla
+from parallelism import kernel_cudnn, kernel_pallas, kernel_xla, target
 
 AUTO = "auto"
 
@@ -63,7 +63,7 @@ KERNELS = {
 
 
 def resolve(name: str, backend: str | None = None) -> str:
-  """The kernel `name` runs on `backend` (default: JAX's). `auto` is `pallas` on GPUs: fused,
+  """The kernel `name` runs on `backend` (default: JAX's, or a plan's described GPUs). `auto` is `pallas` on GPUs: fused,
   0.56-0.59x cuDNN forward+backward on an H100 (results/bench_kernel.jsonl), where `xla`
   materialises every tile's scores in memory; not timed against `xla` on a GPU yet. For a
   block whose shapes Triton cannot take (`kernel_pallas.gpu_unsupported`) `auto` runs `xla`
@@ -72,12 +72,12 @@ def resolve(name: str, backend: str | None = None) -> str:
   no TPU (Mosaic) lowering."""
   if name != AUTO:
     return name
-  return "pallas" if (backend or jax.default_backend()) == "gpu" else "xla"
+  return "pallas" if (backend or target.backend()) == "gpu" else "xla"
 
 
 def describe(name: str, backend: str | None = None) -> str:
   """`name` as the run states it: 'xla', or 'auto on cpu: xla'."""
-  backend = backend or jax.default_backend()
+  backend = backend or target.backend()
   kernel = resolve(name, backend)
   return kernel if kernel == name else f"{name} on {backend}: {kernel}"
 

@@ -3,9 +3,11 @@
   python scripts/bench_plan.py --config configs/7b_256k_striped.py \
       --seq_lens 262144,524288,1048576 [--remat full] [--sequence 16] [--memory_gib 80]
 
-Calls `trainer.dry_run.plan` (what `python -m trainer --dry_run` prints) once per length on
-fake CPU devices and appends one JSON line per plan to results/bench_plan.jsonl, with the
-commit measured, so plans before and after a change sit side by side. Compile-only: no
+Calls `trainer.dry_run.plan` (what `python -m trainer --dry_run` prints) once per length,
+compiled for described GPUs of `--accelerator`'s kind (XLA's GPU compiler, `make plan_gpu`)
+or on fake CPU devices (`--plan_compiler`, as the trainer's flag), and appends one JSON line
+per plan to results/bench_plan.jsonl with the commit measured (`compiled_for` tells the
+compiles apart), so plans before and after a change sit side by side. Compile-only: no
 accelerator is needed and nothing is allocated.
 
 `--on_device` compiles the same step on this machine's own devices instead (their count
@@ -67,7 +69,10 @@ def main() -> None:
   parser.add_argument("--seq_lens", required=True, help="comma-separated token counts")
   parser.add_argument("--remat", default="", help="override train.remat")
   parser.add_argument("--sequence", type=int, default=0, help="override mesh.sequence")
-  parser.add_argument("--memory_gib", type=float, default=80.0)
+  parser.add_argument("--memory_gib", type=float, default=None,
+                      help="default: the described GPU's memory, else 80")
+  parser.add_argument("--accelerator", default="h100", help="a key of trainer.flops.PEAK_FLOPS")
+  parser.add_argument("--plan_compiler", choices=dry_run.COMPILERS, default="auto")
   parser.add_argument("--no_save", action="store_true")
   parser.add_argument("--on_device", action="store_true",
                       help="compile on this machine's devices, not fake CPU ones (no plan)")
@@ -83,8 +88,9 @@ def main() -> None:
     if args.sequence:
       config.mesh.sequence = args.sequence
     try:
-      out = (on_device(config, args.memory_gib) if args.on_device
-             else dry_run.plan(config, device_memory_gib=args.memory_gib))
+      out = (on_device(config, args.memory_gib or 80.0) if args.on_device
+             else dry_run.plan(config, device_memory_gib=args.memory_gib,
+                               accelerator=args.accelerator, compiler=args.plan_compiler))
     except ConfigError as error:
       sys.exit(f"error: {error}")
     record = {"config": args.config, "seq_len": seq_len, "remat": config.train.remat,
@@ -95,15 +101,16 @@ def main() -> None:
     rows.append(record)
     if not args.no_save:
       bench_results.append("bench_plan.jsonl", [record])
-  print(f"\non {jax.default_backend()} ({'compiled for it' if args.on_device else 'the plan'})")
+  compiled_for = rows[-1].get("compiled_for", jax.devices()[0].device_kind)
+  print(f"\ncompiled for {compiled_for} ({'on the device' if args.on_device else 'the plan'})")
   print(f"{'seq_len':>10} {'remat':>8} {'total GiB':>10} {'floor GiB':>10} "
-        f"{'temps GiB':>10}  verdict at {args.memory_gib:g} GiB")
+        f"{'temps GiB':>10} {'host GiB':>9}  verdict")
   for r in rows:
     floor = r.get("floor_total_bytes")
     verdict = ("fits" if r["fits"] else "may fit" if r.get("may_fit") else "does not fit")
     print(f"{r['seq_len']:>10,} {r['remat']:>8} {r['total_bytes'] / GIB:>10.1f} "
           f"{floor / GIB if floor is not None else float('nan'):>10.1f} "
-          f"{r['temp_bytes'] / GIB:>10.1f}  {verdict}")
+          f"{r['temp_bytes'] / GIB:>10.1f} {r.get('host_temp_bytes', 0) / GIB:>9.1f}  {verdict}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""`--dry_run`: the plan's memory matches a real compiled step, and it allocates no parameter."""
+"""`--dry_run` on fake CPU devices: the plan's memory matches a real compiled step, and it
+allocates no parameter (the plan for described GPUs: tests/test_plan_gpu.py)."""
 
 import os
 import subprocess
@@ -40,7 +41,7 @@ def test_plan_matches_real_step_and_allocates_nothing(tiny_config, capsys):
   assert jax.device_count() == 8  # the backend is up with the 8 test devices: plan reuses them
   before = {id(x) for x in jax.live_arrays()}
   plan = dry_run.plan(config, device_memory_gib=80.0, mfu=0.4, accelerator="h100",
-                      floor=False)  # The floor's compile is tested on its own below.
+                      floor=False, compiler="cpu")  # The floor's compile: tested below.
   new = [x for x in jax.live_arrays() if id(x) not in before]
   assert "fits in 80 GiB per device" in capsys.readouterr().out
 
@@ -61,7 +62,8 @@ def test_cli_dry_run_prints_verdict():
   # A fresh process: the planner itself must set up the config's 8 CPU devices.
   env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
   result = subprocess.run(
-      [sys.executable, "-m", "trainer", "--config", "configs/tiny_cpu.py", "--dry_run"],
+      [sys.executable, "-m", "trainer", "--config", "configs/tiny_cpu.py", "--dry_run",
+       "--plan_compiler=cpu"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
   assert result.returncode == 0, result.stderr[-2000:]
   assert "mesh: data=1 x fsdp=2 x sequence=4 x ulysses=1 x tensor=1 = 8 devices" in result.stdout
@@ -76,13 +78,13 @@ def test_plan_names_a_device_count_it_cannot_have(tiny_config):
   config = tiny_config("striped", **{"mesh.data": 2})  # 16 devices; the test process has 8
   assert jax.device_count() == 8
   with pytest.raises(ConfigError, match="needs 16 CPU devices .* already started with 8"):
-    dry_run.plan(config)
+    dry_run.plan(config, compiler="cpu")
 
 
 @pytest.mark.slow(40)
 def test_plan_bounds_the_cpu_promotion_and_accounts_for_offload(tiny_config, capsys):
   config = tiny_config("striped", **{"train.remat": "offload"})
-  plan = dry_run.plan(config)
+  plan = dry_run.plan(config, compiler="cpu")
   out = capsys.readouterr().out
   # Offload: the layer inputs of the tiny config (2 layers x 4 rows x 64 tokens x 128 bf16).
   assert plan["offloaded_bytes"] == 2 * 4 * 64 * 128 * 2
@@ -105,8 +107,8 @@ def test_find_max_seq_len_doubles_then_bisects(tiny_config, monkeypatch, start, 
   # The search alone: a plan that fits up to `largest` tokens (compiles are tested above).
   probes = []
 
-  def memory_plan(config, memory_gib, floor=True):
-    del memory_gib, floor
+  def memory_plan(config, memory_gib, floor=True, gpu=None):
+    del memory_gib, floor, gpu
     probes.append(config.data.seq_len)
     fits = config.data.seq_len <= largest
     return {"total_bytes": 0, "fits": fits}, None

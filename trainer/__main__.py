@@ -41,13 +41,21 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory; default runs/<config name>.")
 _DRY_RUN = flags.DEFINE_bool(
-    "dry_run", False, "Plan only: compile the train step on fake CPU devices of the config's "
-    "mesh from abstract shapes, print memory, FLOPs and step time, and whether it fits.")
+    "dry_run", False, "Plan only: compile the train step for the config's mesh of "
+    "--plan_accelerator GPUs (described to XLA's GPU compiler, `make plan_gpu`; no GPU needed) "
+    "or of fake CPU devices, from abstract shapes; print memory, FLOPs and step time, and "
+    "whether it fits.")
 _FIND_MAX = flags.DEFINE_bool(
     "find_max_seq_len", False, "Dry run: find the longest data.seq_len whose plan fits "
     "--device_memory_gib, by compiles at doubling then bisected lengths.")
-_MEMORY_GIB = flags.DEFINE_float("device_memory_gib", 80.0,
-                                 "Dry run: memory of one accelerator to check the plan against.")
+_MEMORY_GIB = flags.DEFINE_float("device_memory_gib", None,
+                                 "Dry run: memory of one accelerator to check the plan against "
+                                 "(default: the described GPU's, 80 for a CPU compile).")
+_PLAN_COMPILER = flags.DEFINE_enum(
+    "plan_compiler", "auto", ["auto", "gpu", "cpu"], "Dry run: compile for described GPUs of "
+    "--plan_accelerator's kind (gpu: XLA's GPU compiler, installed by `make plan_gpu`), or for "
+    "fake CPU devices (cpu: bf16 buffers may be float32, bounded by a second compile); auto: "
+    "gpu when installed and the accelerator is a GPU.")
 _PLAN_MFU = flags.DEFINE_float("plan_mfu", 0.4, "Dry run: MFU the step-time estimate assumes.")
 _PLAN_ACCELERATOR = flags.DEFINE_string(
     "plan_accelerator", "h100", "Dry run: accelerator (a key of trainer.flops.PEAK_FLOPS) whose "
@@ -150,7 +158,7 @@ def main(argv: list[str]) -> None:
     if config.init.from_hf:  # Sets the model's shape and tokenizer: before any check or plan.
       print(hf_import.apply_to_config(config), flush=True)
     if _DRY_RUN.value:
-      # Imported here: the planner sets up fake CPU devices before JAX's backend starts.
+      # Imported here: the planner sets up JAX's (CPU) backend before it starts.
       from trainer import dry_run  # pylint: disable=g-import-not-at-top
       problem = stages.problem(config)
       if problem:
@@ -158,16 +166,17 @@ def main(argv: list[str]) -> None:
       for stage in stages.plan(config):  # A staged run: each stage's step, in order.
         if stage.name:
           print(f"{stage.label}:", flush=True)
+        gpu = dry_run.gpu_target(_PLAN_COMPILER.value, _PLAN_ACCELERATOR.value)
         if _FIND_MAX.value:
-          dry_run.find_max_seq_len(stage.config, _MEMORY_GIB.value)
+          dry_run.find_max_seq_len(stage.config, _MEMORY_GIB.value, gpu=gpu)
         elif _COMPARE.value:
           from trainer import strategy_plan  # pylint: disable=g-import-not-at-top
           strategy_plan.compare(stage.config, _MEMORY_GIB.value, _PLAN_MFU.value,
                                 _PLAN_ACCELERATOR.value, _INTRA_GBPS.value, _INTER_GBPS.value,
-                                _NODE_SIZE.value)
+                                _NODE_SIZE.value, gpu=gpu)
         else:
           dry_run.plan(stage.config, device_memory_gib=_MEMORY_GIB.value, mfu=_PLAN_MFU.value,
-                       accelerator=_PLAN_ACCELERATOR.value)
+                       accelerator=_PLAN_ACCELERATOR.value, compiler=_PLAN_COMPILER.value)
       return
     if config.cpu_devices:
       jax.config.update("jax_num_cpu_devices", config.cpu_devices)

@@ -2,10 +2,13 @@
 
     python -m trainer --config configs/7b_256k_striped.py --dry_run [--device_memory_gib=80]
 
-The planner fakes as many CPU devices as the config's mesh has, builds the mesh, and
+The planner makes as many devices as the config's mesh has, builds the mesh, and
 ahead-of-time compiles the real train step (`trainer.step.jit_train_step`, the same jit the
 loop runs) from `jax.ShapeDtypeStruct`s that carry shapes, dtypes and shardings only: no
-parameter, optimizer moment or batch is ever allocated. It then reads back:
+parameter, optimizer moment or batch is ever allocated. The devices are GPUs of the
+`--plan_accelerator`'s kind described to XLA's GPU compiler when it is installed
+(`trainer.plan_target`, `make plan_gpu`; no GPU needed), else fake CPU devices
+(`--plan_compiler` chooses). It then reads back:
 
 - per-device bytes of parameters and of optimizer state: for each leaf of the abstract
   state, the bytes of ONE device's shard under its sharding (so ZeRO/tensor sharding shows);
@@ -18,6 +21,10 @@ parameter, optimizer moment or batch is ever allocated. It then reads back:
   plus causal attention counted as half, no remat recompute) next to XLA's `cost_analysis()`
   of the per-device program, and the step time and tokens/sec they imply at `mfu` of the
   named accelerator's peak.
+
+A GPU compile's memory analysis is the GPU's own buffer assignment, and its verdict is
+"fits" or "does NOT fit"; what it leaves out is in `trainer.plan_target`. The rest of this
+paragraph and the next are about the CPU compile, the fallback.
 
 The CPU compiler lacks bf16 arithmetic and keeps some bf16 buffers as float32 (e.g. the
 per-layer residual stream saved for the backward pass), so its temporaries err high by an
@@ -35,11 +42,12 @@ CPU compile keeps it on the device (as 'full'), so the planner subtracts those i
 reports them as host memory.
 
 `--find_max_seq_len` repeats the plan over sequence lengths (multiples of what the mesh and
-tile need), doubling then bisecting, and reports the longest whose CPU figure fits.
+tile need), doubling then bisecting, and reports the longest whose figure fits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
@@ -51,7 +59,7 @@ import ml_collections
 
 import parallelism
 from data import packing
-from trainer import flops
+from trainer import flops, plan_target
 from model.config import layout_of, named_strategy
 from trainer.config_check import ConfigError, check_config
 from trainer.training import build_training, model_config
@@ -73,13 +81,39 @@ def plan_device_count(config: ml_collections.ConfigDict) -> int:
   return math.prod(sizes)
 
 
-def fake_devices(count: int) -> list[jax.Device]:
-  """`count` CPU devices: configured here if JAX's backend has not started, else reused."""
+COMPILERS = ("auto", "gpu", "cpu")
+
+
+def gpu_target(compiler: str, accelerator: str) -> str | None:
+  """The GPU the plan compiles for (a key of `plan_target.GPUS`), or None for the CPU.
+
+  `auto`: the accelerator's GPU when XLA's GPU compiler is installed, else the CPU."""
+  if compiler not in COMPILERS:
+    raise ConfigError(f"--plan_compiler={compiler!r} is not one of {', '.join(COMPILERS)}")
+  if compiler == "cpu":
+    return None
+  if accelerator not in plan_target.GPUS:
+    if compiler == "gpu":
+      raise ConfigError(f"--plan_compiler=gpu compiles for {', '.join(plan_target.GPUS)}; "
+                        f"--plan_accelerator={accelerator!r} is none of them")
+    return None
+  if compiler == "auto" and not plan_target.compiler_installed():
+    return None
+  return accelerator
+
+
+def _cpu_backend(count: int | None = None) -> None:
+  """JAX's own backend is the CPU (with `count` devices) if it has not started yet."""
   from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
   if not xla_bridge.backends_are_initialized():
     jax.config.update("jax_platforms", "cpu")
-    if jax.config.jax_num_cpu_devices < 0:  # Unset; a test harness may have set its own.
+    if count and jax.config.jax_num_cpu_devices < 0:  # A test harness may have set its own.
       jax.config.update("jax_num_cpu_devices", count)
+
+
+def fake_devices(count: int) -> list[jax.Device]:
+  """`count` CPU devices: configured here if JAX's backend has not started, else reused."""
+  _cpu_backend(count)
   devices = jax.devices("cpu")
   if len(devices) != count:
     raise ConfigError(f"the dry run needs {count} CPU devices for this mesh, but JAX already "
@@ -95,7 +129,9 @@ def shard_bytes(tree) -> int:
 
 def compile_step(config: ml_collections.ConfigDict, mesh) -> tuple[Any, Any]:
   """AOT-compiles the loop's train step from abstract shapes: (compiled, abstract state)."""
-  with jax.set_mesh(mesh), nn.logical_axis_rules(config.mesh.rules):
+  # An abstract mesh: the devices may be described, not attached, so nothing may run on them.
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), \
+      nn.logical_axis_rules(config.mesh.rules):
     parts = build_training(config, mesh)
     batch = {name: jax.ShapeDtypeStruct((config.train.batch_size, config.data.seq_len), dtype,
                                         sharding=parts.batch_sharding)
@@ -105,30 +141,37 @@ def compile_step(config: ml_collections.ConfigDict, mesh) -> tuple[Any, Any]:
 
 
 def memory_figures(compiled) -> dict[str, int]:
-  """XLA's per-device memory analysis; peak = args + temps + outputs - aliased (donated)."""
+  """XLA's per-device memory analysis; peak = args + temps + outputs - aliased (donated).
+  `host_temp_bytes`: what the program keeps in host memory (remat 'offload' on a GPU)."""
   memory = compiled.memory_analysis()
   out = {"argument_bytes": memory.argument_size_in_bytes,
          "output_bytes": memory.output_size_in_bytes, "temp_bytes": memory.temp_size_in_bytes,
          "alias_bytes": memory.alias_size_in_bytes,
-         "code_bytes": memory.generated_code_size_in_bytes}
+         "code_bytes": memory.generated_code_size_in_bytes,
+         "host_temp_bytes": memory.host_temp_size_in_bytes}
   out["peak_bytes"] = (out["argument_bytes"] + out["temp_bytes"] + out["output_bytes"]
                        - out["alias_bytes"])
   return out
 
 
-def plan(config: ml_collections.ConfigDict, device_memory_gib: float = 80.0, mfu: float = 0.4,
-         accelerator: str = "h100", floor: bool = True) -> dict[str, Any]:
-  """Compiles the config's train step on fake devices and prints (and returns) the plan.
+def plan(config: ml_collections.ConfigDict, device_memory_gib: float | None = None,
+         mfu: float = 0.4, accelerator: str = "h100", floor: bool = True,
+         compiler: str = "auto") -> dict[str, Any]:
+  """Compiles the config's train step for described GPUs or fake CPU devices (`compiler`,
+  see `gpu_target`) and prints (and returns) the plan.
 
   Byte figures are per device; FLOPs are per step, for the whole mesh unless named
-  `per_device`. `floor` adds the float32 compile that bounds the CPU's promotion. Raises
-  ConfigError for a config that cannot run or an unknown accelerator.
+  `per_device`. `device_memory_gib` defaults to the described GPU's memory (80 on the CPU).
+  `floor` adds the float32 compile that bounds the CPU's promotion. Raises ConfigError for a
+  config that cannot run or an unknown accelerator.
   """
   if accelerator not in flops.PEAK_FLOPS:
     raise ConfigError(f"--plan_accelerator={accelerator!r} is not one of "
                       f"{', '.join(flops.PEAK_FLOPS)}")
+  gpu = gpu_target(compiler, accelerator)
+  device_memory_gib = device_memory_gib or default_memory_gib(gpu)
   start = time.monotonic()
-  out, compiled = memory_plan(config, device_memory_gib, floor)
+  out, compiled = memory_plan(config, device_memory_gib, floor, gpu)
   compile_s = time.monotonic() - start
 
   count = out["devices"]
@@ -146,20 +189,37 @@ def plan(config: ml_collections.ConfigDict, device_memory_gib: float = 80.0, mfu
   return out
 
 
+def default_memory_gib(gpu: str | None) -> float:
+  """What a plan is checked against unless told: the described GPU's memory, else 80 GiB."""
+  return plan_target.memory_gib(gpu) if gpu else 80.0
+
+
 def memory_plan(config: ml_collections.ConfigDict, device_memory_gib: float,
-                 floor: bool = True) -> tuple[dict[str, Any], Any]:
-  """Compiles the step (with `floor`, twice: also in float32) and fills in its memory
-  figures and verdict; the configured compile is returned for its cost analysis."""
+                floor: bool = True, gpu: str | None = None) -> tuple[dict[str, Any], Any]:
+  """Compiles the step for `gpu` (described GPUs, `plan_target`) or fake CPU devices (with
+  `floor`, twice: also in float32) and fills in its memory figures and verdict; the
+  configured compile is returned for its cost analysis."""
   count = plan_device_count(config)
-  devices = fake_devices(count)
-  check_config(config, count)
-  mesh = parallelism.make_mesh(config.mesh, devices)
-  compiled, state = compile_step(config, mesh)
+  if gpu:
+    _cpu_backend()  # JAX itself stays on the CPU; only the compile is for the GPUs.
+    devices = plan_target.devices(gpu, count)
+  else:
+    devices = fake_devices(count)
+  with parallelism.compiling_for("gpu" if gpu else None), (
+      plan_target.quiet_cache_misses() if gpu else contextlib.nullcontext()):
+    check_config(config, count)
+    mesh = parallelism.make_mesh(config.mesh, devices)
+    compiled, state = compile_step(config, mesh)
   out = {"devices": count, "mesh": dict(mesh.shape),
+         "compiled_for": devices[0].device_kind if gpu else "cpu",
          "params": sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)),
          "param_bytes": shard_bytes(state.params),
          "opt_state_bytes": shard_bytes(state.opt_state), **memory_figures(compiled)}
   out["total_bytes"] = out["peak_bytes"] + out["code_bytes"]
+  if gpu:  # No promotion to bound, and 'offload' is the compiler's own placement.
+    out["floor_total_bytes"] = out["total_bytes"]
+    out["offloaded_bytes"] = out["host_temp_bytes"]
+    return with_verdict(out, device_memory_gib), compiled
   floor_temps = out["temp_bytes"]
   if floor and jax.numpy.dtype(config.model.dtype) != jax.numpy.float32:
     as_float32 = copy.deepcopy(config)
@@ -203,23 +263,26 @@ def seq_len_unit(config: ml_collections.ConfigDict) -> int:
   return math.lcm(divisor, shards * config.model.attention_tile)
 
 
-def find_max_seq_len(config: ml_collections.ConfigDict, device_memory_gib: float = 80.0,
-                     log=print) -> int:
-  """The longest sequence (a multiple of `seq_len_unit`) whose CPU figure fits, by doubling
-  from the config's length and then bisecting to within 1/16; 0 if even one unit does not."""
+def find_max_seq_len(config: ml_collections.ConfigDict, device_memory_gib: float | None = None,
+                     log=print, gpu: str | None = None) -> int:
+  """The longest sequence (a multiple of `seq_len_unit`) whose figure (for `gpu`, else the
+  CPU's) fits, by doubling from the config's length and then bisecting to within 1/16; 0 if
+  even one unit does not."""
   unit = seq_len_unit(config)
+  device_memory_gib = device_memory_gib or default_memory_gib(gpu)
 
   def fits(seq_len: int) -> bool:
     probe = copy.deepcopy(config)
     probe.data.seq_len = seq_len
     started = time.monotonic()
-    out, _ = memory_plan(probe, device_memory_gib, floor=False)
+    out, _ = memory_plan(probe, device_memory_gib, floor=False, gpu=gpu)
     log(f"  {seq_len:>12,} tokens: {out['total_bytes'] / GIB:7.1f} GiB  "
         f"{'fits' if out['fits'] else 'does not fit'}  [compiled in "
         f"{time.monotonic() - started:.0f} s]")
     return out["fits"]
 
-  log(f"longest sequence for {device_memory_gib:g} GiB per device, in multiples of {unit:,}:")
+  log(f"longest sequence for {device_memory_gib:.4g} GiB per device "
+      f"({gpu + ' compile' if gpu else 'CPU compile'}), in multiples of {unit:,}:")
   length = max(unit, config.data.seq_len // unit * unit)
   if fits(length):
     low, high = length, None
@@ -271,10 +334,11 @@ def _print(config, out: dict[str, Any], memory_gib: float, mfu: float, accelerat
   strategy = f", {strategy} sequence-parallel" if strategy else ""
   lines = [
       f"dry run: {out['params'] / 1e6:,.1f}M params, {m.num_layers} layers, attention "
-      f"{m.attention} ({_kernel_label(m.kernel)}{strategy}), {t.batch_size} x "
+      f"{m.attention} ({_kernel_label(m.kernel, out)}{strategy}), {t.batch_size} x "
       f"{config.data.seq_len:,} tokens per step in {t.micro_batches} micro-batch(es), "
       f"remat {t.remat}",
-      f"mesh: {mesh} = {out['devices']} devices (fake CPU; compiled in {out['compile_s']:.0f} s)",
+      f"mesh: {mesh} = {out['devices']} devices ({_devices_label(out)}; compiled in "
+      f"{out['compile_s']:.0f} s)",
       "per device (bytes of this device's shard):",
       f"  parameters             {human_bytes(out['param_bytes'])}   {m.param_dtype} master "
       f"weights",
@@ -290,15 +354,20 @@ def _print(config, out: dict[str, Any], memory_gib: float, mfu: float, accelerat
       f"  peak estimate          {human_bytes(out['peak_bytes'])}   args + temps + outputs - "
       f"aliased",
       *([f"  offloaded layer inputs {human_bytes(out['offloaded_bytes'])}   remat 'offload' keeps "
-         f"them in pinned host memory (the CPU compile does not)"]
+         f"them in pinned host memory ({_offload_label(out)})"]
         if out["offloaded_bytes"] else []),
       f"  total                  {human_bytes(out['total_bytes'])}   peak + code"
-      f"{' - offloaded' if out['offloaded_bytes'] else ''}: the verdict's figure",
+      f"{' - offloaded' if out['offloaded_bytes'] and _on_cpu(out) else ''}: the verdict's "
+      f"figure",
+      *([] if _on_cpu(out) else [
+          "  not in it: the CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers (~0.5-2 GiB "
+          "on a real GPU); GEMM configs are XLA's defaults (no autotuning)"]),
       f"FLOPs per step: analytic {out['analytic_flops']:.3e} ({analytic_dev:.3e} per device; "
       f"6 x matmul params + causal attention as half, no remat)",
       f"  XLA cost_analysis      {xla_dev:.3e} per device ({xla_dev / analytic_dev:.2f}x "
       f"analytic): XLA counts each loop body once (scanned layers, ring and tile loops) "
-      f"and adds remat recompute, so this is not the step's total",
+      f"and adds remat recompute, so this is not the step's total" if math.isfinite(xla_dev)
+      else "  XLA cost_analysis      not reported by this compile",
       f"step time at {mfu:.0%} MFU on {out['devices']} x {accelerator} "
       f"({flops.PEAK_FLOPS[accelerator] / 1e12:.0f} TFLOP/s each): "
       f"{human_seconds(out['step_time_s'])}, {out['tokens_per_sec']:,.0f} tokens/s "
@@ -314,21 +383,37 @@ def _print(config, out: dict[str, Any], memory_gib: float, mfu: float, accelerat
   print("\n".join(lines), flush=True)
 
 
-def _kernel_label(kernel: str) -> str:
-  """The kernel this CPU plan compiles, and on GPUs (`auto` picks another there)."""
-  here = parallelism.describe_kernel(kernel)
-  return f"{here} kernel" + ("" if here == kernel else
-                             f", {parallelism.describe_kernel(kernel, 'gpu')}")
+def _on_cpu(out: dict[str, Any]) -> bool:
+  return out["compiled_for"] == "cpu"
+
+
+def _devices_label(out: dict[str, Any]) -> str:
+  if _on_cpu(out):
+    return "fake CPU"
+  return f"{out['compiled_for']}, described to XLA's GPU compiler, none attached"
+
+
+def _offload_label(out: dict[str, Any]) -> str:
+  return ("the CPU compile does not: subtracted here" if _on_cpu(out) else
+          "placed there by the compile; not in the device figures")
+
+
+def _kernel_label(kernel: str, out: dict[str, Any]) -> str:
+  """The kernel this plan compiles, and for a CPU plan the one on GPUs (`auto` differs)."""
+  here = parallelism.describe_kernel(kernel, None if _on_cpu(out) else "gpu")
+  if not _on_cpu(out) or here == kernel:
+    return f"{here} kernel"
+  return f"{here} kernel, {parallelism.describe_kernel(kernel, 'gpu')}"
 
 
 def verdict_line(out: dict[str, Any], memory_gib: float) -> str:
   """The plan's last line: fits, may fit (between floor and CPU figure), or does NOT fit."""
   total, floor, limit = out["total_bytes"], out["floor_total_bytes"], memory_gib * GIB
   if out["fits"]:
-    return f"fits in {memory_gib:g} GiB per device ({total / GIB:.1f} GiB, {total / limit:.0%})"
+    return f"fits in {memory_gib:.4g} GiB per device ({total / GIB:.1f} GiB, {total / limit:.0%})"
   if out["may_fit"]:
-    return (f"may fit in {memory_gib:g} GiB per device: between {floor / GIB:.1f} GiB "
+    return (f"may fit in {memory_gib:.4g} GiB per device: between {floor / GIB:.1f} GiB "
             f"(floor) and {total / GIB:.1f} GiB (CPU figure), depending on how many "
             f"buffers the accelerator keeps in bf16")
-  return (f"does NOT fit in {memory_gib:g} GiB per device ({total / GIB:.1f} GiB, "
-          f"{total / limit:.0%}; floor {floor / GIB:.1f} GiB)")
+  return (f"does NOT fit in {memory_gib:.4g} GiB per device ({total / GIB:.1f} GiB, "
+          f"{total / limit:.0%}" + (f"; floor {floor / GIB:.1f} GiB)" if floor < total else ")"))

@@ -53,8 +53,10 @@ def abstract_state(model: Decoder, optimizer: optax.GradientTransformation, mesh
   """Shape, dtype and target sharding of every state leaf, allocating nothing (restores,
   AOT compiles). One trace of the init gives the shapes and the parameters' logical names;
   the rules table turns the names into shardings."""
-  boxed = jax.eval_shape(_param_model(model).init, jax.random.key(0),
-                         *_param_inputs(mesh))["params"]
+  # The key and inputs are made inside the trace too: no array is placed on any device, so
+  # the mesh may be of devices that are described but not attached (a GPU plan on a CPU).
+  boxed = jax.eval_shape(
+      lambda: _param_model(model).init(jax.random.key(0), *_param_inputs(mesh)))["params"]
   param_specs = jax.tree.map(
       lambda spec: parallelism.logical_to_spec(spec, rules), nn.get_partition_spec(boxed),
       is_leaf=lambda x: isinstance(x, P))

@@ -84,13 +84,15 @@ def estimate(config: ml_collections.ConfigDict, shape: dict[str, int], balance: 
           "sent_bytes": sent["ring"] + sent["ulysses"]}
 
 
-def compare(config: ml_collections.ConfigDict, device_memory_gib: float = 80.0,
+def compare(config: ml_collections.ConfigDict, device_memory_gib: float | None = None,
             mfu: float = 0.4, accelerator: str = "h100", intra_node_gbps: float = 450.0,
             inter_node_gbps: float = 50.0, node_size: int = 8,
-            log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+            log: Callable[[str], None] = print, gpu: str | None = None) -> list[dict[str, Any]]:
   """Plans every split of the config's sequence devices, in every layout; prints and
-  returns the rows. Each split compiles once, in the config's layout: the layouts differ
-  in the schedule (balance, so time), not in what the step holds."""
+  returns the rows. Each split compiles once (for described `gpu`s, else fake CPU devices),
+  in the config's layout: the layouts differ in the schedule (balance, so time), not in
+  what the step holds."""
+  device_memory_gib = device_memory_gib or dry_run.default_memory_gib(gpu)
   if config.model.attention == "dense":
     raise ConfigError("--compare_strategies compares ways to split the sequence; "
                       "model.attention='dense' does not split it")
@@ -99,9 +101,10 @@ def compare(config: ml_collections.ConfigDict, device_memory_gib: float = 80.0,
   devices = shape["sequence"] * shape["ulysses"]
   heads = config.model.num_heads // shape["tensor"]
   peak = flops.PEAK_FLOPS[accelerator]
+  compiled = f"for {gpu}" if gpu else "on the CPU"
   log(f"strategies for {devices} sequence devices of {count} ({config.data.seq_len:,} tokens, "
       f"{accelerator} at {mfu:.0%} MFU, links {intra_node_gbps:g} GB/s in a node of "
-      f"{node_size}, {inter_node_gbps:g} GB/s across; memory compiled in the "
+      f"{node_size}, {inter_node_gbps:g} GB/s across; memory compiled {compiled} in the "
       f"{config.model.attention} layout)")
   log(f"{'strategy':>9} {'ring x U':>9} {'layout':>8} {'memory':>12} {'fits':>4} "
       f"{'sent/step':>12} {'balance':>7} {'compute':>10} {'exposed':>10} {'step':>10}")
@@ -114,7 +117,7 @@ def compare(config: ml_collections.ConfigDict, device_memory_gib: float = 80.0,
     choice.mesh.sequence, choice.mesh.ulysses = ring, ulysses
     split = {**shape, "sequence": ring, "ulysses": ulysses}
     try:  # The plan checks the config first.
-      memory = dry_run.memory_plan(choice, device_memory_gib, floor=False)[0]
+      memory = dry_run.memory_plan(choice, device_memory_gib, floor=False, gpu=gpu)[0]
     except ConfigError as error:
       log(f"{strategy:>9} {f'{ring} x {ulysses}':>9}  cannot run: {error}")
       continue

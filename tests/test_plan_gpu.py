@@ -1,0 +1,82 @@
+"""`--dry_run` for described GPUs: the train step compiled by XLA's GPU compiler on this CPU
+machine (`trainer/plan_target.py`; `make test` installs the compiler with `make plan_gpu`)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from trainer import dry_run, plan_target
+from trainer.config_check import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRITON = "__gpu$xla.gpu.triton"  # Pallas's kernels, lowered for CUDA
+
+
+def test_the_gpu_plan_runs_the_fused_kernel_and_keeps_bf16(tiny_config):
+  config = tiny_config("striped")  # bf16 compute
+  on_gpu, compiled = dry_run.memory_plan(config, 80.0, gpu="h100")
+  assert on_gpu["compiled_for"] == "NVIDIA H100 80GB HBM3" and on_gpu["devices"] == 8
+  # `auto` is the Pallas kernel there, compiled to Triton, not interpreted: forward, dK/dV and
+  # dQ of the forward pass and of the backward's recompute (remat 'full').
+  assert compiled.as_text().count(f'custom_call_target="{TRITON}"') >= 3
+  assert on_gpu["floor_total_bytes"] == on_gpu["total_bytes"] and on_gpu["fits"]
+  on_cpu, _ = dry_run.memory_plan(config, 80.0, floor=False)
+  assert on_cpu["compiled_for"] == "cpu"
+  # The same state either way; the GPU keeps bf16 activations bf16 (the CPU promotes some).
+  for key in ("params", "param_bytes", "opt_state_bytes", "argument_bytes"):
+    assert on_gpu[key] == on_cpu[key], key
+  assert on_gpu["temp_bytes"] < on_cpu["temp_bytes"]
+
+
+def test_offload_on_gpus_puts_exactly_the_layer_inputs_in_host_memory(tiny_config):
+  """The CPU plan estimates what 'offload' moves (`dry_run.offloaded_bytes`); the GPU
+  compiler places it: the two agree to the byte, and the device keeps less than 'full'."""
+  offload, _ = dry_run.memory_plan(tiny_config("striped", **{"train.remat": "offload"}), 80.0,
+                                   gpu="h100")
+  full, _ = dry_run.memory_plan(tiny_config("striped"), 80.0, gpu="h100")
+  # 2 layers x 4 rows x 64 tokens x 128 wide, bf16 (as the CPU test's estimate).
+  assert offload["host_temp_bytes"] == offload["offloaded_bytes"] == 2 * 4 * 64 * 128 * 2
+  assert full["host_temp_bytes"] == full["offloaded_bytes"] == 0
+  assert offload["temp_bytes"] < full["temp_bytes"]
+
+
+def test_more_than_8_gpus_are_hosts_of_8():
+  devices = plan_target.devices("h200", 16)
+  assert len(devices) == 16 and {d.process_index for d in devices} == {0, 1}
+  assert devices[0].device_kind == "NVIDIA H200 141GB HBM3e"
+  with pytest.raises(ConfigError, match="12 GPUs are not whole hosts of 8"):
+    plan_target.devices("h100", 12)
+  with pytest.raises(ConfigError, match="no GPU description for 'tpu_v4'"):
+    plan_target.devices("tpu_v4", 8)
+
+
+def test_auto_compiles_for_the_accelerator_when_it_is_a_gpu():
+  assert dry_run.gpu_target("auto", "a100") == "a100"
+  assert dry_run.gpu_target("auto", "tpu_v5p") is None  # no described TPUs: the CPU
+  assert dry_run.gpu_target("cpu", "h100") is None
+  with pytest.raises(ConfigError, match="--plan_accelerator='tpu_v5p' is none of them"):
+    dry_run.gpu_target("gpu", "tpu_v5p")
+
+
+def _dry_run(*flags, **env):
+  environ = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+  return subprocess.run(
+      [sys.executable, "-m", "trainer", "--config", "configs/tiny_cpu.py", "--dry_run", *flags],
+      cwd=ROOT, env={**environ, **env}, capture_output=True, text=True, timeout=300,
+      check=False)
+
+
+def test_the_command_line_plans_for_h100s_by_default_and_says_when_it_cannot():
+  result = _dry_run()
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert ("8 devices (NVIDIA H100 80GB HBM3, described to XLA's GPU compiler, none attached"
+          in result.stdout), result.stdout
+  assert "fits in 79.11 GiB per device (" in result.stdout
+  # Without the compiler, asking for it is one line naming the fix.
+  missing = _dry_run("--plan_compiler=gpu", PLAN_GPU_DIR=os.path.join(ROOT, "no-such-dir"))
+  assert missing.returncode != 0
+  last = missing.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: compiling the plan for GPUs needs XLA's GPU compiler")
+  assert "make plan_gpu" in last

@@ -1,0 +1,134 @@
+"""GPUs described to XLA's GPU compiler, so a dry run compiles for them on a machine without.
+
+The CUDA PJRT plugin (`jax-cuda12-plugin`, pinned in constraints.txt) holds XLA's GPU
+compiler. Given a description of the GPU (a `GpuTargetConfigProto`: SM count, shared
+memory, compute capability, memory size) it compiles for devices that are not attached, with
+no GPU and no CUDA driver (ahead of time, "deviceless"). Its memory analysis is the GPU's own
+buffer assignment: bf16 stays bf16, remat 'offload' puts the layer inputs in host memory, and
+the attention is the fused Triton kernel instead of the CPU's reference one. What it cannot
+see: autotuning (GEMM and fusion configs are XLA's defaults), and memory outside the XLA
+program (the CUDA context, cuBLAS/cuDNN workspaces, NCCL's buffers), which on a real GPU
+take some hundreds of MiB to about 2 GiB per device.
+
+The plugin lives in `.plan_gpu/` (`make plan_gpu`), not in the virtual environment: JAX
+loads every plugin it finds there in every process, and on a machine without CUDA each run
+would print that no driver was found. The planner loads it only when asked to compile for
+a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import sys
+import warnings
+from typing import Iterator
+
+import jax
+
+from trainer.config_check import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PLUGIN_DIR = os.environ.get("PLAN_GPU_DIR") or os.path.join(ROOT, ".plan_gpu")
+DEVICES_PER_HOST = 8  # HGX nodes: a topology of more devices is 8-GPU hosts.
+
+# The fields XLA's GPU compiler reads, from XLA's own target specs
+# (xla/backends/gpu/target_config/specs/{h100_sxm,h200,a100_sxm_80}.txtpb).
+_HOPPER = dict(core_count=132, fpus_per_core=128, shared_memory_per_core=233472,
+               shared_memory_per_block_optin=232448, l2_cache_size=52428800,
+               clock_rate_ghz=1.98, compute_capability=(9, 0))
+GPUS = {
+    "h100": dict(_HOPPER, name="NVIDIA H100 80GB HBM3", device_memory_size=84942979072,
+                 memory_bandwidth=3352320000000),
+    "h200": dict(_HOPPER, name="NVIDIA H200 141GB HBM3e", device_memory_size=151397597184,
+                 memory_bandwidth=4800000000000),
+    "a100": dict(name="NVIDIA A100-SXM4-80GB", core_count=108, fpus_per_core=64,
+                 shared_memory_per_core=167936, shared_memory_per_block_optin=166912,
+                 l2_cache_size=41943040, clock_rate_ghz=1.41, compute_capability=(8, 0),
+                 device_memory_size=85100068864, memory_bandwidth=2039040000000),
+}
+
+
+def target_config(gpu: str) -> str:
+  """The GpuTargetConfigProto text of a GPU in `GPUS`."""
+  spec = GPUS[gpu]
+  major, minor = spec["compute_capability"]
+  fields = {key: spec[key] for key in (
+      "core_count", "fpus_per_core", "shared_memory_per_core", "shared_memory_per_block_optin",
+      "l2_cache_size", "clock_rate_ghz", "device_memory_size", "memory_bandwidth")}
+  fields.update(threads_per_block_limit=1024, threads_per_warp=32,
+                shared_memory_per_block=49152, threads_per_core_limit=2048,
+                block_dim_limit_x=2147483647, block_dim_limit_y=65535, block_dim_limit_z=65535,
+                registers_per_core_limit=65536, registers_per_block_limit=65536)
+  info = "\n".join(f"  {key}: {value}" for key, value in fields.items())
+  return (f"gpu_device_info {{\n{info}\n  cuda_compute_capability {{ major: {major} minor: "
+          f"{minor} }}\n}}\nruntime_version {{ major: 12 minor: 8 }}\n"
+          f"platform_name: \"CUDA\"\ndnn_version_info {{ major: 9 minor: 7 }}\n"
+          f"device_description_str: \"{spec['name']}\"\n")
+
+
+def memory_gib(gpu: str) -> float:
+  return GPUS[gpu]["device_memory_size"] / 2.0 ** 30
+
+
+def compiler_installed() -> bool:
+  """Whether XLA's GPU compiler (the CUDA plugin) can be loaded, here or from PLUGIN_DIR."""
+  return _find_plugin() is not None
+
+
+def devices(gpu: str, count: int) -> list[jax.Device]:
+  """`count` described (not attached) GPUs of kind `gpu`, in hosts of 8 beyond 8."""
+  if gpu not in GPUS:
+    raise ConfigError(f"no GPU description for {gpu!r}; the planner compiles for "
+                      f"{', '.join(GPUS)}")
+  if count > DEVICES_PER_HOST and count % DEVICES_PER_HOST:
+    raise ConfigError(f"{count} GPUs are not whole hosts of {DEVICES_PER_HOST}")
+  per_host = min(count, DEVICES_PER_HOST)
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+
+  def describe():
+    return topologies.get_topology_desc("plan", "cuda", target_config=target_config(gpu),
+                                        topology=f"1x{count // per_host}x{per_host}").devices
+
+  try:
+    return list(describe())
+  except NotImplementedError:  # JAX has no CUDA plugin registered: load ours.
+    _register_plugin()
+    return list(describe())
+
+
+@contextlib.contextmanager
+def quiet_cache_misses() -> Iterator[None]:
+  """Within: no warning that an executable could not be read from JAX's persistent
+  compilation cache (when one is configured). One for described devices never can be (there
+  is no GPU client to load it on), and the compile then simply runs."""
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message="Error reading persistent compilation cache")
+    yield
+
+
+def _find_plugin():
+  """The CUDA plugin's module: from the environment (a GPU install), else PLUGIN_DIR."""
+  try:
+    return importlib.import_module("jax_plugins.xla_cuda12")
+  except ImportError:
+    pass
+  if not os.path.isdir(PLUGIN_DIR):
+    return None
+  if PLUGIN_DIR not in sys.path:
+    sys.path.append(PLUGIN_DIR)
+  try:
+    return importlib.import_module("jax_plugins.xla_cuda12")
+  except ImportError:
+    return None
+
+
+def _register_plugin() -> None:
+  plugin = _find_plugin()
+  if plugin is None:
+    raise ConfigError(
+        f"compiling the plan for GPUs needs XLA's GPU compiler (the CUDA plugin, no GPU "
+        f"needed): run `make plan_gpu` to install it into {PLUGIN_DIR}, or plan on the CPU "
+        f"with --plan_compiler=cpu")
+  plugin.initialize()
