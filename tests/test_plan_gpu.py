@@ -1,6 +1,7 @@
 """`--dry_run` for described GPUs: the train step compiled by XLA's GPU compiler on this CPU
 machine (`trainer/plan_target.py`; `make test` installs the compiler with `make plan_gpu`)."""
 
+import importlib
 import os
 import subprocess
 import sys
@@ -14,15 +15,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRITON = "__gpu$xla.gpu.triton"  # Pallas's kernels, lowered for CUDA
 
 
-def test_the_gpu_plan_runs_the_fused_kernel_and_keeps_bf16(tiny_config):
-  config = tiny_config("striped")  # bf16 compute
-  on_gpu, compiled = dry_run.memory_plan(config, 80.0, gpu="h100")
+@pytest.fixture(scope="module")
+def h100_plan(shared_data_dir):
+  """The tiny striped config (bf16 compute, remat 'full') compiled for 8 described H100s:
+  (plan, compiled program's text)."""
+  config = importlib.import_module("configs.tiny_cpu").get_config("striped")
+  config.data.data_dir = shared_data_dir
+  plan, compiled = dry_run.memory_plan(config, 80.0, gpu="h100")
+  return plan, compiled.as_text()
+
+
+def test_the_gpu_plan_runs_the_fused_kernel_and_keeps_bf16(tiny_config, h100_plan):
+  on_gpu, text = h100_plan
   assert on_gpu["compiled_for"] == "NVIDIA H100 80GB HBM3" and on_gpu["devices"] == 8
   # `auto` is the Pallas kernel there, compiled to Triton, not interpreted: forward, dK/dV and
   # dQ of the forward pass and of the backward's recompute (remat 'full').
-  assert compiled.as_text().count(f'custom_call_target="{TRITON}"') >= 3
+  assert text.count(f'custom_call_target="{TRITON}"') >= 3
   assert on_gpu["floor_total_bytes"] == on_gpu["total_bytes"] and on_gpu["fits"]
-  on_cpu, _ = dry_run.memory_plan(config, 80.0, floor=False)
+  on_cpu, _ = dry_run.memory_plan(tiny_config("striped"), 80.0, floor=False)
   assert on_cpu["compiled_for"] == "cpu"
   # The same state either way; the GPU keeps bf16 activations bf16 (the CPU promotes some).
   for key in ("params", "param_bytes", "opt_state_bytes", "argument_bytes"):
@@ -30,12 +40,12 @@ def test_the_gpu_plan_runs_the_fused_kernel_and_keeps_bf16(tiny_config):
   assert on_gpu["temp_bytes"] < on_cpu["temp_bytes"]
 
 
-def test_offload_on_gpus_puts_exactly_the_layer_inputs_in_host_memory(tiny_config):
+def test_offload_on_gpus_puts_exactly_the_layer_inputs_in_host_memory(tiny_config, h100_plan):
   """The CPU plan estimates what 'offload' moves (`dry_run.offloaded_bytes`); the GPU
   compiler places it: the two agree to the byte, and the device keeps less than 'full'."""
   offload, _ = dry_run.memory_plan(tiny_config("striped", **{"train.remat": "offload"}), 80.0,
                                    gpu="h100")
-  full, _ = dry_run.memory_plan(tiny_config("striped"), 80.0, gpu="h100")
+  full, _ = h100_plan
   # 2 layers x 4 rows x 64 tokens x 128 wide, bf16 (as the CPU test's estimate).
   assert offload["host_temp_bytes"] == offload["offloaded_bytes"] == 2 * 4 * 64 * 128 * 2
   assert full["host_temp_bytes"] == full["offloaded_bytes"] == 0
