@@ -7,6 +7,12 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 ARGS ?=
 
+# XLA's GPU compiler for `--dry_run` (trainer/plan_target.py): the CUDA plugin, pinned, in its
+# own folder rather than the venv, where JAX would load it into every process (and, without
+# CUDA, say so on every run). No GPU is needed. The tests plan for described H100s with it.
+PLAN_GPU := .plan_gpu
+PLAN_GPU_STAMP := $(PLAN_GPU)/.installed
+
 .PHONY: train test bench compare plan_gpu
 
 train: $(STAMP)
@@ -24,11 +30,6 @@ test: $(STAMP) $(PLAN_GPU_STAMP)
 compare: $(STAMP)
 	$(VENV)/bin/python scripts/compare_demo.py $(ARGS)
 
-# XLA's GPU compiler for `--dry_run` (trainer/plan_target.py): the CUDA plugin, pinned, in its
-# own folder rather than the venv, where JAX would load it into every process (and, without
-# CUDA, say so on every run). No GPU is needed. The tests plan for described H100s with it.
-PLAN_GPU := .plan_gpu
-PLAN_GPU_STAMP := $(PLAN_GPU)/.installed
 plan_gpu: $(PLAN_GPU_STAMP)
 
 $(PLAN_GPU_STAMP): constraints.txt $(STAMP)
