@@ -16,15 +16,15 @@ configs/7b_256k_striped.py at four times the length, on one ring of 8 devices (o
 The planner's figures per device, compiled for H100s by XLA's GPU compiler (`make plan_gpu`,
 then `--dry_run`; results/bench_plan.jsonl, rows with `compiled_for`):
 
-    devices  remat     device    host     verdict at 79.1 GiB (an H100's)
+    devices  remat     device    host     verdict at 75.15 GiB (0.95 of an H100's 79.11)
      8       offload   51.6 GiB  32 GiB   fits (this config)
-     8       full      73.0 GiB   0       fits, with 6 GiB for what XLA does not count
+     8       full      73.0 GiB   0       fits, 2 GiB to spare
     16       offload   27.9 GiB  16 GiB   fits (--config.mesh.sequence=16)
     16       full      43.4 GiB   0       fits
 
-Not in those figures: the CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers (about
-0.5-2 GiB); JAX must be let use more than its default 75% of the GPU's memory
-(XLA_PYTHON_CLIENT_MEM_FRACTION, 0.95 in the Dockerfile). On fake CPU devices
+The budget is what JAX may allocate with XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 (the
+Dockerfile's; JAX's default 0.75 would not hold this config); the CUDA context, cuBLAS/cuDNN
+workspaces and NCCL buffers (about 0.5-2 GiB) live in the rest. On fake CPU devices
 (`--plan_compiler=cpu`) the same step reads 130.9 GiB on 8 devices with offload (floor 61.7),
 because the CPU compiler keeps the bf16 saved activations as float32.
 """

@@ -66,8 +66,10 @@ def unusable(backend: str | None = None) -> str | None:
   backend = backend or target.backend()
   if backend != "gpu":
     return f"model.kernel='cudnn' needs a CUDA GPU; this run's backend is {backend}"
-  if target.described():  # A plan's described GPUs are NVIDIA's (trainer.plan_target).
-    return None
+  if target.described():
+    return ("model.kernel='cudnn' cannot be planned for described GPUs: cuDNN's attention "
+            "compiles against the cuDNN library, which XLA's GPU compiler in .plan_gpu/ does "
+            "not bring; plan with model.kernel=pallas, or on a GPU")
   platform = jax.devices()[0].client.platform_version  # 'gpu' is also ROCm's name
   if "cuda" not in platform.lower():
     return f"model.kernel='cudnn' needs a CUDA GPU; this GPU's platform is {platform}"

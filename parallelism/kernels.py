@@ -63,9 +63,10 @@ KERNELS = {
 
 
 def resolve(name: str, backend: str | None = None) -> str:
-  """The kernel `name` runs on `backend` (default: JAX's, or a plan's described GPUs). `auto` is `pallas` on GPUs: fused,
-  0.56-0.59x cuDNN forward+backward on an H100 (results/bench_kernel.jsonl), where `xla`
-  materialises every tile's scores in memory; not timed against `xla` on a GPU yet. For a
+  """The kernel `name` runs on `backend` (default: `target.backend()`, JAX's or a plan's
+  described GPUs). `auto` is `pallas` on GPUs: fused, 0.56-0.59x cuDNN forward+backward on
+  an H100 (results/bench_kernel.jsonl), where `xla` materialises every tile's scores in
+  memory; not timed against `xla` on a GPU yet. For a
   block whose shapes Triton cannot take (`kernel_pallas.gpu_unsupported`) `auto` runs `xla`
   and says so once. Not `cudnn` until that kernel has been checked and timed on a GPU.
   Elsewhere `auto` is `xla`: on the CPU `pallas` only interprets, and its Triton kernel has

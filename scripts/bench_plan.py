@@ -37,7 +37,7 @@ import jax  # noqa: E402
 
 import bench_results  # noqa: E402  (scripts/, first on the path)
 import parallelism  # noqa: E402
-from trainer import dry_run  # noqa: E402
+from trainer import dry_run, plan_target  # noqa: E402
 from trainer.config_check import ConfigError, check_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,7 +72,7 @@ def main() -> None:
   parser.add_argument("--memory_gib", type=float, default=None,
                       help="default: the described GPU's memory, else 80")
   parser.add_argument("--accelerator", default="h100", help="a key of trainer.flops.PEAK_FLOPS")
-  parser.add_argument("--plan_compiler", choices=dry_run.COMPILERS, default="auto")
+  parser.add_argument("--plan_compiler", choices=plan_target.COMPILERS, default="auto")
   parser.add_argument("--no_save", action="store_true")
   parser.add_argument("--on_device", action="store_true",
                       help="compile on this machine's devices, not fake CPU ones (no plan)")

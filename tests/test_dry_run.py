@@ -59,11 +59,12 @@ def test_plan_matches_real_step_and_allocates_nothing(tiny_config, capsys):
 
 
 def test_cli_dry_run_prints_verdict():
-  # A fresh process: the planner itself must set up the config's 8 CPU devices.
+  # A fresh process: the planner itself must set up the config's 8 CPU devices. float32
+  # compute: one compile, without the floor's (tested below).
   env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
   result = subprocess.run(
       [sys.executable, "-m", "trainer", "--config", "configs/tiny_cpu.py", "--dry_run",
-       "--plan_compiler=cpu"],
+       "--plan_compiler=cpu", "--config.model.dtype=float32"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
   assert result.returncode == 0, result.stderr[-2000:]
   assert "mesh: data=1 x fsdp=2 x sequence=4 x ulysses=1 x tensor=1 = 8 devices" in result.stdout

@@ -159,21 +159,22 @@ def main(argv: list[str]) -> None:
       print(hf_import.apply_to_config(config), flush=True)
     if _DRY_RUN.value:
       # Imported here: the planner sets up JAX's (CPU) backend before it starts.
-      from trainer import dry_run  # pylint: disable=g-import-not-at-top
+      from trainer import dry_run, plan_target  # pylint: disable=g-import-not-at-top
       problem = stages.problem(config)
       if problem:
         raise ConfigError(problem)
       for stage in stages.plan(config):  # A staged run: each stage's step, in order.
         if stage.name:
           print(f"{stage.label}:", flush=True)
-        gpu = dry_run.gpu_target(_PLAN_COMPILER.value, _PLAN_ACCELERATOR.value)
         if _FIND_MAX.value:
-          dry_run.find_max_seq_len(stage.config, _MEMORY_GIB.value, gpu=gpu)
+          dry_run.find_max_seq_len(stage.config, _MEMORY_GIB.value, gpu=plan_target.gpu_target(
+              _PLAN_COMPILER.value, _PLAN_ACCELERATOR.value))
         elif _COMPARE.value:
           from trainer import strategy_plan  # pylint: disable=g-import-not-at-top
           strategy_plan.compare(stage.config, _MEMORY_GIB.value, _PLAN_MFU.value,
                                 _PLAN_ACCELERATOR.value, _INTRA_GBPS.value, _INTER_GBPS.value,
-                                _NODE_SIZE.value, gpu=gpu)
+                                _NODE_SIZE.value, gpu=plan_target.gpu_target(
+                                    _PLAN_COMPILER.value, _PLAN_ACCELERATOR.value))
         else:
           dry_run.plan(stage.config, device_memory_gib=_MEMORY_GIB.value, mfu=_PLAN_MFU.value,
                        accelerator=_PLAN_ACCELERATOR.value, compiler=_PLAN_COMPILER.value)

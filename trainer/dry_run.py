@@ -83,27 +83,6 @@ def plan_device_count(config: ml_collections.ConfigDict) -> int:
   return math.prod(sizes)
 
 
-COMPILERS = ("auto", "gpu", "cpu")
-
-
-def gpu_target(compiler: str, accelerator: str) -> str | None:
-  """The GPU the plan compiles for (a key of `plan_target.GPUS`), or None for the CPU.
-
-  `auto`: the accelerator's GPU when XLA's GPU compiler is installed, else the CPU."""
-  if compiler not in COMPILERS:
-    raise ConfigError(f"--plan_compiler={compiler!r} is not one of {', '.join(COMPILERS)}")
-  if compiler == "cpu":
-    return None
-  if accelerator not in plan_target.GPUS:
-    if compiler == "gpu":
-      raise ConfigError(f"--plan_compiler=gpu compiles for {', '.join(plan_target.GPUS)}; "
-                        f"--plan_accelerator={accelerator!r} is none of them")
-    return None
-  if compiler == "auto" and not plan_target.compiler_installed():
-    return None
-  return accelerator
-
-
 def _cpu_backend(count: int | None = None) -> None:
   """JAX's own backend is the CPU (with `count` devices) if it has not started yet."""
   from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
@@ -164,7 +143,7 @@ def plan(config: ml_collections.ConfigDict, device_memory_gib: float | None = No
          mfu: float = 0.4, accelerator: str = "h100", floor: bool = True,
          compiler: str = "auto") -> dict[str, Any]:
   """Compiles the config's train step for described GPUs or fake CPU devices (`compiler`,
-  see `gpu_target`) and prints (and returns) the plan.
+  see `plan_target.gpu_target`) and prints (and returns) the plan.
 
   Byte figures are per device; FLOPs are per step, for the whole mesh unless named
   `per_device`. `device_memory_gib` defaults to the described GPU's memory (80 on the CPU).
@@ -174,7 +153,8 @@ def plan(config: ml_collections.ConfigDict, device_memory_gib: float | None = No
   if accelerator not in flops.PEAK_FLOPS:
     raise ConfigError(f"--plan_accelerator={accelerator!r} is not one of "
                       f"{', '.join(flops.PEAK_FLOPS)}")
-  gpu = gpu_target(compiler, accelerator)
+  gpu = plan_target.gpu_target(compiler, accelerator)
+  budget = plan_target.budget_label(gpu) if gpu and not device_memory_gib else None
   device_memory_gib = device_memory_gib or default_memory_gib(gpu)
   start = time.monotonic()
   out, compiled = memory_plan(config, device_memory_gib, floor, gpu)
@@ -191,12 +171,13 @@ def plan(config: ml_collections.ConfigDict, device_memory_gib: float | None = No
   out["step_time_s"] = out["analytic_flops"] / (count * peak * mfu)
   out["tokens_per_sec"] = tokens / out["step_time_s"]
   out["compile_s"] = compile_s
-  _print(config, out, device_memory_gib, mfu, accelerator)
+  _print(config, out, device_memory_gib, mfu, accelerator, budget)
   return out
 
 
 def default_memory_gib(gpu: str | None) -> float:
-  """What a plan is checked against unless told: the described GPU's memory, else 80 GiB."""
+  """What a plan is checked against unless told: what JAX may use of the described GPU's
+  memory (`plan_target.memory_gib`), else 80 GiB."""
   return plan_target.memory_gib(gpu) if gpu else 80.0
 
 
@@ -211,7 +192,7 @@ def memory_plan(config: ml_collections.ConfigDict, device_memory_gib: float,
     devices = plan_target.devices(gpu, count)
   else:
     devices = fake_devices(count)
-  with parallelism.compiling_for("gpu" if gpu else None):  # e.g. model.kernel='cudnn' is valid
+  with parallelism.compiling_for("gpu" if gpu else None):  # The kernel checks, for the GPU.
     check_config(config, count)
     mesh = parallelism.make_mesh(config.mesh, devices)
     compiled, state = compile_step(config, mesh)
@@ -240,7 +221,7 @@ def memory_plan(config: ml_collections.ConfigDict, device_memory_gib: float,
 
 
 def with_verdict(out: dict[str, Any], device_memory_gib: float) -> dict[str, Any]:
-  """`out` with `fits` (the CPU figure fits) and `may_fit` (the floor does) for a memory."""
+  """`out` with `fits` (its total fits) and `may_fit` (its floor does) for a memory."""
   limit = device_memory_gib * GIB
   return {**out, "fits": out["total_bytes"] <= limit,
           "may_fit": out["floor_total_bytes"] <= limit}
@@ -330,7 +311,8 @@ def human_seconds(s: float) -> str:
   return f"{s:.2f} s" if s >= 1 else f"{s * 1e3:.2f} ms" if s >= 1e-3 else f"{s * 1e6:.2f} us"
 
 
-def _print(config, out: dict[str, Any], memory_gib: float, mfu: float, accelerator: str) -> None:
+def _print(config, out: dict[str, Any], memory_gib: float, mfu: float, accelerator: str,
+           budget: str | None = None) -> None:
   m, t = config.model, config.train
   mesh = " x ".join(f"{axis}={size}" for axis, size in out["mesh"].items())
   analytic_dev = out["analytic_flops"] / out["devices"]
@@ -366,7 +348,8 @@ def _print(config, out: dict[str, Any], memory_gib: float, mfu: float, accelerat
       f"figure",
       *([] if _on_cpu(out) else [
           "  not in it: the CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers (~0.5-2 GiB "
-          "on a real GPU); GEMM configs are XLA's defaults (no autotuning)"]),
+          "on a real GPU, outside what JAX allocates); GEMM configs are XLA's defaults (no "
+          "autotuning)"]),
       f"FLOPs per step: analytic {out['analytic_flops']:.3e} ({analytic_dev:.3e} per device; "
       f"6 x matmul params + causal attention as half, no remat)",
       f"  XLA cost_analysis      {xla_dev:.3e} per device ({xla_dev / analytic_dev:.2f}x "
@@ -382,9 +365,9 @@ def _print(config, out: dict[str, Any], memory_gib: float, mfu: float, accelerat
   if "float32_temp_bytes" in out:
     lines.insert(after_total, f"  float32 compile temps  "
                  f"{human_bytes(out['float32_temp_bytes'])}   "
-                 f"halved, as were every promoted buffer bf16: total "
+                 f"halved (every promoted buffer as bf16): total "
                  f"{human_bytes(out['floor_total_bytes']).strip()}")
-  lines.append(verdict_line(out, memory_gib))
+  lines.append(verdict_line(out, memory_gib) + (f" [{budget}]" if budget else ""))
   print("\n".join(lines), flush=True)
 
 

@@ -10,10 +10,14 @@ see: autotuning (GEMM and fusion configs are XLA's defaults), and memory outside
 program (the CUDA context, cuBLAS/cuDNN workspaces, NCCL's buffers), which on a real GPU
 take some hundreds of MiB to about 2 GiB per device.
 
+A plan is judged against the GPU's memory times `XLA_PYTHON_CLIENT_MEM_FRACTION`, the share
+JAX may allocate: 0.95 unless the environment says otherwise, as the Dockerfile sets it (JAX's
+own default is 0.75); the rest is left to the CUDA context and libraries.
+
 The plugin lives in `.plan_gpu/` (`make plan_gpu`), not in the virtual environment: JAX
 loads every plugin it finds there in every process, and on a machine without CUDA each run
-would print that no driver was found. The planner loads it only when asked to compile for
-a GPU.
+would print that no driver was found. The planner registers it with JAX only to compile a
+GPU plan (`compiler_installed` merely looks for it).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ PLUGIN_DIR = os.environ.get("PLAN_GPU_DIR") or os.path.join(ROOT, ".plan_gpu")
 DEVICES_PER_HOST = 8  # HGX nodes: a topology of more devices is 8-GPU hosts.
 
 # The fields XLA's GPU compiler reads, from XLA's own target specs
-# (xla/backends/gpu/target_config/specs/{h100_sxm,h200,a100_sxm_80}.txtpb).
+# (xla/backends/gpu/target_config/specs/{h100_sxm,h200,h100_pcie,a100_sxm_80}.txtpb).
 _HOPPER = dict(core_count=132, fpus_per_core=128, shared_memory_per_core=233472,
                shared_memory_per_block_optin=232448, l2_cache_size=52428800,
                clock_rate_ghz=1.98, compute_capability=(9, 0))
@@ -43,6 +47,8 @@ GPUS = {
                  memory_bandwidth=3352320000000),
     "h200": dict(_HOPPER, name="NVIDIA H200 141GB HBM3e", device_memory_size=151397597184,
                  memory_bandwidth=4800000000000),
+    "h100_pcie": dict(_HOPPER, name="NVIDIA H100 PCIe", core_count=114, clock_rate_ghz=1.755,
+                      device_memory_size=84942979072, memory_bandwidth=2039040000000),
     "a100": dict(name="NVIDIA A100-SXM4-80GB", core_count=108, fpus_per_core=64,
                  shared_memory_per_core=167936, shared_memory_per_block_optin=166912,
                  l2_cache_size=41943040, clock_rate_ghz=1.41, compute_capability=(8, 0),
@@ -68,8 +74,40 @@ def target_config(gpu: str) -> str:
           f"device_description_str: \"{spec['name']}\"\n")
 
 
+COMPILERS = ("auto", "gpu", "cpu")
+DEFAULT_MEMORY_FRACTION = 0.95  # The Dockerfile's XLA_PYTHON_CLIENT_MEM_FRACTION.
+
+
+def gpu_target(compiler: str, accelerator: str) -> str | None:
+  """The GPU a plan compiles for (a key of `GPUS`), or None for fake CPU devices.
+
+  `auto`: the accelerator's GPU when XLA's GPU compiler is installed, else the CPU."""
+  if compiler not in COMPILERS:
+    raise ConfigError(f"--plan_compiler={compiler!r} is not one of {', '.join(COMPILERS)}")
+  if compiler == "cpu":
+    return None
+  if accelerator not in GPUS:
+    if compiler == "gpu":
+      raise ConfigError(f"--plan_compiler=gpu compiles for {', '.join(GPUS)}; "
+                        f"--plan_accelerator={accelerator!r} is none of them")
+    return None
+  if compiler == "auto" and not compiler_installed():
+    return None
+  return accelerator
+
+
+def memory_fraction() -> float:
+  return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION") or DEFAULT_MEMORY_FRACTION)
+
+
 def memory_gib(gpu: str) -> float:
-  return GPUS[gpu]["device_memory_size"] / 2.0 ** 30
+  """What JAX may allocate on one `gpu`: its memory times `memory_fraction()`."""
+  return GPUS[gpu]["device_memory_size"] * memory_fraction() / 2.0 ** 30
+
+
+def budget_label(gpu: str) -> str:
+  return (f"{memory_fraction():g} of the {GPUS[gpu]['device_memory_size'] / 2.0 ** 30:.2f} "
+          f"GiB of an {gpu}: XLA_PYTHON_CLIENT_MEM_FRACTION")
 
 
 def compiler_installed() -> bool:
@@ -131,4 +169,14 @@ def _register_plugin() -> None:
         f"compiling the plan for GPUs needs XLA's GPU compiler (the CUDA plugin, no GPU "
         f"needed): run `make plan_gpu` to install it into {PLUGIN_DIR}, or plan on the CPU "
         f"with --plan_compiler=cpu")
-  plugin.initialize()
+  # The plugin checks the CUDA libraries' versions unless JAX runs on the CPU only; none is
+  # installed (nor needed) for compiling.
+  skip = os.environ.get("JAX_SKIP_CUDA_CONSTRAINTS_CHECK")
+  os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+  try:
+    plugin.initialize()
+  except RuntimeError as error:
+    raise ConfigError(f"XLA's GPU compiler in {PLUGIN_DIR} did not load: {error}") from error
+  finally:
+    if skip is None:
+      del os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"]

@@ -41,8 +41,9 @@ class Training(NamedTuple):
 def build_training(config: ml_collections.ConfigDict, mesh) -> Training:
   """Model, optimizer, state shardings and the jitted train step of `config` on `mesh`.
 
-  Shared by the loop and the dry-run planner; call it under `jax.set_mesh(mesh)` and the
-  config's logical axis rules.
+  Shared by the loop and the dry-run planner; call it under `jax.set_mesh(mesh)` (the
+  planner: the mesh's abstract mesh, its devices may be described only) and the config's
+  logical axis rules.
   """
   model, optimizer = Decoder(model_config(config)), make_optimizer(config.train)
   batch_sharding = parallelism.batch_sharding(mesh)
