@@ -49,7 +49,7 @@ def measure(seq_len: int, remat: str, tile: int, devices, gpu: str) -> dict:
   config.train.update(batch_size=1, micro_batches=1, remat=remat)
   if tile:
     config.model.attention_tile = tile
-  with parallelism.compiling_for("gpu" if gpu else None):
+  with plan_target.compiling_for(devices):
     check_config(config, DEVICES)
   mesh = parallelism.make_mesh(config.mesh, devices)
   start = time.monotonic()

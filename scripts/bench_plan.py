@@ -59,8 +59,7 @@ def on_device(config, memory_gib: float) -> dict:
   compiled, _ = dry_run.compile_step(config, mesh)
   out = {"devices": jax.device_count(), "mesh": dict(mesh.shape),
          **dry_run.memory_figures(compiled)}
-  out["total_bytes"] = out["floor_total_bytes"] = out["peak_bytes"] + out["code_bytes"]
-  return dry_run.with_verdict(out, memory_gib)
+  return dry_run.with_verdict(dry_run.accelerator_figures(out), memory_gib)
 
 
 def main() -> None:

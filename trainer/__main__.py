@@ -28,7 +28,7 @@ import ml_collections
 from ml_collections import config_flags
 
 import data
-from trainer import distributed, hf_import, profiling, stages
+from trainer import distributed, hf_import, plan_target, profiling, stages
 from trainer.config_check import ConfigError, check_config
 from trainer.checkpointing import CheckpointError
 from model.hf_format import HFFormatError
@@ -52,7 +52,7 @@ _MEMORY_GIB = flags.DEFINE_float("device_memory_gib", None,
                                  "Dry run: memory of one accelerator to check the plan against "
                                  "(default: the described GPU's, 80 for a CPU compile).")
 _PLAN_COMPILER = flags.DEFINE_enum(
-    "plan_compiler", "auto", ["auto", "gpu", "cpu"], "Dry run: compile for described GPUs of "
+    "plan_compiler", "auto", list(plan_target.COMPILERS), "Dry run: compile for described GPUs of "
     "--plan_accelerator's kind (gpu: XLA's GPU compiler, installed by `make plan_gpu`), or for "
     "fake CPU devices (cpu: bf16 buffers may be float32, bounded by a second compile); auto: "
     "gpu when installed and the accelerator is a GPU.")
@@ -159,22 +159,23 @@ def main(argv: list[str]) -> None:
       print(hf_import.apply_to_config(config), flush=True)
     if _DRY_RUN.value:
       # Imported here: the planner sets up JAX's (CPU) backend before it starts.
-      from trainer import dry_run, plan_target  # pylint: disable=g-import-not-at-top
+      from trainer import dry_run  # pylint: disable=g-import-not-at-top
       problem = stages.problem(config)
       if problem:
         raise ConfigError(problem)
+      # find/compare plan by the GPU they compile for; `plan` resolves the same from its flags.
+      gpu = (plan_target.gpu_target(_PLAN_COMPILER.value, _PLAN_ACCELERATOR.value)
+             if _FIND_MAX.value or _COMPARE.value else None)
       for stage in stages.plan(config):  # A staged run: each stage's step, in order.
         if stage.name:
           print(f"{stage.label}:", flush=True)
         if _FIND_MAX.value:
-          dry_run.find_max_seq_len(stage.config, _MEMORY_GIB.value, gpu=plan_target.gpu_target(
-              _PLAN_COMPILER.value, _PLAN_ACCELERATOR.value))
+          dry_run.find_max_seq_len(stage.config, _MEMORY_GIB.value, gpu=gpu)
         elif _COMPARE.value:
           from trainer import strategy_plan  # pylint: disable=g-import-not-at-top
           strategy_plan.compare(stage.config, _MEMORY_GIB.value, _PLAN_MFU.value,
                                 _PLAN_ACCELERATOR.value, _INTRA_GBPS.value, _INTER_GBPS.value,
-                                _NODE_SIZE.value, gpu=plan_target.gpu_target(
-                                    _PLAN_COMPILER.value, _PLAN_ACCELERATOR.value))
+                                _NODE_SIZE.value, gpu=gpu)
         else:
           dry_run.plan(stage.config, device_memory_gib=_MEMORY_GIB.value, mfu=_PLAN_MFU.value,
                        accelerator=_PLAN_ACCELERATOR.value, compiler=_PLAN_COMPILER.value)

@@ -49,7 +49,6 @@ tile need), doubling then bisecting, and reports the longest whose figure fits.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 import time
@@ -111,10 +110,8 @@ def shard_bytes(tree) -> int:
 def compile_step(config: ml_collections.ConfigDict, mesh) -> tuple[Any, Any]:
   """AOT-compiles the loop's train step from abstract shapes: (compiled, abstract state).
   For a mesh of described GPUs (`plan_target`) the kernels are chosen and lowered for them."""
-  described = mesh.devices.flat[0].platform == "gpu" and jax.default_backend() != "gpu"
   # An abstract mesh: the devices may be described, not attached, so nothing may run on them.
-  with parallelism.compiling_for("gpu" if described else None), (
-      plan_target.quiet_cache_misses() if described else contextlib.nullcontext()), \
+  with plan_target.compiling_for(mesh.devices.flat), \
       jax.sharding.use_abstract_mesh(mesh.abstract_mesh), \
       nn.logical_axis_rules(config.mesh.rules):
     parts = build_training(config, mesh)
@@ -192,20 +189,18 @@ def memory_plan(config: ml_collections.ConfigDict, device_memory_gib: float,
     devices = plan_target.devices(gpu, count)
   else:
     devices = fake_devices(count)
-  with parallelism.compiling_for("gpu" if gpu else None):  # The kernel checks, for the GPU.
+  with plan_target.compiling_for(devices):  # The kernel checks, for the GPU.
     check_config(config, count)
-    mesh = parallelism.make_mesh(config.mesh, devices)
-    compiled, state = compile_step(config, mesh)
+  mesh = parallelism.make_mesh(config.mesh, devices)
+  compiled, state = compile_step(config, mesh)
   out = {"devices": count, "mesh": dict(mesh.shape),
          "compiled_for": devices[0].device_kind if gpu else "cpu",
          "params": sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)),
          "param_bytes": shard_bytes(state.params),
          "opt_state_bytes": shard_bytes(state.opt_state), **memory_figures(compiled)}
+  if gpu:
+    return with_verdict(accelerator_figures(out), device_memory_gib), compiled
   out["total_bytes"] = out["peak_bytes"] + out["code_bytes"]
-  if gpu:  # No promotion to bound, and 'offload' is the compiler's own placement.
-    out["floor_total_bytes"] = out["total_bytes"]
-    out["offloaded_bytes"] = out["host_temp_bytes"]
-    return with_verdict(out, device_memory_gib), compiled
   floor_temps = out["temp_bytes"]
   if floor and jax.numpy.dtype(config.model.dtype) != jax.numpy.float32:
     as_float32 = copy.deepcopy(config)
@@ -218,6 +213,15 @@ def memory_plan(config: ml_collections.ConfigDict, device_memory_gib: float,
   out["total_bytes"] -= out["offloaded_bytes"]
   out["floor_total_bytes"] -= out["offloaded_bytes"]
   return with_verdict(out, device_memory_gib), compiled
+
+
+def accelerator_figures(out: dict[str, Any]) -> dict[str, Any]:
+  """`out` (memory figures of a compile for the accelerator itself, described or attached)
+  with its totals: no CPU promotion to bound, so the floor is the total, and what 'offload'
+  keeps in host memory is the compiler's own placement, outside the device's figures."""
+  total = out["peak_bytes"] + out["code_bytes"]
+  return {**out, "total_bytes": total, "floor_total_bytes": total,
+          "offloaded_bytes": out["host_temp_bytes"]}
 
 
 def with_verdict(out: dict[str, Any], device_memory_gib: float) -> dict[str, Any]:

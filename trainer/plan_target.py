@@ -31,6 +31,7 @@ from typing import Iterator
 
 import jax
 
+import parallelism
 from trainer.config_check import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -137,11 +138,16 @@ def devices(gpu: str, count: int) -> list[jax.Device]:
 
 
 @contextlib.contextmanager
-def quiet_cache_misses() -> Iterator[None]:
-  """Within: no warning that an executable could not be read from JAX's persistent
-  compilation cache (when one is configured). One for described devices never can be (there
-  is no GPU client to load it on), and the compile then simply runs."""
-  with warnings.catch_warnings():
+def compiling_for(devices) -> Iterator[None]:
+  """Within: checks and compiles are for `devices`. For described GPUs that means the kernels
+  are chosen and lowered for the GPU (`parallelism.compiling_for`), and no warning that an
+  executable could not be read from JAX's persistent compilation cache (when one is
+  configured): one for described devices never can be (there is no GPU client to load it
+  on), and the compile then simply runs. For attached devices, nothing changes."""
+  if devices[0].platform != "gpu" or jax.default_backend() == "gpu":
+    yield
+    return
+  with parallelism.compiling_for("gpu"), warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="Error reading persistent compilation cache")
     yield
 
