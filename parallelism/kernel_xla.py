@@ -67,9 +67,12 @@ def pair_rows(lists: TileLists, pair) -> TileLists:
   return TileLists(*(jnp.asarray(table)[pair] for table in lists))
 
 
-def visibility(mask_tt, q_seg_Bt, k_seg_Bt):
-  """What a tile pair's queries see, [B or 1, tq, tk]; None when they see every key."""
-  same = None if q_seg_Bt is None else q_seg_Bt[:, :, None] == k_seg_Bt[:, None, :]
+def visibility(mask_tt, row_seg_Bt, col_seg_Bt):
+  """What a tile pair's queries see, [B or 1, rows, cols]; None when they see every key.
+
+  Rows are queries and columns keys (the forward), or the reverse with a transposed mask
+  (the backward's key-major scores): the segment test is symmetric."""
+  same = None if row_seg_Bt is None else row_seg_Bt[:, :, None] == col_seg_Bt[:, None, :]
   if mask_tt is None:
     return same
   return mask_tt[None] if same is None else same & mask_tt[None]
@@ -173,7 +176,9 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
   num_kv = k_BTKD.shape[2]
   scale = q_BTHD.shape[3] ** -0.5
   plan = schedule.tiles(tile)
-  lists, masks = pair_rows(plan.by_key, pair), jnp.asarray(plan.masks)
+  # Key-major masks, transposed on the host: a traced mask id's gather is not folded away
+  # as a lone constant mask is, and transposing each gathered mask cost striped's backward 2%.
+  lists, masks_T = pair_rows(plan.by_key, pair), jnp.asarray(plan.masks.swapaxes(1, 2))
   segments = q_seg_BT is not None
   # lse -inf (a query that sees nothing) -> +inf so exp(s - lse) is 0 rather than NaN.
   lse_safe = jnp.where(jnp.isfinite(lse_BTH), lse_BTH, jnp.inf).astype(_F32)
@@ -190,11 +195,9 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
       dk, dv, dq_BTHD = carry
       dq_BKDGt = jnp.moveaxis(_q_head_major(_tile_of(dq_BTHD, i, tile), num_kv), 4, 2)
       q_xs = tuple(_tile_of(x, i, tile, axis=_Q_AXIS) for x in per_head)
-      visible = visibility(None if mask_id is None else masks[mask_id],
-                           _tile_of(q_seg_BT, i, tile) if segments else None, k_seg_Bt)
-      dk, dv, dq_BKDGt = _bwd_update(
-          (dk, dv, dq_BKDGt), q_xs, k_xs, None if visible is None else jnp.swapaxes(visible, 1, 2),
-          scale=scale)
+      visible_T = visibility(None if mask_id is None else masks_T[mask_id], k_seg_Bt,
+                             _tile_of(q_seg_BT, i, tile) if segments else None)
+      dk, dv, dq_BKDGt = _bwd_update((dk, dv, dq_BKDGt), q_xs, k_xs, visible_T, scale=scale)
       # In place in the loop carry: only computed tiles touch dq.
       dq_BKGtD = jnp.moveaxis(dq_BKDGt, 2, 4)
       return dk, dv, _with_tile(dq_BTHD, i, tile, _q_token_major(dq_BKGtD))
