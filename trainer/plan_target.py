@@ -25,7 +25,9 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import re
 import sys
+import tempfile
 import warnings
 from typing import Iterator
 
@@ -130,11 +132,14 @@ def devices(gpu: str, count: int) -> list[jax.Device]:
     return topologies.get_topology_desc("plan", "cuda", target_config=target_config(gpu),
                                         topology=f"1x{count // per_host}x{per_host}").devices
 
-  try:
-    return list(describe())
-  except NotImplementedError:  # JAX has no CUDA plugin registered: load ours.
-    _register_plugin()
-    return list(describe())
+  # JAX may load the plugin itself here (it finds plugins on sys.path, PLUGIN_DIR included
+  # once `_find_plugin` has looked there), so loading is quieted here, not only in ours.
+  with _without_missing_driver_lines():
+    try:
+      return list(describe())
+    except NotImplementedError:  # JAX has no CUDA plugin registered: load ours.
+      _register_plugin()
+      return list(describe())
 
 
 @contextlib.contextmanager
@@ -186,3 +191,30 @@ def _register_plugin() -> None:
   finally:
     if skip is None:
       del os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"]
+
+
+# What loading the plugin prints from C++ on a machine without CUDA, which is every machine a
+# described-GPU plan is for: true, expected, and alarming to read ("GPU will not be used").
+_MISSING_DRIVER_LINES = re.compile(
+    r"WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR"
+    r"|cudart_stub\.cc:\d+\] Could not find cuda drivers")
+
+
+@contextlib.contextmanager
+def _without_missing_driver_lines() -> Iterator[None]:
+  """Within: file descriptor 2 goes to a temporary file (C++ writes there, below Python's
+  sys.stderr); on the way out every line but the two above is written back to it."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile() as captured:
+    os.dup2(captured.fileno(), 2)
+    try:
+      yield
+    finally:
+      os.dup2(saved, 2)
+      os.close(saved)
+      captured.seek(0)
+      kept = [line for line in captured.read().decode(errors="replace").splitlines(True)
+              if not _MISSING_DRIVER_LINES.search(line)]
+      sys.stderr.write("".join(kept))
+      sys.stderr.flush()
