@@ -12,7 +12,7 @@ import pytest
 
 import data
 import parallelism
-from trainer import dry_run
+from trainer import dry_run, plan_report
 from trainer.config_check import ConfigError
 from trainer.training import build_training
 from trainer.state import init_state
@@ -96,10 +96,10 @@ def test_plan_bounds_the_cpu_promotion_and_accounts_for_offload(tiny_config, cap
   assert plan["float32_temp_bytes"] // 2 < plan["temp_bytes"]
   floor, total = plan["floor_total_bytes"], plan["total_bytes"]
   assert floor < total
-  memory_gib = (floor + total) / 2 / dry_run.GIB  # The same figures, judged for less memory.
+  memory_gib = (floor + total) / 2 / plan_report.GIB  # The same figures, judged for less memory.
   between = dry_run.with_verdict(plan, memory_gib)
   assert not between["fits"] and between["may_fit"]
-  assert f"between {floor / dry_run.GIB:.1f} GiB (floor)" in dry_run.verdict_line(between,
+  assert f"between {floor / plan_report.GIB:.1f} GiB (floor)" in plan_report.verdict_line(between,
                                                                                   memory_gib)
 
 

@@ -61,11 +61,11 @@ import ml_collections
 import parallelism
 from data import packing
 from trainer import flops, plan_target
-from model.config import layout_of, named_strategy
+from model.config import layout_of
 from trainer.config_check import ConfigError, check_config
+from trainer.plan_report import GIB, print_plan
 from trainer.training import build_training, model_config
 
-GIB = 2.0 ** 30
 MAX_SEARCHED_SEQ_LEN = 1 << 27  # --find_max_seq_len doubles up to 128M tokens at most.
 # The per-token arrays of a batch and their dtypes, as the packer makes them; the batch is a
 # ShapeDtypeStruct, so no data is read or prepared.
@@ -168,7 +168,7 @@ def plan(config: ml_collections.ConfigDict, device_memory_gib: float | None = No
   out["step_time_s"] = out["analytic_flops"] / (count * peak * mfu)
   out["tokens_per_sec"] = tokens / out["step_time_s"]
   out["compile_s"] = compile_s
-  _print(config, out, device_memory_gib, mfu, accelerator, budget)
+  print_plan(config, out, device_memory_gib, mfu, accelerator, budget)
   return out
 
 
@@ -302,110 +302,3 @@ def find_max_seq_len(config: ml_collections.ConfigDict, device_memory_gib: float
     low, high = (middle, high) if fits(middle) else (low, middle)
   log(f"longest that fits: {low:,} tokens ({high:,} does not)")
   return low
-
-
-def human_bytes(n: float) -> str:
-  for unit, size in (("GiB", GIB), ("MiB", 2.0 ** 20), ("KiB", 2.0 ** 10)):
-    if n >= size:
-      return f"{n / size:8.2f} {unit}"
-  return f"{n:8.0f} B  "
-
-
-def human_seconds(s: float) -> str:
-  return f"{s:.2f} s" if s >= 1 else f"{s * 1e3:.2f} ms" if s >= 1e-3 else f"{s * 1e6:.2f} us"
-
-
-def _print(config, out: dict[str, Any], memory_gib: float, mfu: float, accelerator: str,
-           budget: str | None = None) -> None:
-  m, t = config.model, config.train
-  mesh = " x ".join(f"{axis}={size}" for axis, size in out["mesh"].items())
-  analytic_dev = out["analytic_flops"] / out["devices"]
-  xla_dev = out["xla_flops_per_device"]
-  strategy = named_strategy(m.attention, m.sequence_parallel)
-  strategy = f", {strategy} sequence-parallel" if strategy else ""
-  lines = [
-      f"dry run: {out['params'] / 1e6:,.1f}M params, {m.num_layers} layers, attention "
-      f"{m.attention} ({_kernel_label(m.kernel, out)}{strategy}), {t.batch_size} x "
-      f"{config.data.seq_len:,} tokens per step in {t.micro_batches} micro-batch(es), "
-      f"remat {t.remat}",
-      f"mesh: {mesh} = {out['devices']} devices ({_devices_label(out)}; compiled in "
-      f"{out['compile_s']:.0f} s)",
-      "per device (bytes of this device's shard):",
-      f"  parameters             {human_bytes(out['param_bytes'])}   {m.param_dtype} master "
-      f"weights",
-      f"  optimizer state        {human_bytes(out['opt_state_bytes'])}",
-      "XLA memory analysis of the compiled step (per device):",
-      f"  arguments              {human_bytes(out['argument_bytes'])}   state + batch shard",
-      f"  outputs                {human_bytes(out['output_bytes'])}   new state + metrics",
-      f"  aliased (donated)      {human_bytes(out['alias_bytes'])}   outputs reusing argument "
-      f"buffers",
-      f"  temporaries            {human_bytes(out['temp_bytes'])}   activations, gradients, "
-      f"scratch",
-      f"  generated code         {human_bytes(out['code_bytes'])}",
-      f"  peak estimate          {human_bytes(out['peak_bytes'])}   args + temps + outputs - "
-      f"aliased",
-      *([f"  offloaded layer inputs {human_bytes(out['offloaded_bytes'])}   remat 'offload' keeps "
-         f"them in pinned host memory ({_offload_label(out)})"]
-        if out["offloaded_bytes"] else []),
-      f"  total                  {human_bytes(out['total_bytes'])}   peak + code"
-      f"{' - offloaded' if out['offloaded_bytes'] and _on_cpu(out) else ''}: the verdict's "
-      f"figure",
-      *([] if _on_cpu(out) else [
-          "  not in it: the CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers (~0.5-2 GiB "
-          "on a real GPU, outside what JAX allocates); GEMM configs are XLA's defaults (no "
-          "autotuning)"]),
-      f"FLOPs per step: analytic {out['analytic_flops']:.3e} ({analytic_dev:.3e} per device; "
-      f"6 x matmul params + causal attention as half, no remat)",
-      f"  XLA cost_analysis      {xla_dev:.3e} per device ({xla_dev / analytic_dev:.2f}x "
-      f"analytic): XLA counts each loop body once (scanned layers, ring and tile loops) "
-      f"and adds remat recompute, so this is not the step's total" if math.isfinite(xla_dev)
-      else "  XLA cost_analysis      not reported by this compile",
-      f"step time at {mfu:.0%} MFU on {out['devices']} x {accelerator} "
-      f"({flops.PEAK_FLOPS[accelerator] / 1e12:.0f} TFLOP/s each): "
-      f"{human_seconds(out['step_time_s'])}, {out['tokens_per_sec']:,.0f} tokens/s "
-      f"({out['tokens_per_sec'] / out['devices']:,.0f} per device)",
-  ]
-  after_total = [i for i, line in enumerate(lines) if line.startswith("  total ")][0] + 1
-  if "float32_temp_bytes" in out:
-    lines.insert(after_total, f"  float32 compile temps  "
-                 f"{human_bytes(out['float32_temp_bytes'])}   "
-                 f"halved (every promoted buffer as bf16): total "
-                 f"{human_bytes(out['floor_total_bytes']).strip()}")
-  lines.append(verdict_line(out, memory_gib) + (f" [{budget}]" if budget else ""))
-  print("\n".join(lines), flush=True)
-
-
-def _on_cpu(out: dict[str, Any]) -> bool:
-  return out["compiled_for"] == "cpu"
-
-
-def _devices_label(out: dict[str, Any]) -> str:
-  if _on_cpu(out):
-    return "fake CPU"
-  return f"{out['compiled_for']}, described to XLA's GPU compiler, none attached"
-
-
-def _offload_label(out: dict[str, Any]) -> str:
-  return ("the CPU compile does not: subtracted here" if _on_cpu(out) else
-          "placed there by the compile; not in the device figures")
-
-
-def _kernel_label(kernel: str, out: dict[str, Any]) -> str:
-  """The kernel this plan compiles, and for a CPU plan the one on GPUs (`auto` differs)."""
-  here = parallelism.describe_kernel(kernel, None if _on_cpu(out) else "gpu")
-  if not _on_cpu(out) or here == kernel:
-    return f"{here} kernel"
-  return f"{here} kernel, {parallelism.describe_kernel(kernel, 'gpu')}"
-
-
-def verdict_line(out: dict[str, Any], memory_gib: float) -> str:
-  """The plan's last line: fits, may fit (between floor and CPU figure), or does NOT fit."""
-  total, floor, limit = out["total_bytes"], out["floor_total_bytes"], memory_gib * GIB
-  if out["fits"]:
-    return f"fits in {memory_gib:.4g} GiB per device ({total / GIB:.1f} GiB, {total / limit:.0%})"
-  if out["may_fit"]:
-    return (f"may fit in {memory_gib:.4g} GiB per device: between {floor / GIB:.1f} GiB "
-            f"(floor) and {total / GIB:.1f} GiB (CPU figure), depending on how many "
-            f"buffers the accelerator keeps in bf16")
-  return (f"does NOT fit in {memory_gib:.4g} GiB per device ({total / GIB:.1f} GiB, "
-          f"{total / limit:.0%}" + (f"; floor {floor / GIB:.1f} GiB)" if floor < total else ")"))

@@ -35,7 +35,7 @@ import ml_collections
 
 import parallelism
 from parallelism import traffic
-from trainer import dry_run, flops
+from trainer import dry_run, flops, plan_report
 from trainer.config_check import ConfigError
 from trainer.training import model_config
 
@@ -150,10 +150,10 @@ def compare(config: ml_collections.ConfigDict, device_memory_gib: float | None =
 
 
 def _row_line(row: dict[str, Any]) -> str:
-  seconds = lambda s: f"{dry_run.human_seconds(s):>10}"
+  seconds = lambda s: f"{plan_report.human_seconds(s):>10}"
   split = f"{row['ring']} x {row['ulysses']}"
   return (f"{row['strategy']:>9} {split:>9} {row['layout']:>8} "
-          f"{dry_run.human_bytes(row['total_bytes'])} {'yes' if row['fits'] else 'no':>4} "
-          f"{dry_run.human_bytes(row['sent_bytes'])} {row['balance']:>7.3f} "
+          f"{plan_report.human_bytes(row['total_bytes'])} {'yes' if row['fits'] else 'no':>4} "
+          f"{plan_report.human_bytes(row['sent_bytes'])} {row['balance']:>7.3f} "
           f"{seconds(row['compute_s'])} {seconds(row['step_s'] - row['compute_s'])} "
           f"{seconds(row['step_s'])}")
