@@ -245,8 +245,7 @@ class _Run:
     self.peak = flops.peak_flops(config, jax.devices()[0].device_kind)
     self.records: list[dict[str, Any]] = []
     self.skipped = 0
-    self.sampler = None  # For the needle eval, made at the first.
-    self.needles_off = False
+    self.needles = None  # The needle eval (trainer/needle.py), made at the first eval.
 
   def loop(self, state, step_fn, start: int, signals: StopSignals,
            profiler: StepProfiler) -> tuple[TrainState, dict[str, Any]]:
@@ -355,41 +354,12 @@ class _Run:
     if self.evaluator:
       record.update(self.evaluator.metrics(totals))
     if cfg.train.eval_needle_lengths:
-      record.update(self._needles(state))
+      if self.needles is None:
+        from trainer import needle  # pylint: disable=g-import-not-at-top  # Only when asked.
+        self.needles = needle.PeriodicEval(cfg, self.mesh)
+      record.update(self.needles(state.params))
     for tracker in self.trackers:
       tracker.log(record)
-
-  def _needles(self, state) -> dict[str, float]:
-    """The eval's needle grid (trainer/needle.py): accuracy overall and per length. An
-    optional eval: when it cannot run, it says why once and the run goes on without it."""
-    from trainer import needle, needle_grid, sample  # pylint: disable=g-import-not-at-top
-    cfg = self.config.train
-    if self.needles_off:
-      return {}
-    if jax.process_count() > 1:  # The sampler reads each new token from row 0 on this host.
-      return self._needles_off("it samples in one process; run scripts/eval_needle.py on a "
-                               "checkpoint")
-    if self.sampler is None:  # Kept: its compiled steps serve every eval of the stage.
-      self.sampler = sample.Sampler(self.config, self.mesh, state.params,
-                                    data.load_tokenizer(data_config(self.config)),
-                                    log=lambda line: None)
-    self.sampler.params = state.params
-    lengths = needle_grid.parse_lengths(cfg.eval_needle_lengths)
-    try:
-      rows = needle.evaluate(self.sampler, lengths,
-                             needle_grid.parse_depths(cfg.eval_needle_depths),
-                             cfg.eval_needle_trials, log=lambda line: None)
-    except (needle_grid.NeedleError, sample.SampleError) as error:
-      return self._needles_off(str(error))
-    found = lambda length: [r["correct"] for r in rows if length in (None, r["length"])]
-    return {"eval_needle_accuracy": statistics.mean(found(None)),
-            **{f"eval_needle_accuracy_{n}": statistics.mean(found(n)) for n in lengths}}
-
-  def _needles_off(self, why: str) -> dict[str, float]:
-    print(f"warning: the needle eval (train.eval_needle_lengths) is off for this run: {why}",
-          flush=True)
-    self.needles_off = True
-    return {}
 
   def _restart_clock(self, step: int) -> None:
     """Starts step timing afresh after host work (save, eval) with nothing in flight."""

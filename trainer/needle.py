@@ -16,14 +16,19 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import statistics
 from typing import Callable
 
+import jax
+import ml_collections
 import numpy as np
 
 import data
 from data import sources, synthetic
+from trainer import needle_grid
 from trainer.needle_grid import NeedleError
-from trainer.sample import Sampler, capacity_for, prompt_ids
+from trainer.sample import SampleError, Sampler, capacity_for, prompt_ids
+from trainer.training import data_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,3 +159,42 @@ def heatmap(accuracy: np.ndarray, lengths: list[int], depths: list[float], path:
   figure.tight_layout()
   figure.savefig(path, dpi=120)
   pyplot.close(figure)
+
+
+class PeriodicEval:
+  """The training loop's needle grid (`train.eval_needle_lengths`): accuracy overall and per
+  length, at every eval. Optional: when it cannot run, it says why once and the run goes on
+  without it."""
+
+  def __init__(self, config: ml_collections.ConfigDict, mesh):
+    self.config, self.mesh = config, mesh
+    self.sampler = None  # Made at the first eval; its compiled steps serve every later one.
+    self.off = False
+
+  def __call__(self, params) -> dict[str, float]:
+    cfg = self.config.train
+    if self.off:
+      return {}
+    if jax.process_count() > 1:  # The sampler reads each new token from row 0 on this host.
+      return self._turn_off("it samples in one process; run scripts/eval_needle.py on a "
+                            "checkpoint")
+    if self.sampler is None:
+      self.sampler = Sampler(self.config, self.mesh, params,
+                             data.load_tokenizer(data_config(self.config)),
+                             log=lambda line: None)
+    self.sampler.params = params
+    lengths = needle_grid.parse_lengths(cfg.eval_needle_lengths)
+    try:
+      rows = evaluate(self.sampler, lengths, needle_grid.parse_depths(cfg.eval_needle_depths),
+                      cfg.eval_needle_trials, log=lambda line: None)
+    except (NeedleError, SampleError) as error:
+      return self._turn_off(str(error))
+    found = lambda length: [r["correct"] for r in rows if length in (None, r["length"])]
+    return {"eval_needle_accuracy": statistics.mean(found(None)),
+            **{f"eval_needle_accuracy_{n}": statistics.mean(found(n)) for n in lengths}}
+
+  def _turn_off(self, why: str) -> dict[str, float]:
+    print(f"warning: the needle eval (train.eval_needle_lengths) is off for this run: {why}",
+          flush=True)
+    self.off = True
+    return {}
