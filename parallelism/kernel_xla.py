@@ -6,9 +6,12 @@ static schedule (`parallelism.schedule`): for each query tile (forward) or key t
 (backward), the runs of UNMASKED tiles are plain loops with no mask, then the MASKED
 tiles apply their precomputed elementwise mask. SKIP tiles are never visited, and nothing
 is classified at run time: the only traced inputs to the loop bounds are the block pair's
-row of the schedule's tables. (Computing a MASKED pair as 2 x 2 quarters, skipping one,
-measured no faster on CPU: the split and the smaller matmuls cost what the skipped quarter
-saves.) Segment ids, when given, are the one run-time mask, applied to every computed tile.
+row of the schedule's tables. A MASKED tile on a causal diagonal (every layout's; the
+schedule says so, `TilePlan.upper_right_empty`) is computed in two parts that leave out its
+quarter no query sees, the first half of queries on the first half of keys and the second
+half on all keys: causal blocks 2% faster on CPU (S=8192, tile 256; four separate quarters,
+tried earlier, were no faster). Segment ids, when given, are the one run-time mask, applied
+to every computed tile.
 
 Shapes: q `[B, Tq, Hq, D]`, k/v `[B, Tk, Hkv, D]`, segment ids `[B, T]`; the token axis is
 axis 1 of every argument and result. Matmuls work on head-major tiles (`[B, Hkv, G, t, D]`
@@ -99,6 +102,20 @@ def _fwd_update(carry, q_BKGtD, k_BKtD, v_BKtD, visible, *, scale: float):
   return m_new, l_new, alpha[..., None] * acc_BKGtD + pv
 
 
+
+def _fwd_update_in_halves(carry, q_BKGtD, k_BKtD, v_BKtD, visible, *, scale: float):
+  """`_fwd_update` of a MASKED tile whose first half of queries sees none of its second half
+  of keys (`TilePlan.upper_right_empty`): that quarter is not computed. The first half of
+  queries meets the first half of keys, the second half all keys."""
+  h = q_BKGtD.shape[_Q_AXIS] // 2
+  first, second = (tuple(lax.slice_in_dim(c, start, stop, axis=_Q_AXIS) for c in carry)
+                   for start, stop in ((0, h), (h, 2 * h)))
+  first = _fwd_update(first, q_BKGtD[:, :, :, :h], k_BKtD[:, :, :h], v_BKtD[:, :, :h],
+                      visible[:, :h, :h], scale=scale)
+  second = _fwd_update(second, q_BKGtD[:, :, :, h:], k_BKtD, v_BKtD, visible[:, h:],
+                       scale=scale)
+  return tuple(jnp.concatenate(pair, axis=_Q_AXIS) for pair in zip(first, second))
+
 def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSchedule, pair,
               tile: int) -> tuple[jax.Array, jax.Array]:
   """Attention of a query block on a key block: (out [B,Tq,Hq,D] f32, lse [B,Tq,Hq] f32)."""
@@ -106,6 +123,7 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSched
   scale = q_BTHD.shape[3] ** -0.5
   plan = schedule.tiles(tile)
   lists, masks = pair_rows(plan.by_query, pair), jnp.asarray(plan.masks)
+  halves = plan.upper_right_empty
   segments = q_seg_BT is not None
   k_BKTD, v_BKTD = (jnp.swapaxes(x, 1, 2) for x in (k_BTKD, v_BTKD))  # walked by the inner loop
 
@@ -117,7 +135,8 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSched
       k_BKtD, v_BKtD = (_tile_of(x, j, tile, axis=2) for x in (k_BKTD, v_BKTD))
       visible = visibility(None if mask_id is None else masks[mask_id], q_seg_Bt,
                            _tile_of(k_seg_BT, j, tile) if segments else None)
-      return _fwd_update(carry, q_BKGtD, k_BKtD, v_BKtD, visible, scale=scale)
+      update = _fwd_update_in_halves if mask_id is not None and halves else _fwd_update
+      return update(carry, q_BKGtD, k_BKtD, v_BKtD, visible, scale=scale)
 
     rows_BKGt = q_BKGtD.shape[:-1]
     init = (jnp.full(rows_BKGt, -jnp.inf, _F32), jnp.zeros(rows_BKGt, _F32),
@@ -164,6 +183,28 @@ def _bwd_update(carry, q_xs, k_xs, visible_T, *, scale: float):
   return dk_BKtD, dv_BKtD, dq_BKDGt
 
 
+
+def _bwd_update_in_halves(carry, q_xs, k_xs, visible_T, *, scale: float):
+  """`_bwd_update` of a MASKED tile whose second half of keys is seen by none of its first
+  half of queries (`TilePlan.upper_right_empty`): the first half of keys meets all queries,
+  the second half only the second half of queries."""
+  dk_BKtD, dv_BKtD, dq_BKDGt = carry
+  h = dk_BKtD.shape[2] // 2
+  k_axes = (2, 2, 3)  # k, v, and k transposed
+  first_keys, second_keys = (tuple(lax.slice_in_dim(x, start, stop, axis=axis)
+                                   for x, axis in zip(k_xs, k_axes))
+                             for start, stop in ((0, h), (h, 2 * h)))
+  dk_first, dv_first, dq_BKDGt = _bwd_update(
+      (dk_BKtD[:, :, :h], dv_BKtD[:, :, :h], dq_BKDGt), q_xs, first_keys, visible_T[:, :h],
+      scale=scale)
+  second_queries = tuple(lax.slice_in_dim(x, h, 2 * h, axis=_Q_AXIS) for x in q_xs)
+  dk_second, dv_second, dq_second = _bwd_update(
+      (dk_BKtD[:, :, h:], dv_BKtD[:, :, h:], dq_BKDGt[..., h:]), second_queries, second_keys,
+      visible_T[:, h:, h:], scale=scale)
+  return (jnp.concatenate([dk_first, dk_second], axis=2),
+          jnp.concatenate([dv_first, dv_second], axis=2),
+          jnp.concatenate([dq_BKDGt[..., :h], dq_second], axis=-1))
+
 def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k_seg_BT, *,
               schedule: RingSchedule, pair, tile: int,
               out_BTHD=None) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -179,6 +220,7 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
   # Key-major masks, transposed on the host: a traced mask id's gather is not folded away
   # as a lone constant mask is, and transposing each gathered mask cost striped's backward 2%.
   lists, masks_T = pair_rows(plan.by_key, pair), jnp.asarray(plan.masks.swapaxes(1, 2))
+  halves = plan.upper_right_empty
   segments = q_seg_BT is not None
   # lse -inf (a query that sees nothing) -> +inf so exp(s - lse) is 0 rather than NaN.
   lse_safe = jnp.where(jnp.isfinite(lse_BTH), lse_BTH, jnp.inf).astype(_F32)
@@ -197,7 +239,8 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
       q_xs = tuple(_tile_of(x, i, tile, axis=_Q_AXIS) for x in per_head)
       visible_T = visibility(None if mask_id is None else masks_T[mask_id], k_seg_Bt,
                              _tile_of(q_seg_BT, i, tile) if segments else None)
-      dk, dv, dq_BKDGt = _bwd_update((dk, dv, dq_BKDGt), q_xs, k_xs, visible_T, scale=scale)
+      update = _bwd_update_in_halves if mask_id is not None and halves else _bwd_update
+      dk, dv, dq_BKDGt = update((dk, dv, dq_BKDGt), q_xs, k_xs, visible_T, scale=scale)
       # In place in the loop carry: only computed tiles touch dq.
       dq_BKGtD = jnp.moveaxis(dq_BKDGt, 2, 4)
       return dk, dv, _with_tile(dq_BTHD, i, tile, _q_token_major(dq_BKGtD))

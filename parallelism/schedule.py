@@ -69,6 +69,15 @@ class TilePlan:
   by_key: TileLists  # outer = key tiles, inner = query tiles (dK/dV)
   masks: np.ndarray  # [U, tile_q, tile_k] bool: the distinct masks of MASKED tiles
 
+  @functools.cached_property
+  def upper_right_empty(self) -> bool:
+    """Whether in every mask the first half of queries sees none of the second half of
+    keys (a causal diagonal tile; true of every layout here, not of any order): kernels
+    may then compute a MASKED tile without that quarter."""
+    half_q, half_k = self.tile_q // 2, self.tile_k // 2
+    return (self.tile_q % 2 == 0 and self.tile_k % 2 == 0 and half_q > 0
+            and not self.masks[:, :half_q, half_k:].any())
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class RingSchedule:
