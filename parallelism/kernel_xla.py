@@ -102,11 +102,10 @@ def _fwd_update(carry, q_BKGtD, k_BKtD, v_BKtD, visible, *, scale: float):
   return m_new, l_new, alpha[..., None] * acc_BKGtD + pv
 
 
-
 def _fwd_update_in_halves(carry, q_BKGtD, k_BKtD, v_BKtD, visible, *, scale: float):
   """`_fwd_update` of a MASKED tile whose first half of queries sees none of its second half
   of keys (`TilePlan.upper_right_empty`): that quarter is not computed. The first half of
-  queries meets the first half of keys, the second half all keys."""
+  queries meets the first half of keys, the second half all keys. Tiles are square here."""
   h = q_BKGtD.shape[_Q_AXIS] // 2
   first, second = (tuple(lax.slice_in_dim(c, start, stop, axis=_Q_AXIS) for c in carry)
                    for start, stop in ((0, h), (h, 2 * h)))
@@ -115,6 +114,7 @@ def _fwd_update_in_halves(carry, q_BKGtD, k_BKtD, v_BKtD, visible, *, scale: flo
   second = _fwd_update(second, q_BKGtD[:, :, :, h:], k_BKtD, v_BKtD, visible[:, h:],
                        scale=scale)
   return tuple(jnp.concatenate(pair, axis=_Q_AXIS) for pair in zip(first, second))
+
 
 def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSchedule, pair,
               tile: int) -> tuple[jax.Array, jax.Array]:
@@ -183,11 +183,10 @@ def _bwd_update(carry, q_xs, k_xs, visible_T, *, scale: float):
   return dk_BKtD, dv_BKtD, dq_BKDGt
 
 
-
 def _bwd_update_in_halves(carry, q_xs, k_xs, visible_T, *, scale: float):
   """`_bwd_update` of a MASKED tile whose second half of keys is seen by none of its first
   half of queries (`TilePlan.upper_right_empty`): the first half of keys meets all queries,
-  the second half only the second half of queries."""
+  the second half only the second half of queries. Tiles are square here."""
   dk_BKtD, dv_BKtD, dq_BKDGt = carry
   h = dk_BKtD.shape[2] // 2
   k_axes = (2, 2, 3)  # k, v, and k transposed
@@ -204,6 +203,7 @@ def _bwd_update_in_halves(carry, q_xs, k_xs, visible_T, *, scale: float):
   return (jnp.concatenate([dk_first, dk_second], axis=2),
           jnp.concatenate([dv_first, dv_second], axis=2),
           jnp.concatenate([dq_BKDGt[..., :h], dq_second], axis=-1))
+
 
 def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k_seg_BT, *,
               schedule: RingSchedule, pair, tile: int,

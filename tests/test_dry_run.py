@@ -99,8 +99,8 @@ def test_plan_bounds_the_cpu_promotion_and_accounts_for_offload(tiny_config, cap
   memory_gib = (floor + total) / 2 / plan_report.GIB  # The same figures, judged for less memory.
   between = dry_run.with_verdict(plan, memory_gib)
   assert not between["fits"] and between["may_fit"]
-  assert f"between {floor / plan_report.GIB:.1f} GiB (floor)" in plan_report.verdict_line(between,
-                                                                                  memory_gib)
+  line = plan_report.verdict_line(between, memory_gib)
+  assert f"between {floor / plan_report.GIB:.1f} GiB (floor)" in line
 
 
 @pytest.mark.parametrize("start, largest", [(256, 6144), (65536, 6144), (256, 100)])

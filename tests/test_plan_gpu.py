@@ -99,3 +99,22 @@ def test_the_command_line_plans_for_h100s_by_default_and_says_when_it_cannot():
   last = missing.stderr.strip().splitlines()[-1]
   assert last.startswith("error: compiling the plan for GPUs needs XLA's GPU compiler")
   assert "make plan_gpu" in last
+
+
+def test_the_plugin_load_filter_drops_two_lines_and_keeps_an_abort_message():
+  """While the plugin loads, fd 2 goes through a filter process: the missing-driver lines
+  are dropped, any other line kept, even when the process aborts right after writing it."""
+  script = ("import os, sys\n"
+            "from trainer import plan_target\n"
+            "with plan_target._without_missing_driver_lines():\n"
+            "  os.write(2, b'I0000 cudart_stub.cc:31] Could not find cuda drivers on your "
+            "machine\\n')\n"
+            "  os.write(2, b'F0000 the plugin failed\\n')\n"
+            "  if sys.argv[1] == 'abort':\n"
+            "    os.abort()\n"
+            "print('after', file=sys.stderr)\n")
+  for how, rest in (("return", "after\n"), ("abort", "")):
+    result = subprocess.run([sys.executable, "-c", script, how], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.stderr.endswith("F0000 the plugin failed\n" + rest), (how, result.stderr)
+    assert "cuda drivers" not in result.stderr, result.stderr

@@ -225,13 +225,19 @@ def test_block_kernel_rows_that_see_nothing():
 
 
 @pytest.mark.parametrize("order", ["striped", "random"])
-def test_block_kernel_masks_of_any_shape(order):
+def test_block_kernel_masks_of_any_shape(order, monkeypatch):
   """The xla kernel's forward and backward on one block pair, against dense. Every layout's
   masks leave a tile's first queries blind to its last keys, and MASKED tiles skip that
   quarter (`upper_right_empty`); a random order's masks do not, and are computed whole."""
   schedule = (ring_schedule("striped", 64, 2) if order == "striped" else
               schedule_of_order(np.random.default_rng(3).permutation(64), 2))
-  assert schedule.tiles(8).upper_right_empty == (order == "striped")
+  halves = order == "striped"
+  assert schedule.tiles(8).upper_right_empty == halves
+  traced = []  # the halves' updates, as the loops trace them
+  for name in ("_fwd_update_in_halves", "_bwd_update_in_halves"):
+    update = getattr(kernel_xla, name)
+    monkeypatch.setattr(kernel_xla, name, lambda *a, update=update, name=name, **kw: (
+        traced.append(name), update(*a, **kw))[1])
   q, k, v, dout, _, _ = make_inputs(batch=2, seq_len=32, num_heads=4, num_kv=2, seed=7)
   seg_BT = np.stack([np.zeros(32, np.int32), (np.arange(32) >= 13).astype(np.int32)])
   for pair, (q_block, k_block) in enumerate(schedule.pair_blocks):
@@ -244,6 +250,8 @@ def test_block_kernel_masks_of_any_shape(order):
     want, vjp = jax.vjp(lambda q, k, v: dense_attention(q, k, v, q_index, q_seg, k_index,
                                                         k_seg), q, k, v)
     assert_close((out, *grads), (want, *vjp(dout)), **_F32_TOL)
+  assert set(traced) == ({"_fwd_update_in_halves", "_bwd_update_in_halves"} if halves else set())
+
 
 def test_ring_hop_buffer_moves_bits_exactly():
   """K/V and segment ids travel as one byte buffer; every bit comes back (NaN payloads,

@@ -94,6 +94,7 @@ def test_striped_skips_the_upper_triangle_of_each_block():
     np.testing.assert_array_equal(classes[lower], tiles.UNMASKED)
   assert len(plan.masks) == 2  # the causal and the strictly causal diagonal tile
   assert plan.upper_right_empty  # so kernels skip a quarter of each diagonal tile
+  assert not ring_schedule("striped", 96, 4).tiles(3).upper_right_empty  # no halves to take
 
 
 def test_critical_path_balance():

@@ -24,7 +24,7 @@ def human_seconds(s: float) -> str:
 
 
 def print_plan(config, out: dict[str, Any], memory_gib: float, mfu: float, accelerator: str,
-           budget: str | None = None) -> None:
+               budget: str | None = None) -> None:
   m, t = config.model, config.train
   mesh = " x ".join(f"{axis}={size}" for axis, size in out["mesh"].items())
   analytic_dev = out["analytic_flops"] / out["devices"]

@@ -26,8 +26,8 @@ import contextlib
 import importlib
 import os
 import re
+import subprocess
 import sys
-import tempfile
 import warnings
 from typing import Iterator
 
@@ -200,21 +200,37 @@ _MISSING_DRIVER_LINES = re.compile(
     r"|cudart_stub\.cc:\d+\] Could not find cuda drivers")
 
 
+# Passes its stdin to its stderr, less the lines that match argv[1].
+_FILTER = ("import re, sys\n"
+           "drop = re.compile(sys.argv[1].encode())\n"
+           "for line in sys.stdin.buffer:\n"
+           "  if not drop.search(line):\n"
+           "    sys.stderr.buffer.write(line)\n"
+           "    sys.stderr.buffer.flush()\n")
+
+
 @contextlib.contextmanager
 def _without_missing_driver_lines() -> Iterator[None]:
-  """Within: file descriptor 2 goes to a temporary file (C++ writes there, below Python's
-  sys.stderr); on the way out every line but the two above is written back to it."""
+  """Within: file descriptor 2 (where C++ writes, below Python's sys.stderr) is a pipe to a
+  small filter process that passes every line on to the real stderr but the two above. A
+  process, not a thread: should the plugin abort while loading, the filter still drains the
+  pipe, and the abort's message shows."""
   sys.stderr.flush()
   saved = os.dup(2)
-  with tempfile.TemporaryFile() as captured:
-    os.dup2(captured.fileno(), 2)
-    try:
-      yield
-    finally:
-      os.dup2(saved, 2)
-      os.close(saved)
-      captured.seek(0)
-      kept = [line for line in captured.read().decode(errors="replace").splitlines(True)
-              if not _MISSING_DRIVER_LINES.search(line)]
-      sys.stderr.write("".join(kept))
-      sys.stderr.flush()
+  try:
+    line_filter = subprocess.Popen(
+        [sys.executable, "-I", "-S", "-c", _FILTER, _MISSING_DRIVER_LINES.pattern],
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=saved)
+  except OSError:  # No filter: the lines show, as they would anyway.
+    os.close(saved)
+    yield
+    return
+  try:
+    with line_filter.stdin:
+      os.dup2(line_filter.stdin.fileno(), 2)
+    yield
+  finally:
+    sys.stderr.flush()
+    os.dup2(saved, 2)  # closes the pipe's last write end: the filter reads to its end, exits
+    os.close(saved)
+    line_filter.wait()
