@@ -116,6 +116,17 @@ def test_the_periodic_eval_scores_needles(trained_run):
   assert evals[0]["eval_needle_accuracy_64"] == evals[0]["eval_needle_accuracy"]
 
 
+
+def test_a_needle_eval_that_cannot_run_says_why_once(tiny_config, monkeypatch, capsys):
+  """The training loop's needle eval is optional: where it cannot run (here: more than one
+  process) it warns once and gives no metrics, and the run goes on."""
+  from trainer import needle
+  monkeypatch.setattr(needle.jax, "process_count", lambda: 2)
+  evaluate = needle.PeriodicEval(tiny_config(**{"train.eval_needle_lengths": "64"}), mesh=None)
+  assert evaluate(params=None) == {} and evaluate(params=None) == {}
+  warnings = [line for line in capsys.readouterr().out.splitlines() if "needle eval" in line]
+  assert len(warnings) == 1 and "off for this run: it samples in one process" in warnings[0]
+
 def test_a_needle_prompt_hides_the_fact_at_its_depth(tokenizer, tiny_config):
   from trainer import needle, needle_grid
   config = tiny_config()
