@@ -30,7 +30,8 @@ kernels' balance without the harness's noise; part 2 is what a run gets. It also
 what a skipped (empty) block pair costs next to a full one: ring's device 0 at step 1.
 
 Expected: part 1 ratios ~1.85 at N=8; part 2 striped/ring >= 1.35 on 2 idle cores; part 3
-near the tile-level theory for N=2 (1.44 with masked tiles at full cost); an empty block
+near the tile-level theory for N=2 (1.44 with masked tiles at full cost; the xla kernel
+computes a causal diagonal tile at 3/4 of it, so it may exceed that); an empty block
 pair <= 2% of a full one. With 2
 devices the per-step maximum is the exact critical path; the maximum of two equally busy
 devices' medians leans a little high, so balanced layouts are slightly understated. Part 3
@@ -62,6 +63,8 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+import bench_results  # noqa: E402  (scripts/, first on the path)
+
 from parallelism.layouts import LAYOUTS  # noqa: E402
 from parallelism.schedule import critical_path, ring_schedule  # noqa: E402
 from parallelism.tiles import SKIP  # noqa: E402
@@ -69,8 +72,7 @@ from parallelism.tiles import SKIP  # noqa: E402
 CALLS_PER_RUN = 3  # part 2: back-to-back calls per timed run
 # Parts 2 and 3: the issue's CPU setup (S from --seq_len, batch 1).
 TIMED_DEVICES, TIMED_HEADS, TIMED_HEAD_DIM, TIMED_TILE = 2, 2, 64, 256
-RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                       "results", "bench_attention.jsonl")
+RESULTS = "bench_attention.jsonl"  # in results/
 
 
 def count_tiles(layout: str, num_shards: int, block_len: int, tile: int) -> dict:
@@ -378,11 +380,9 @@ def main() -> None:
                        load_after=load_after))
   if args.part in ("all", "compute"):
     rows += part_compute(args.seq_len, args.repeats)
-  os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-  with open(RESULTS, "a") as f:
-    for row in rows:
-      f.write(json.dumps(dict(time=stamp, **row)) + "\n")
-  print(f"\nappended {len(rows)} lines to {RESULTS}")
+  commit = bench_results.commit()
+  bench_results.append(RESULTS, [dict(time=stamp, commit=commit, **row) for row in rows])
+  print(f"\nappended {len(rows)} lines to results/{RESULTS}")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ GPU plan (`compiler_installed` merely looks for it).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
 import re
@@ -118,8 +119,10 @@ def compiler_installed() -> bool:
   return _find_plugin() is not None
 
 
-def devices(gpu: str, count: int) -> list[jax.Device]:
-  """`count` described (not attached) GPUs of kind `gpu`, in hosts of 8 beyond 8."""
+@functools.lru_cache(maxsize=None)
+def devices(gpu: str, count: int) -> tuple[jax.Device, ...]:
+  """`count` described (not attached) GPUs of kind `gpu`, in hosts of 8 beyond 8. Made once
+  per kind and count: `--find_max_seq_len` and `--compare_strategies` plan many times."""
   if gpu not in GPUS:
     raise ConfigError(f"no GPU description for {gpu!r}; the planner compiles for "
                       f"{', '.join(GPUS)}")
@@ -136,10 +139,10 @@ def devices(gpu: str, count: int) -> list[jax.Device]:
   # once `_find_plugin` has looked there), so loading is quieted here, not only in ours.
   with _without_missing_driver_lines():
     try:
-      return list(describe())
+      return tuple(describe())
     except NotImplementedError:  # JAX has no CUDA plugin registered: load ours.
       _register_plugin()
-      return list(describe())
+      return tuple(describe())
 
 
 @contextlib.contextmanager
