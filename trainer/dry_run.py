@@ -60,7 +60,7 @@ import ml_collections
 
 import parallelism
 from data import packing
-from trainer import flops, plan_target
+from trainer import flops, host_memory, plan_target
 from model.config import layout_of
 from trainer.config_check import ConfigError, check_config
 from trainer.plan_report import GIB, print_plan
@@ -260,12 +260,16 @@ def find_max_seq_len(config: ml_collections.ConfigDict, device_memory_gib: float
   even one unit does not."""
   unit = seq_len_unit(config)
   device_memory_gib = device_memory_gib or default_memory_gib(gpu)
+  host_peaks: dict[int, int] = {}  # A probed length -> how far its compile grew host memory.
 
   def fits(seq_len: int) -> bool:
     probe = copy.deepcopy(config)
     probe.data.seq_len = seq_len
     started = time.monotonic()
-    out, _ = memory_plan(probe, device_memory_gib, floor=False, gpu=gpu)
+    with host_memory.PeakMeter() as meter:
+      out, _ = memory_plan(probe, device_memory_gib, floor=False, gpu=gpu)
+    if meter.growth is not None:
+      host_peaks[seq_len] = meter.growth
     log(f"  {seq_len:>12,} tokens: {out['total_bytes'] / GIB:7.1f} GiB  "
         f"{'fits' if out['fits'] else 'does not fit'}  [compiled in "
         f"{time.monotonic() - started:.0f} s]")
@@ -279,6 +283,10 @@ def find_max_seq_len(config: ml_collections.ConfigDict, device_memory_gib: float
     while high is None:
       if 2 * low > MAX_SEARCHED_SEQ_LEN:
         log(f"{low:,} tokens fit; the search stops at {MAX_SEARCHED_SEQ_LEN:,}")
+        return low
+      beyond_host = _beyond_host_memory(host_peaks, 2 * low)
+      if beyond_host:
+        log(f"{low:,} tokens fit; {2 * low:,} were not tried: {beyond_host}")
         return low
       if fits(2 * low):
         low *= 2
@@ -302,3 +310,24 @@ def find_max_seq_len(config: ml_collections.ConfigDict, device_memory_gib: float
     low, high = (middle, high) if fits(middle) else (low, middle)
   log(f"longest that fits: {low:,} tokens ({high:,} does not)")
   return low
+
+
+def _beyond_host_memory(host_peaks: dict[int, int], seq_len: int) -> str | None:
+  """Why compiling `seq_len` would likely run this host out of memory (which the OS answers
+  with a silent kill), or None. Extrapolates the last doubling's growth: the schedule's
+  tile tables grow with the square of the tiles per block, so a compile's host memory can
+  grow up to 4x per doubling (the tiny config's 32-token tiles: 2 GB at 1M, 7 GB at 2M)."""
+  available = host_memory.available_bytes()
+  probed = sorted(length for length in host_peaks if length < seq_len)
+  if available is None or len(probed) < 2:
+    return None
+  last, before = probed[-1], probed[-2]
+  ratio = max(1.0, host_peaks[last] / max(host_peaks[before], 1))
+  per_doubling = ratio ** (1 / math.log2(last / before))
+  need = host_peaks[last] * per_doubling ** math.log2(seq_len / last)
+  if need <= available:
+    return None
+  return (f"its compile would take about {need / 1e9:.0f} GB of host memory ({last:,} tokens "
+          f"took {host_peaks[last] / 1e9:.1f} GB, {host_peaks[before] / 1e9:.1f} GB at "
+          f"{before:,}), and {available / 1e9:.0f} GB are free; search on a machine with more "
+          f"to go further")

@@ -21,7 +21,7 @@ from jax.experimental import multihost_utils
 import data
 import parallelism
 from model import ModelConfig
-from trainer import flops, hf_import, stages
+from trainer import flops, hf_import, host_memory, stages
 from trainer.checkpointing import CheckpointError, Checkpointer
 from trainer.config_check import ConfigError
 from trainer.profiling import StepProfiler
@@ -67,6 +67,11 @@ def _train(config, workdir: str, start_over: bool, signals: StopSignals,
   plan = stages.plan(config)
   # The stages share the dataset, tokenizer and model shape: only the row length differs.
   model_cfg, data_cfg = model_config(config), data_config(config)
+  if jax.default_backend() == "cpu":  # Before anything is allocated: the OS kills silently.
+    with jax.set_mesh(mesh), nn.logical_axis_rules(config.mesh.rules):
+      problem = host_memory.cpu_state_problem(build_training(config, mesh).abstract_state)
+    if problem:
+      raise ConfigError(problem)
   _prepare_data(data_cfg, is_writer)
   data.check_vocab(data_cfg, model_cfg.vocab_size)
   tokenizer_file = data.tokenizer_path(data_cfg)
