@@ -41,8 +41,9 @@ def resolve_mesh_shape(sizes: Mapping[str, int], num_devices: int) -> tuple[int,
       if num_devices % others == 0:
         fixes.append(f"mesh.{name}={num_devices // others}")
     hint = f"{' or '.join(fixes)} would fit" if fixes else "set one axis to -1 to fill the rest"
+    there = "is 1 device" if num_devices == 1 else f"are {num_devices} devices"
     raise ValueError(f"mesh sizes {dict(zip(MESH_AXES, shape))} multiply to {math.prod(shape)}, "
-                     f"but there are {num_devices} devices; {hint}")
+                     f"but there {there}; {hint}")
   return tuple(shape)
 
 

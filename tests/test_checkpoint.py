@@ -221,6 +221,7 @@ def test_sigterm_saves_at_the_signal_step_and_resumes_exactly(tmp_path, tiny_con
   output = process.communicate(timeout=120)[0]
   assert process.returncode == 0, output
   stopped_at = int(output.split("stopping at step ")[1].split()[0])
+  assert f"stopped: step {stopped_at}, loss " in output  # The summary names the same step.
   assert os.listdir(tmp_path / "stopped" / "checkpoints") == [str(stopped_at)]
   resumed = _cli(tmp_path / "stopped", "--config.train.steps=20", *common,
                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -91,6 +91,7 @@ def _run_cli(tmp_path, *overrides):
     ("--config.train.stepz=3", "'stepz'"),
     ("--config.train.steps=many", "config.train.steps"),
     ("--config.model.num_kv_heads=3", "model.num_kv_heads"),
+    ("--config.data.cross_document_attention=yes", "=yes: must be true or false"),
 ])
 def test_cli_reports_bad_overrides_in_one_line(tmp_path, override, expected):
   result, workdir = _run_cli(tmp_path, override)

@@ -174,6 +174,11 @@ def _cli(*args, check=False):
   return result
 
 
+def test_help_lists_the_flags_without_a_run():
+  result = _cli("--help")
+  assert "--prompt" in result.stdout and "--workdir" in result.stdout, result.stderr
+
+
 def test_the_command_line_prints_json_and_stops_bad_input_in_one_line(trained_run, tmp_path):
   import json
   import os

@@ -28,7 +28,7 @@ import ml_collections
 from ml_collections import config_flags
 
 import data
-from trainer import distributed, hf_import, plan_target, profiling, stages
+from trainer import distributed, hf_import, plan_target, profiling, run_flags, stages
 from trainer.config_check import ConfigError, check_config
 from trainer.checkpointing import CheckpointError
 from model.hf_format import HFFormatError
@@ -103,7 +103,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
   try:
     remaining = flags.FLAGS(argv)
   except flags.Error as error:
-    sys.exit(f"error: {error}")
+    sys.exit(f"error: {run_flags.flag_error(error)}")
   except SyntaxError as error:  # Raised while the config file is imported.
     sys.exit(f"error: syntax error in config file {error.filename}, line {error.lineno}: "
              f"{error.msg}")

@@ -262,7 +262,9 @@ class _Run:
     self._pending = None  # (step, metrics) dispatched but not read yet.
     stop = None
     signals.in_loop = True
+    self.reached = start
     for step in range(start + 1, steps + 1):
+      self.reached = step
       if profiler.starts_at(step):
         self._read_pending()
         profiler.start(step)
@@ -372,17 +374,19 @@ class _Run:
 
   def _summarise(self, stopped: bool) -> dict[str, Any]:
     timed = [r["tokens_per_sec"] for r in self.records if not r["warmup"]]
-    summary = {"first_loss": self.records[0]["loss"] if self.records else None,
-               "last_loss": self.records[-1]["loss"] if self.records else None,
+    first, last = (self.records[0], self.records[-1]) if self.records else ({}, {})
+    summary = {"first_loss": first.get("loss"), "last_loss": last.get("loss"),
                "median_tokens_per_sec": statistics.median(timed) if timed else None,
-               "steps": self.records[-1]["step"] if self.records else self.start_step,
+               "steps": self.reached,  # A stop on a signal may come between logged steps.
                "stopped_by_signal": stopped, "skipped_steps": self.skipped}
     if self.trackers and self.records:
       speed = (f"{summary['median_tokens_per_sec']:,.0f} tok/s median after warm-up"
                if timed else "too few steps to time")
       label = f"{self.stage.label} " if self.stage.name else ""
-      print(f"{label}done: step {summary['steps']}, loss {summary['first_loss']:.4f} -> "
-            f"{summary['last_loss']:.4f}, {speed}", flush=True)
+      # The steps of both losses: the first logged one is not step 0's.
+      print(f"{label}{'stopped' if stopped else 'done'}: step {self.reached}, loss "
+            f"{first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} (step "
+            f"{last['step']}), {speed}", flush=True)
     elif self.trackers and not stopped:
       print(f"nothing to do: the run is already at step {self.start_step}", flush=True)
     return summary

@@ -59,6 +59,20 @@ def hf_config(directory: str) -> ml_collections.ConfigDict:
   return config
 
 
+def flag_error(error: Exception) -> str:
+  """absl's message for a bad flag value, with a parser's tuple-shaped reason ("('Non-boolean
+  argument to boolean flag', 'yes')") said in words."""
+  message, reason = str(error), error.__context__
+  if isinstance(reason, (TypeError, ValueError)) and len(reason.args) > 1:
+    words = ("must be true or false" if "boolean" in str(reason.args[0])
+             else ": ".join(map(str, reason.args)))
+    message = message.replace(str(reason), words)
+  return message
+
+
+_HELP_FLAGS = ("--help", "-help", "--helpshort", "--helpfull", "-?")
+
+
 def _argv_value(argv: list[str], name: str) -> str | None:
   for i, arg in enumerate(argv):
     if arg.startswith(f"{name}="):
@@ -74,18 +88,25 @@ def parse_run_flags(argv: list[str], define_flags: Callable[[], None], allow_hf:
   that config, and what `define_flags` defines. Flags are defined here, not at import,
   because the config flag's fields are the run's own. Returns absl's FLAGS; a bad flag or
   run exits with one line."""
-  from absl import flags, logging  # pylint: disable=g-import-not-at-top
+  from absl import app, flags, logging  # pylint: disable=g-import-not-at-top
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
   from trainer import console  # pylint: disable=g-import-not-at-top
 
   workdir, hf_dir = _argv_value(argv, "--workdir"), _argv_value(argv, "--from_hf")
-  if bool(workdir) == bool(hf_dir and allow_hf):
+  # Help lists the flags, so it needs none of them: its config fields are base.py's.
+  wants_help = any(arg.split("=")[0] in _HELP_FLAGS for arg in argv[1:])
+  if bool(workdir) == bool(hf_dir and allow_hf) and not wants_help:
     sys.exit("error: pass --workdir=RUN (a run directory of `python -m trainer`)"
              + (" or --from_hf=DIR (a Hugging Face LLaMA directory)" if allow_hf else ""))
   try:
-    config = run_config(workdir) if workdir else hf_config(hf_dir)
+    if wants_help:
+      from configs import base  # pylint: disable=g-import-not-at-top
+      config = base.get_config()
+    else:
+      config = run_config(workdir) if workdir else hf_config(hf_dir)
   except SampleError as error:
     sys.exit(f"error: {error}")
+  app.define_help_flags()  # What `app.run` defines, since these tools parse flags themselves.
   flags.DEFINE_string("workdir", None, "Run directory (holds config.json and checkpoints/).")
   flags.DEFINE_integer("step", None, "Checkpoint step; default the newest.")
   if allow_hf:
@@ -98,7 +119,7 @@ def parse_run_flags(argv: list[str], define_flags: Callable[[], None], allow_hf:
   try:
     flags.FLAGS(argv)
   except (flags.Error, AttributeError, KeyError) as error:
-    sys.exit(f"error: {error}")
+    sys.exit(f"error: {flag_error(error)}")
   # Errors only: a read-only checkpoint manager warns about its own read-only options.
   logging.set_verbosity(logging.ERROR)
   console.fold_orbax_logs(logging.get_absl_logger())
