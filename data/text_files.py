@@ -9,10 +9,11 @@ so a book-level split is kept as published (`test/` stays held out). Otherwise e
 document, starting with the first (index 0, 20, 40, ...), goes to `validation` and the rest to
 `train`, so two documents are enough (the data pipeline fills any batch from one stream).
 
-An unreadable file, a file that is not UTF-8, or a JSON line that does not parse or lacks the
-field is "bad": with `on_bad_file='skip'` it is left out and counted (the count is printed
-and written to `bad_files.json` beside the prepared data), with `'fail'` preparation stops
-with a `DataError` naming it.
+An unreadable file, a file that is not UTF-8, an empty document, or a JSON line that does
+not parse or lacks the field is "bad": with `on_bad_file='skip'` it is left out and counted
+(the count is printed and written to `bad_files.json` beside the prepared data), with
+`'fail'` preparation stops with a `DataError` naming it. A leading byte-order mark is not
+part of a file's text.
 """
 
 from __future__ import annotations
@@ -34,11 +35,16 @@ def list_files(path: str) -> list[str]:
   """The `.txt`/`.jsonl` files under `path`, sorted; DataError when there are none."""
   if not path:
     raise DataError("data.path is empty; name a directory of .txt/.jsonl files for text_files")
+  if not os.path.exists(path):
+    raise DataError(f"data.path={path} does not exist; name a directory of .txt/.jsonl files")
   if not os.path.isdir(path):
     raise DataError(f"data.path={path} is not a directory; name a directory of .txt/.jsonl files")
-  files = []
-  for root, dirs, names in os.walk(path):
-    dirs.sort()
+  files, seen = [], set()
+  # Linked folders are followed as linked files are; each real folder is read once, so a
+  # link back up the tree cannot loop.
+  for root, dirs, names in os.walk(path, followlinks=True):
+    seen.add(os.path.realpath(root))
+    dirs[:] = sorted(d for d in dirs if os.path.realpath(os.path.join(root, d)) not in seen)
     files += [os.path.join(root, n) for n in sorted(names) if n.endswith(EXTENSIONS)]
   if not files:
     raise DataError(f"data.path={path} holds no .txt or .jsonl files; add some or fix data.path")
@@ -79,8 +85,10 @@ class TextFilesConfig(tfds.core.BuilderConfig):
 class TextFiles(LocalBuilder):
   """Documents from a user's directory; build with `TextFiles(config=TextFilesConfig(...))`."""
 
-  VERSION = tfds.core.Version("1.1.0")  # 1.1.0: validation starts at document 0.
-  RELEASE_NOTES = {"1.1.0": "Validation takes documents 0, 20, 40, ... (was 19, 39, ...)."}
+  VERSION = tfds.core.Version("1.2.0")
+  RELEASE_NOTES = {"1.1.0": "Validation takes documents 0, 20, 40, ... (was 19, 39, ...).",
+                   "1.2.0": "Empty documents are bad, not documents; linked folders are read; "
+                            "a byte-order mark is dropped."}
   BUILDER_CONFIGS = []  # A config is always given: it names the directory.
 
   def _info(self) -> tfds.core.DatasetInfo:
@@ -129,7 +137,7 @@ class TextFiles(LocalBuilder):
       try:
         with open(file, "rb") as f:
           raw = f.read()
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # A byte-order mark (Windows editors) is not text.
       except OSError as error:
         yield file, None, f"unreadable ({error.strerror or error})"
         continue
@@ -137,7 +145,7 @@ class TextFiles(LocalBuilder):
         yield file, None, f"not UTF-8 (byte {error.start})"
         continue
       if file.endswith(".txt"):
-        yield file, text, None
+        yield file, text, None if text.strip() else "empty"
         continue
       for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -149,7 +157,7 @@ class TextFiles(LocalBuilder):
         except (ValueError, KeyError, TypeError, IndexError):
           yield f"{file}:{number}", None, f"not a JSON object with a string field '{field}'"
           continue
-        yield file, value, None
+        yield (file, value, None) if value.strip() else (f"{file}:{number}", None, "empty")
 
   def _report_bad(self, bad: list[str]) -> None:
     if not bad:

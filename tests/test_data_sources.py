@@ -10,7 +10,7 @@ import tensorflow_datasets as tfds
 from etils import epath
 
 import data
-from data import sources
+from data import sources, text_files
 
 
 class LocalCorpus(tfds.core.GeneratorBasedBuilder):
@@ -82,6 +82,36 @@ def test_a_first_preparation_logs_no_tfds_warning(tmp_path, caplog):
     sources.prepare_dataset(cfg)
   assert sources.split_source(cfg, "train")
   assert not [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_text_files_follow_linked_folders_once_and_skip_empty_documents(tmp_path):
+  """A linked folder is read like a linked file (a link back up the tree is not followed
+  round); empty documents are bad, not a document each; a byte-order mark is not text."""
+  root, elsewhere = tmp_path / "docs", tmp_path / "elsewhere"
+  root.mkdir()
+  elsewhere.mkdir()
+  (root / "a.txt").write_text("alpha text")
+  (root / "empty.txt").write_text("")
+  (root / "blank.txt").write_text("  \n")
+  (root / "bom.jsonl").write_bytes('\ufeff{"text": "first line"}\r\n{"text": ""}\r\n'
+                                   '{"text": "third"}\r\n'.encode("utf-8"))
+  (elsewhere / "b.txt").write_text("bravo")
+  os.symlink(elsewhere, root / "linked")
+  os.symlink(root, elsewhere / "up")  # A loop: docs/linked/up is docs again.
+  assert [os.path.relpath(f, root) for f in text_files.list_files(str(root))] == [
+      "a.txt", "blank.txt", "bom.jsonl", "empty.txt", os.path.join("linked", "b.txt")]
+  cfg = data.DataConfig(dataset="text_files", path=str(root), tokenizer_vocab_size=64,
+                        data_dir=str(tmp_path / "prepared"))
+  sources.prepare_dataset(cfg)
+  texts = {sources.text_of(cfg, source[i]) for split in ("train", "validation")
+           for source in [sources.split_source(cfg, split)] for i in range(len(source))}
+  assert texts == {"alpha text", "first line", "third", "bravo"}
+  bad = json.loads((epath.Path(sources.dataset_builder(cfg).data_dir) / "bad_files.json")
+                   .read_text())["bad"]
+  assert [entry.rsplit("/", 1)[-1] for entry in bad] == [
+      "blank.txt: empty", "bom.jsonl:2: empty", "empty.txt: empty"]
+  with pytest.raises(data.DataError, match="data.path=.*missing does not exist"):
+    text_files.list_files(str(tmp_path / "missing"))
 
 
 def test_text_files_fail_policy_names_the_file(tmp_path):
