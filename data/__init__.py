@@ -14,6 +14,7 @@ from data.packing import FIELDS, TRAIN_FIELDS
 from data.retrieval import RETRIEVAL, Evaluator
 from data.pipeline import DataIterator, make_iterator
 from data.prepare import check_vocab, load_tokenizer, prepare, tokenizer_path
+from data.sources import corpus_id
 from data.tokenizer import Tokenizer, train_tokenizer
 
 
@@ -29,7 +30,7 @@ def fields(batch: dict, names) -> dict:
 
 
 __all__ = ["DataConfig", "DataError", "DataIterator", "Evaluator", "FIELDS", "TRAIN_FIELDS",
-           "Tokenizer", "check_vocab", "evaluator_of", "fields",
+           "Tokenizer", "check_vocab", "corpus_id", "evaluator_of", "fields",
            "gather_state", "process_rows",
            "load_tokenizer", "make_iterator", "prepare", "to_global_batch", "tokenizer_path",
            "train_tokenizer"]

@@ -189,6 +189,16 @@ def iter_texts(cfg: DataConfig, split: str, limit: int) -> Iterator[str]:
 
 def storage_name(cfg: DataConfig) -> str:
   """A file-name-safe identity of the prepared corpus (dataset and builder config)."""
+  return _name(dataset_builder(cfg)).replace("/", "_")
+
+
+def corpus_id(cfg: DataConfig) -> str:
+  """The prepared corpus, builder version included (a `text_files` name carries its files'
+  fingerprint): a checkpoint records it, since its data position indexes these documents."""
   builder = dataset_builder(cfg)
+  return f"{_name(builder)}@{builder.version}"
+
+
+def _name(builder: tfds.core.DatasetBuilder) -> str:
   config = builder.builder_config.name if builder.builder_config else "default"
-  return f"{builder.name}-{config}".replace("/", "_")
+  return f"{builder.name}-{config}"

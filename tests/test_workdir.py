@@ -14,11 +14,13 @@ from types import SimpleNamespace
 
 import pytest
 
+import data
 from trainer import console, loop, tracking, workdir
 from trainer.checkpointing import CheckpointError
 from trainer.config_check import ConfigError
 from trainer.loop import train
-from trainer.resume import compatibility_check, file_sha256
+from trainer.resume import checkpoint_meta, compatibility_check, file_sha256
+from trainer.training import data_config
 from trainer.stop_signals import StoppedBeforeTraining
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,9 +89,46 @@ def test_another_tokenizer_file_is_refused(run, tiny_config, tmp_path):
   tokenizer.write_bytes(b"not the tokenizer the run was trained with")
   meta = json.loads(open(os.path.join(run, "checkpoints", "4", "meta", "metadata")).read())
   assert meta["config"]["model"]["d_ff"] == config.model.d_ff and meta["tokenizer_sha256"]
-  check = compatibility_check(config, run, str(tokenizer), file_sha256(str(tokenizer)), [])
+  check = compatibility_check(config, run, str(tokenizer), file_sha256(str(tokenizer)),
+                              meta["corpus"], [])
   with pytest.raises(ConfigError, match="tokenizer file .* SHA-256 differs"):
     check(4, meta)
+
+
+def test_a_corpus_whose_files_changed_is_refused(tiny_config, tmp_path):
+  """A resumed run's data position indexes the documents it was trained on: `text_files`
+  whose files changed since (here one edited, one added) are another corpus."""
+  docs = tmp_path / "docs"
+  docs.mkdir()
+  for i in range(3):
+    (docs / f"{i}.txt").write_text(f"document {i} " * 50)
+  config = _config(tiny_config, **{"data.dataset": "text_files", "data.path": str(docs)})
+  trained_on = data.corpus_id(data_config(config))
+  meta = checkpoint_meta(config, "sha", trained_on)
+  (docs / "1.txt").write_text("edited")
+  (docs / "3.txt").write_text("added")
+  now = data.corpus_id(data_config(config))
+  assert now != trained_on and now.startswith("text_files-docs_")
+  check = compatibility_check(config, str(tmp_path), "sp.model", "sha", now, [])
+  with pytest.raises(ConfigError, match=r"corpus is not the one the checkpoint of step 4 was "
+                     r"trained on .*data.path's files changed since") as error:
+    check(4, meta)
+  assert "\n" not in str(error.value)
+  check = compatibility_check(config, str(tmp_path), "sp.model", "sha", trained_on, [])
+  check(4, meta)  # The same corpus resumes.
+
+
+def test_a_start_says_what_it_does_not_do(run, tiny_config, capsys):
+  """--start_over_from_step_0 beside a usable checkpoint is said to do nothing; a start from
+  step 0 after logged steps (checkpoints/ deleted) warns that metrics.jsonl gets a second
+  series."""
+  train(_config(tiny_config, **{"train.steps": 4}), run, start_over=True)
+  out = capsys.readouterr().out
+  assert "resuming from step 4" in out and "--start_over_from_step_0 does nothing here" in out
+  shutil.rmtree(os.path.join(run, "checkpoints"))
+  train(_config(tiny_config, **{"train.steps": 1}), run)
+  assert ("holds no checkpoint, but its metrics.jsonl logs steps up to 4: training from "
+          "step 0") in capsys.readouterr().out
 
 
 # --- Damage -------------------------------------------------------------------------------

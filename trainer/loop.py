@@ -27,8 +27,8 @@ from trainer.config_check import ConfigError
 from trainer.profiling import StepProfiler
 from trainer.provenance import run_records
 from trainer import workdir as workdir_lock
-from trainer.resume import (checkpoint_meta, compatibility_check, config_dict,
-                            config_path, file_sha256)
+from trainer.resume import (checkpoint_meta, compatibility_check, config_dict, config_path,
+                            file_sha256, start_warning)
 from trainer.state import TrainState, init_state, state_from_params
 from trainer.stop_signals import StopSignals
 from trainer.step import eval_step
@@ -76,6 +76,7 @@ def _train(config, workdir: str, start_over: bool, signals: StopSignals,
   data.check_vocab(data_cfg, model_cfg.vocab_size)
   tokenizer_file = data.tokenizer_path(data_cfg)
   tokenizer_sha256 = file_sha256(tokenizer_file)  # Read once: checked on restore, then stored.
+  corpus = data.corpus_id(data_cfg)  # The same: its data position indexes these documents.
   records = run_records(config) if is_writer else None  # For config.json and W&B alike.
   log = (lambda line: print(line, flush=True)) if is_writer else (lambda line: None)
 
@@ -91,7 +92,8 @@ def _train(config, workdir: str, start_over: bool, signals: StopSignals,
   try:
     with jax.set_mesh(mesh), nn.logical_axis_rules(config.mesh.rules):
       changes: list[str] = []
-      check = compatibility_check(config, workdir, tokenizer_file, tokenizer_sha256, changes)
+      check = compatibility_check(config, workdir, tokenizer_file, tokenizer_sha256, corpus,
+                                  changes)
 
       def check_with_stage(step: int, meta: dict) -> None:
         # The stage first: it names the change (stages added or removed, a begun stage's
@@ -113,6 +115,9 @@ def _train(config, workdir: str, start_over: bool, signals: StopSignals,
       if restored:
         log(f"resuming from step {step} ({checkpointer.directory}/{step})"
             + (f"; changed: {', '.join(changes)}" if changes else ""))
+      warning = start_warning(workdir, step if restored else None, start_over)
+      if warning:
+        log(warning)
       summaries = []
       try:
         for stage in plan[stages.next_to_run(plan, step).index:]:
@@ -139,7 +144,7 @@ def _train(config, workdir: str, start_over: bool, signals: StopSignals,
           if is_writer and not trackers:  # Once the first step is near: files, W&B run.
             trackers = make_trackers(config, workdir, records, plan[-1].last_step)
           run = _Run(stage, stage_model_cfg, mesh, checkpointer, trackers, iterator, eval_fn,
-                     evaluator, {**checkpoint_meta(config, tokenizer_sha256),
+                     evaluator, {**checkpoint_meta(config, tokenizer_sha256, corpus),
                                  **stage.checkpoint_meta()})
           state, summary = run.loop(state, parts.step_fn, step, signals, profiler)
           iterator.close()

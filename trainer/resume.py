@@ -21,7 +21,7 @@ import ml_collections
 from trainer import fields
 from trainer.config_check import ConfigError
 from trainer.provenance import config_of
-from trainer.tracking import scrub
+from trainer.tracking import last_logged_step, scrub
 
 # Fields (or groups, ending in '.') a resumed run may change. They decide how the same
 # computation is laid out, scheduled or logged, not which parameters or tokens it sees. The
@@ -71,10 +71,11 @@ def tokenizer_problem(path: str, recorded_sha256: str | None) -> str | None:
   return None
 
 
-def checkpoint_meta(config: ml_collections.ConfigDict, tokenizer_sha256: str) -> dict[str, Any]:
+def checkpoint_meta(config: ml_collections.ConfigDict, tokenizer_sha256: str,
+                    corpus: str) -> dict[str, Any]:
   """What each checkpoint records about the run besides its arrays."""
   return {"seed": config.seed, "config": config_dict(config),
-          "tokenizer_sha256": tokenizer_sha256}
+          "tokenizer_sha256": tokenizer_sha256, "corpus": corpus}
 
 
 _STAGE_FIELD = re.compile(r"stages\[(\d+)\]\.(.+)")
@@ -109,7 +110,8 @@ def compare(stored: dict[str, Any], config: ml_collections.ConfigDict,
 
 
 def compatibility_check(config: ml_collections.ConfigDict, workdir: str, tokenizer_file: str,
-                        tokenizer_sha256: str, report: list[str]) -> Callable[[int, dict], None]:
+                        tokenizer_sha256: str, corpus: str,
+                        report: list[str]) -> Callable[[int, dict], None]:
   """The `check_compatible(step, meta)` a restore calls; appends allowed changes to `report`."""
 
   def check(step: int, meta: dict) -> None:
@@ -125,6 +127,15 @@ def compatibility_check(config: ml_collections.ConfigDict, workdir: str, tokeniz
     if stored is not None:
       stage = meta.get("stage")  # Staged runs: stages after the checkpoint's may change.
       report[:] = compare(stored, config, where, stage["stage"] if stage else None)
+    # Before the tokenizer: a corpus that changed explains a tokenizer trained on it anew.
+    recorded_corpus = meta.get("corpus")  # Absent from checkpoints written before it was.
+    if recorded_corpus and recorded_corpus != corpus:
+      fix = ("data.path's files changed since (names, sizes or times): restore them, or train "
+             "on the new ones in a new --workdir" if config.data.dataset == "text_files" else
+             "resume with that corpus, or use a new --workdir")
+      raise ConfigError(f"the corpus is not the one {where} was trained on ({recorded_corpus}, "
+                        f"now {corpus}), so its data position would index other documents; "
+                        f"{fix}")
     recorded = meta.get("tokenizer_sha256")
     if recorded and recorded != tokenizer_sha256:
       raise ConfigError(f"the tokenizer file {tokenizer_file} is not the one {where} was "
@@ -132,3 +143,18 @@ def compatibility_check(config: ml_collections.ConfigDict, workdir: str, tokeniz
                         f"file or use a new --workdir")
 
   return check
+
+
+def start_warning(workdir: str, resumed_step: int | None, start_over: bool) -> str | None:
+  """What a start must say besides where it resumes: that --start_over_from_step_0 did
+  nothing (a usable checkpoint exists), or that a start from step 0 follows logged steps
+  (`checkpoints/` deleted, or a crash before the first save)."""
+  if resumed_step is not None:
+    return (f"note: --start_over_from_step_0 does nothing here: step {resumed_step} is a "
+            f"usable checkpoint (the flag applies when every one was set aside as damaged)"
+            if start_over else None)
+  logged = last_logged_step(os.path.join(workdir, "metrics.jsonl"))
+  if not logged:
+    return None
+  return (f"warning: {workdir} holds no checkpoint, but its metrics.jsonl logs steps up to "
+          f"{logged}: training from step 0, and the file goes on with a second series")

@@ -145,6 +145,22 @@ class JsonlTracker:
       self._fd = None
 
 
+def last_logged_step(path: str) -> int | None:
+  """The step of the last whole record in a metrics file (its last MiB), or None."""
+  try:
+    with open(path, "rb") as f:
+      f.seek(max(0, os.fstat(f.fileno()).st_size - (1 << 20)))
+      lines = f.read().splitlines()
+  except OSError:
+    return None
+  for line in reversed(lines):
+    try:
+      return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+      continue
+  return None
+
+
 class ConsoleTracker:
   """Progress: a tqdm bar on a terminal, else one plain line per logged step.
 
