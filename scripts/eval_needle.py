@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import flags  # noqa: E402  (after the path fix above)
 
-from trainer import needle, needle_grid, run_flags, sample, wandb_tracker  # noqa: E402
+from trainer import console, needle, needle_grid, run_flags, sample, wandb_tracker  # noqa: E402
 from trainer import workdir as workdir_lock  # noqa: E402
 
 
@@ -53,7 +53,7 @@ def main(argv: list[str]) -> None:
     started = time.monotonic()
     rows = needle.evaluate(sampler, lengths, depths, f.trials, f.seed)
   except sample.RUN_ERRORS + (needle_grid.NeedleError,) as error:
-    sys.exit(f"error: {error}")
+    console.exit_with_error(str(error))
   accuracy = needle.grid(rows, lengths, depths)
   out_dir = os.path.join(f.workdir, "needle")
   os.makedirs(out_dir, exist_ok=True)

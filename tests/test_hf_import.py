@@ -146,6 +146,9 @@ def test_a_run_starts_from_the_checkpoint_and_exports_it_back_tensor_for_tensor(
   assert len(files) > 1 and sum(line.startswith("  wrote") for line in lines) == len(files)
   for file in files:
     written.update(load_file(os.path.join(out, file)))
+    # Readable by whoever may read config.json beside it (safetensors itself writes 0600).
+    assert os.stat(os.path.join(out, file)).st_mode & 0o777 == os.stat(
+        os.path.join(out, "config.json")).st_mode & 0o777
   assert written.keys() == original.keys()  # Tied: no lm_head.weight in either.
   for name, tensor in original.items():
     assert written[name].dtype == tensor.dtype and np.array_equal(written[name], tensor), name

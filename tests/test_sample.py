@@ -195,7 +195,10 @@ def test_the_command_line_prints_json_and_stops_bad_input_in_one_line(trained_ru
       ((f"--workdir={trained_run}", "--prompt=  "), "error: the prompt is empty"),
       ((f"--workdir={trained_run}", "--prompt=x", "--step=7"),
        "error: --step=7 is not a checkpoint of"),
-      ((f"--workdir={tmp_path}", "--prompt=x"), "holds no run (no config.json)")]:
+      ((f"--workdir={tmp_path}", "--prompt=x"), "holds no run (no config.json)"),
+      # Before the checkpoint is read (no "reading ..." line): minutes on a large model.
+      ((f"--workdir={trained_run}", "--prompt=x", "--temperature=nan"),
+       "error: --temperature=nan must be a finite number")]:
     result = _cli(*args)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 1 and len(lines) == 1 and message in lines[0], result.stderr
@@ -247,8 +250,13 @@ def test_top_p_keeps_the_smallest_set_reaching_its_mass():
 def test_bad_sampling_settings_stop_before_any_compile(tiny_config, tokenizer):
   config = tiny_config()
   sampler = sample.Sampler(config, parallelism.make_mesh(config.mesh), {}, tokenizer)
-  for kwargs in ({"top_p": 0.0}, {"top_p": 1.5}, {"temperature": -1.0}, {"max_new_tokens": 0}):
-    with pytest.raises(sample.SampleError):
-      sampler.generate([1, 2, 3], **{"max_new_tokens": 4, **kwargs})
+  for kwargs, named in (({"top_p": 0.0}, "--top_p=0.0"), ({"top_p": 1.5}, "--top_p=1.5"),
+                        ({"temperature": -1.0}, "--temperature=-1.0"),
+                        ({"temperature": float("inf")}, "--temperature=inf"),
+                        ({"temperature": float("nan")}, "--temperature=nan"),
+                        ({"max_new_tokens": 0}, "--max_new_tokens=0")):
+    with pytest.raises(sample.SampleError) as error:
+      sampler.generate([1, 2, 3], **{"max_new_tokens": 4, "top_p": 0.9, **kwargs})
+    assert str(error.value).startswith(named) and str(error.value).count("--") == 1
   with pytest.raises(sample.SampleError, match="empty"):
     sampler.generate([], 4)

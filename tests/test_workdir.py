@@ -365,6 +365,24 @@ def test_a_signal_after_start_but_before_the_first_step_stops_at_once(tmp_path, 
   assert signal.getsignal(signal.SIGINT) is before  # Handlers restored.
 
 
+def test_an_export_of_a_damaged_step_says_so_in_one_line_and_names_the_others(run, tmp_path):
+  """The reads Orbax abandons with the failed one echo it hundreds of lines long (asyncio's
+  never-retrieved tasks, unraisable coroutines, TensorStore's spec): none reach the user."""
+  chunks = os.path.join(run, "checkpoints", "4", "state", "ocdbt.process_0", "d")
+  for name in os.listdir(chunks):
+    os.remove(os.path.join(chunks, name))
+  result = subprocess.run([sys.executable, "-m", "trainer.export", f"--workdir={run}",
+                           f"--out={tmp_path / 'out'}"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+  errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+  assert result.returncode == 1 and len(errors) == 1, result.stderr
+  assert "checkpoints/4 is damaged" in errors[0] and errors[0].endswith(
+      "nothing was moved; --step picks another (2)"), result.stderr
+  assert len(result.stderr.splitlines()) <= 3 and "TensorStore" not in result.stderr, (
+      result.stderr)
+  assert "Traceback" not in result.stderr and not os.path.exists(tmp_path / "out")
+
+
 def test_closed_loop_echoes_are_one_line_and_other_errors_pass(capsys):
   """After a failed Orbax read or write, its dropped I/O raises 'Event loop is closed' once
   per completion (36 tracebacks on a damaged OCDBT index, measured through the CLI)."""
@@ -377,26 +395,33 @@ def test_closed_loop_echoes_are_one_line_and_other_errors_pass(capsys):
     echoes.excepthook(RuntimeError, RuntimeError("Event loop is closed"), None)
   other = RuntimeError("something else")
   echoes.unraisablehook(SimpleNamespace(exc_value=other))
-  assert passed == [other] and echoes.count == 6
-  assert capsys.readouterr().err.count("'Event loop is closed' errors are not shown") == 1
+  # A read abandoned with a failed one ("Exception ignored in: <coroutine object
+  # _read_array_index_and_device_put>"): an echo when unraisable, not when raised.
+  abandoned = _orbax_failure()[1]
+  echoes.unraisablehook(SimpleNamespace(exc_value=abandoned))
+  echoes.excepthook(ValueError, abandoned, abandoned.__traceback__)
+  assert passed == [other, abandoned] and echoes.count == 7
+  assert capsys.readouterr().err.count("'Event loop is closed' and other echoes are not "
+                                       "shown") == 1
+
+
+def _orbax_failure():
+  try:
+    exec(compile("raise ValueError('No space left on device')",  # pylint: disable=exec-used
+                 os.path.join(os.sep, "site-packages", "orbax", "serialization.py"), "exec"))
+  except ValueError:
+    return sys.exc_info()
 
 
 def test_orbax_writes_logged_by_asyncio_keep_one_traceback():
   """A full disk on a busy machine: asyncio logs each abandoned Orbax write ('exception was
   never retrieved', traceback through Orbax's code); only the first Orbax traceback stays."""
-  def orbax_failure():
-    try:
-      exec(compile("raise ValueError('No space left on device')",  # pylint: disable=exec-used
-                   os.path.join(os.sep, "site-packages", "orbax", "serialization.py"), "exec"))
-    except ValueError:
-      return sys.exc_info()
-
   def record(pathname, exc_info):
     return logging.LogRecord("asyncio", logging.ERROR, pathname, 1, "Future exception was never "
                              "retrieved", None, exc_info)
 
   once = console.OrbaxTracebackOnce()
-  records = [record("/usr/lib/python3.11/asyncio/base_events.py", orbax_failure())
+  records = [record("/usr/lib/python3.11/asyncio/base_events.py", _orbax_failure())
              for _ in range(3)]
   unrelated = record("/usr/lib/python3.11/asyncio/base_events.py",
                      (ValueError, ValueError("mine"), None))

@@ -70,6 +70,8 @@ def _first_line(error: BaseException, limit: int = 300) -> str:
   """An error's first line, shortened in the middle: TensorStore puts the OS's reason ("No
   space left on device") at the end of a long line of paths."""
   line = (str(error).splitlines() or [type(error).__name__])[0]
+  # TensorStore ends some messages with a pybind11 repr of its spec: no reason, only noise.
+  line = line.split(" See full TensorStore details:")[0]
   return line if len(line) <= limit else f"{line[:limit // 2]} ... {line[-limit // 2:]}"
 
 
@@ -268,8 +270,10 @@ class Checkpointer:
       self._verify(step, abstract_state.replace(step=None, params=params, opt_state=None), meta,
                    only=".params")
     except _Damaged as error:
+      others = [str(other) for other in self.steps() if other != step]
+      older = (f"; --step picks another ({', '.join(others[-3:])})" if others else "")
       raise CheckpointError(f"checkpoint {self.directory}/{step} is damaged ({error}); "
-                            f"nothing was moved") from error
+                            f"nothing was moved{older}") from error
     return params, meta
 
   def _read(self, step: int, **items) -> Any:
@@ -295,7 +299,7 @@ class Checkpointer:
     try:
       saved = _leaf_table(self._manager.item_metadata(step)["state"])
     except Exception as error:  # noqa: BLE001
-      raise _Damaged(f"its array metadata is unreadable: {str(error)[:200]}") from error
+      raise _Damaged(f"its array metadata is unreadable: {_first_line(error, 200)}") from error
     if not saved:  # Orbax returns nothing, not an error, when the metadata file is gone.
       raise _Damaged("its array metadata is missing")
     wanted = _leaf_table(abstract_state)

@@ -27,21 +27,26 @@ class ClosedLoopEchoes:
     self._stream = stream
     self._excepthook, self._unraisablehook = sys.excepthook, sys.unraisablehook
 
-  def _is_echo(self, value: BaseException | None) -> bool:
-    if not (isinstance(value, RuntimeError) and str(value) == CLOSED_LOOP):
+  def _is_echo(self, value: BaseException | None, unraisable: bool = False) -> bool:
+    closed_loop = isinstance(value, RuntimeError) and str(value) == CLOSED_LOOP
+    # An Orbax read that nobody awaits any more (a sibling failed first) can only echo the
+    # failure the caller was given: nothing can catch an unraisable error.
+    if not (closed_loop or (unraisable and value is not None and _through_orbax(
+        traceback.extract_tb(value.__traceback__)))):
       return False
     self.count += 1
     if self.count == 1:
-      print(f"(Orbax I/O still in flight after a failed checkpoint read or write was dropped; "
-            f"its '{CLOSED_LOOP}' errors are not shown)", file=self._stream or sys.stderr)
+      _write_line(self._stream or sys.stderr,
+                  f"(Orbax I/O still in flight after a failed checkpoint read or write was "
+                  f"dropped; its '{CLOSED_LOOP}' and other echoes are not shown)")
     return True
 
-  def excepthook(self, kind, value, traceback) -> None:
+  def excepthook(self, kind, value, tb) -> None:
     if not self._is_echo(value):
-      self._excepthook(kind, value, traceback)
+      self._excepthook(kind, value, tb)
 
   def unraisablehook(self, unraisable) -> None:
-    if not self._is_echo(unraisable.exc_value):
+    if not self._is_echo(unraisable.exc_value, unraisable=True):
       self._unraisablehook(unraisable)
 
 
@@ -66,11 +71,16 @@ class OrbaxTracebackOnce(logging.Filter):
 
 
 def _from_orbax(record: logging.LogRecord) -> bool:
-  orbax = f"{os.sep}orbax{os.sep}"
-  if orbax in record.pathname:
+  if _ORBAX in record.pathname:
     return True
-  frames = traceback.extract_tb(record.exc_info[2]) if record.exc_info[2] else []
-  return any(orbax in frame.filename for frame in frames)
+  return _through_orbax(traceback.extract_tb(record.exc_info[2]) if record.exc_info[2] else [])
+
+
+_ORBAX = f"{os.sep}orbax{os.sep}"
+
+
+def _through_orbax(frames) -> bool:
+  return any(_ORBAX in frame.filename for frame in frames)
 
 
 def fold_orbax_logs(absl_logger: logging.Logger) -> None:
@@ -78,6 +88,28 @@ def fold_orbax_logs(absl_logger: logging.Logger) -> None:
   once = OrbaxTracebackOnce()
   absl_logger.addFilter(once)
   logging.getLogger("asyncio").addFilter(once)
+
+
+def _write_line(stream, line: str) -> None:
+  """One write per line (`print` makes two, text then newline): the echo notice comes from
+  whichever thread collects an abandoned read, and must not land inside another line."""
+  stream.write(line + "\n")
+  stream.flush()
+
+
+def exit_with_error(message: str) -> None:
+  """Exits 1 after writing `error: message` as one line (see `_write_line`)."""
+  _write_line(sys.stderr, f"error: {message}")
+  sys.exit(1)
+
+
+def install_reader_hooks() -> None:
+  """`install_hooks` for the tools that only read a checkpoint (export, sample, the needle
+  eval), which report a failed read in one line and stop: asyncio's 'Task exception was
+  never retrieved' records of the reads abandoned with it are echoes too (hundreds of lines
+  of TensorStore spec each), and these tools run no asyncio code of their own."""
+  install_hooks()
+  logging.getLogger("asyncio").setLevel(logging.CRITICAL)
 
 
 def install_hooks() -> None:

@@ -34,7 +34,7 @@ import data
 import parallelism
 from model import Decoder
 from model.hf_format import hf_config_of, hf_shapes, tensor_names, to_hf
-from trainer import stages
+from trainer import console, stages
 from trainer.checkpointing import CheckpointError, open_step
 from trainer.training import data_config, model_config
 from trainer.optimizer import make_optimizer
@@ -152,6 +152,10 @@ def _write_shards(tensors, plan: dict[str, str], directory: str, log) -> int:
   def flush():
     file = plan[next(iter(shard))]
     save_file(shard, os.path.join(directory, file), metadata={"format": "pt"})
+    # safetensors creates its file as 0600; the export is shared like config.json beside it.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(os.path.join(directory, file), 0o666 & ~umask)
     log(f"  wrote {file} ({len(shard)} tensors, {time.perf_counter() - start:.1f} s)")
     shard.clear()
 
@@ -171,11 +175,12 @@ def main(argv: list[str]) -> None:
   del argv
   # Orbax announces a read-only manager with warnings; the export says what it does itself.
   logging.set_verbosity(logging.ERROR)
+  console.install_reader_hooks()  # A failed checkpoint read's echoes, folded.
   try:
     print(export(_WORKDIR.value, _OUT.value, _STEP.value, _DTYPE.value, _TOKENIZER.value,
                  int(_MAX_SHARD_GIB.value * 2**30)), flush=True)
   except (ExportError, CheckpointError) as error:
-    sys.exit(f"error: {error}")
+    console.exit_with_error(str(error))
 
 
 if __name__ == "__main__":

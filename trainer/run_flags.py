@@ -123,6 +123,7 @@ def parse_run_flags(argv: list[str], define_flags: Callable[[], None], allow_hf:
   # Errors only: a read-only checkpoint manager warns about its own read-only options.
   logging.set_verbosity(logging.ERROR)
   console.fold_orbax_logs(logging.get_absl_logger())
+  console.install_reader_hooks()  # A failed checkpoint read's echoes, folded.
   if flags.FLAGS.config.cpu_devices:
     jax.config.update("jax_num_cpu_devices", flags.FLAGS.config.cpu_devices)
   return flags.FLAGS

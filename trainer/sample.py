@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import sys
 import time
 from typing import Callable
@@ -39,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 import data
 import parallelism
 from model import Decoder, ModelConfig
-from trainer import stages
+from trainer import console, stages
 from trainer.checkpointing import CheckpointError, open_step
 from trainer.config_check import ConfigError
 from trainer.resume import tokenizer_problem
@@ -152,11 +153,7 @@ class Sampler:
     one compile. `ignore_eos` generates all `max_new_tokens` (for benchmarks)."""
     if not prompt_ids:
       raise SampleError("the prompt is empty")
-    if max_new_tokens < 1:
-      raise SampleError(f"--max_new_tokens={max_new_tokens} must be at least 1")
-    if temperature < 0 or not 0 < top_p <= 1:
-      raise SampleError(f"--temperature={temperature} must be >= 0 (0: greedy) and "
-                        f"--top_p={top_p} in (0, 1]")
+    check_settings(max_new_tokens, temperature, top_p)
     length = len(prompt_ids)
     trained = self.config.data.seq_len
     if length + max_new_tokens > trained and not self._warned_length:
@@ -260,6 +257,16 @@ class Sampler:
     return compiled_prefill, compiled_decode
 
 
+def check_settings(max_new_tokens: int, temperature: float, top_p: float) -> None:
+  """Raises SampleError naming the first setting out of range (checked before a load)."""
+  if max_new_tokens < 1:
+    raise SampleError(f"--max_new_tokens={max_new_tokens} must be at least 1")
+  if not 0 <= temperature < math.inf:  # Also refuses NaN.
+    raise SampleError(f"--temperature={temperature} must be a finite number >= 0 (0: greedy)")
+  if not 0 < top_p <= 1:
+    raise SampleError(f"--top_p={top_p} must be in (0, 1]")
+
+
 def _choose(logits_BV: jax.Array, key: jax.Array, *, temperature: float, top_p: float,
             vocab: int | None = None) -> jax.Array:
   """Greedy at temperature 0; else a draw from the tempered softmax cut to its top-p mass
@@ -328,6 +335,7 @@ def main(argv: list[str]) -> None:
   config = f.config
   info = lambda line: print(line, file=sys.stderr, flush=True)
   try:
+    check_settings(f.max_new_tokens, f.temperature, f.top_p)  # Before minutes of loading.
     if f.from_hf:
       info(hf_import.apply_to_config(config))
       sampler, step = from_hf(config, info), None
@@ -348,7 +356,7 @@ def main(argv: list[str]) -> None:
                                        on_token=None if f.json else stream,
                                        ignore_eos=f.ignore_eos)
   except RUN_ERRORS + (HFFormatError,) as error:
-    sys.exit(f"error: {error}")
+    console.exit_with_error(str(error))
   if f.json:
     print(json.dumps({"workdir": f.workdir, "from_hf": f.from_hf, "step": step,
                       "prompt": text, "prompt_ids": ids,
