@@ -207,6 +207,8 @@ def test_console_lines_show_step_loss_speed_and_eta(capsys):
   assert out[0].split() == ["step", "5/10", "loss", "1.0000", "grad_norm", "0.500", "1,000",
                             "tok/s", "ETA", "0:00:10"]
   assert out[1] == "eval at step 5: eval_loss 1.2500"
+  console.log(_record(1, warmup=True))  # Its time is mostly the compile: no ETA from it.
+  assert capsys.readouterr().out.split()[-3:] == ["warm-up", "ETA", "?"]
 
 
 def test_jsonl_tracker_scrubs_secret_values(tmp_path, monkeypatch):

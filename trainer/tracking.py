@@ -165,7 +165,7 @@ class ConsoleTracker:
   """Progress: a tqdm bar on a terminal, else one plain line per logged step.
 
   Both show step, loss, tokens/sec and an ETA from the latest step time (the first interval
-  includes compilation, so it shows "warm-up" instead of a speed).
+  of a process includes compilation, so it shows "warm-up" and no ETA instead).
   """
 
   def __init__(self, total_steps: int, stream=None, bar: bool | None = None):
@@ -188,7 +188,9 @@ class ConsoleTracker:
                if key.startswith("eval_") and isinstance(value, float)]
       self._write(f"eval at step {record['step']}: " + "  ".join(parts))
       return
-    eta = _eta(record.get("step_time_s"), self._total - record["step"])
+    # A warm-up interval's time is mostly compilation: an ETA from it would be far too long.
+    eta = "?" if record.get("warmup") else _eta(record.get("step_time_s"),
+                                                 self._total - record["step"])
     speed = "warm-up" if record.get("warmup") else f"{record['tokens_per_sec']:,.0f} tok/s"
     if self._bar is not None:
       self._bar.set_postfix_str(f"loss {record['loss']:.4f}  {speed}  ETA {eta}", refresh=False)
