@@ -13,6 +13,10 @@ from __future__ import annotations
 import math
 
 import jax
+from jax.experimental import multihost_utils
+import numpy as np
+
+from trainer.config_check import ConfigError
 
 GB = 1e9
 
@@ -63,9 +67,9 @@ def bytes_on_this_host(abstract_state) -> int:
 
 
 def cpu_state_problem(abstract_state, available: int | None = None) -> str | None:
-  """Why a run on CPU devices cannot hold its own training state, or None. The state is a
-  lower bound of what training needs (gradients and activations come on top), so a refusal
-  is never wrong; a pass promises nothing."""
+  """Why this process's CPU devices cannot hold their part of the training state, or None.
+  The state is a lower bound of what training needs (gradients and activations come on
+  top), so a refusal is never wrong; a pass promises nothing."""
   available = available_bytes() if available is None else available
   needed = bytes_on_this_host(abstract_state)
   if available is None or needed <= available:
@@ -74,3 +78,17 @@ def cpu_state_problem(abstract_state, available: int | None = None) -> str | Non
           f"(CPU devices live in it), and {available / GB:.1f} GB are free: this run cannot "
           f"train on this machine. Plan it for accelerators with --dry_run, or train a "
           f"smaller model")
+
+
+def check_cpu_state(abstract_state) -> None:
+  """Raises ConfigError if this process's or any other's CPU devices cannot hold their part
+  of the state. Every process decides alike: one that went on alone would wait forever at
+  the next collective for those that stopped."""
+  problem = cpu_state_problem(abstract_state)
+  if jax.process_count() > 1:
+    refused = multihost_utils.process_allgather(np.int32(problem is not None))
+    if refused.any() and not problem:
+      problem = (f"process {int(np.argmax(refused))} cannot hold its part of the training "
+                 f"state in its host's memory (its own line says how much)")
+  if problem:
+    raise ConfigError(problem)
