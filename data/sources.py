@@ -189,16 +189,18 @@ def iter_texts(cfg: DataConfig, split: str, limit: int) -> Iterator[str]:
 
 def storage_name(cfg: DataConfig) -> str:
   """A file-name-safe identity of the prepared corpus (dataset and builder config)."""
-  return _name(dataset_builder(cfg)).replace("/", "_")
+  builder = dataset_builder(cfg)
+  config = builder.builder_config.name if builder.builder_config else "default"
+  return f"{builder.name}-{config}".replace("/", "_")
 
 
 def corpus_id(cfg: DataConfig) -> str:
-  """The prepared corpus, builder version included (a `text_files` name carries its files'
-  fingerprint): a checkpoint records it, since its data position indexes these documents."""
+  """What the prepared corpus holds, by the figures TFDS recorded when it prepared it: the
+  builder and its version, and each split's documents and bytes. A checkpoint records it,
+  since its data position indexes these documents. Paths and file times are not part of
+  it: the same files copied elsewhere, or touched, are the same corpus (an edit that keeps
+  every size escapes it)."""
   builder = dataset_builder(cfg)
-  return f"{_name(builder)}@{builder.version}"
-
-
-def _name(builder: tfds.core.DatasetBuilder) -> str:
-  config = builder.builder_config.name if builder.builder_config else "default"
-  return f"{builder.name}-{config}"
+  splits = ", ".join(f"{name} {split.num_examples:,} documents {split.num_bytes:,} bytes"
+                     for name, split in sorted(builder.info.splits.items()))
+  return f"{builder.name} {builder.version}: {splits}"

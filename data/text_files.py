@@ -18,6 +18,7 @@ part of a file's text.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import os
@@ -43,8 +44,12 @@ def list_files(path: str) -> list[str]:
   # Linked folders are followed as linked files are; each real folder is read once, so a
   # link back up the tree cannot loop.
   for root, dirs, names in os.walk(path, followlinks=True):
-    seen.add(os.path.realpath(root))
-    dirs[:] = sorted(d for d in dirs if os.path.realpath(os.path.join(root, d)) not in seen)
+    real = os.path.realpath(root)
+    if real in seen:  # A second way to the same folder (a link to it, or back up the tree).
+      dirs[:] = []
+      continue
+    seen.add(real)
+    dirs.sort()
     files += [os.path.join(root, n) for n in sorted(names) if n.endswith(EXTENSIONS)]
   if not files:
     raise DataError(f"data.path={path} holds no .txt or .jsonl files; add some or fix data.path")
@@ -141,8 +146,8 @@ class TextFiles(LocalBuilder):
       except OSError as error:
         yield file, None, f"unreadable ({error.strerror or error})"
         continue
-      except UnicodeDecodeError as error:
-        yield file, None, f"not UTF-8 (byte {error.start})"
+      except UnicodeDecodeError as error:  # Its offset counts from after a byte-order mark.
+        yield file, None, f"not UTF-8 (byte {error.start + 3 * raw.startswith(codecs.BOM_UTF8)})"
         continue
       if file.endswith(".txt"):
         yield file, text, None if text.strip() else "empty"

@@ -71,14 +71,6 @@ def make_checkpoint(directory: str) -> None:
       vocab_size=1000, model_type="bpe", minloglevel=2)
 
 
-def _memory(field: str) -> int:
-  with open("/proc/self/status") as f:
-    for line in f:
-      if line.startswith(field + ":"):
-        return int(line.split()[1]) * 1024
-  raise RuntimeError(field)
-
-
 def measure(directory: str) -> dict:
   """Runs in its own process: the import path of `--config.init.from_hf`, timed."""
   os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
@@ -92,7 +84,7 @@ def measure(directory: str) -> dict:
   import parallelism
   from configs import base
   from model import Decoder
-  from trainer import hf_import
+  from trainer import hf_import, host_memory
   from trainer.training import model_config
   from trainer.optimizer import make_optimizer
   from trainer.state import abstract_state
@@ -112,14 +104,15 @@ def measure(directory: str) -> dict:
     for name, path in files.items():
       with safe_open(path, framework="numpy") as f:
         largest_read = max(largest_read, int(np.prod(f.get_slice(name).get_shape())))
-    with open("/proc/self/clear_refs", "w") as f:
-      f.write("5")  # Resets the peak (VmHWM) to the current resident size.
-    before = _memory("VmRSS")
+    before = host_memory.resident_bytes()
     start = time.perf_counter()
-    params = hf_import.load_params(directory, cfg, state.params, log=lambda line: None)
-    jax.block_until_ready(params)
+    with host_memory.PeakMeter() as meter:
+      params = hf_import.load_params(directory, cfg, state.params, log=lambda line: None)
+      jax.block_until_ready(params)
     load_s = time.perf_counter() - start
-    peak = _memory("VmHWM")
+    if meter.peak is None or before is None:
+      raise RuntimeError("this bench reads /proc/self (Linux)")
+    peak = meter.peak
   device_bytes = sum(shard.data.nbytes for leaf in jax.tree.leaves(params)
                      for shard in leaf.addressable_shards)
   one_tensor = largest_read * (2 + 4)  # bf16 as read, then its float32 copy.

@@ -97,6 +97,7 @@ def test_text_files_follow_linked_folders_once_and_skip_empty_documents(tmp_path
                                    '{"text": "third"}\r\n'.encode("utf-8"))
   (elsewhere / "b.txt").write_text("bravo")
   os.symlink(elsewhere, root / "linked")
+  os.symlink(elsewhere, root / "same")  # A second link to the same folder: read once.
   os.symlink(root, elsewhere / "up")  # A loop: docs/linked/up is docs again.
   assert [os.path.relpath(f, root) for f in text_files.list_files(str(root))] == [
       "a.txt", "blank.txt", "bom.jsonl", "empty.txt", os.path.join("linked", "b.txt")]

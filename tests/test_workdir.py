@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 import data
+from data import sources
 from trainer import console, loop, tracking, workdir
 from trainer.checkpointing import CheckpointError
 from trainer.config_check import ConfigError
@@ -102,20 +103,28 @@ def test_a_corpus_whose_files_changed_is_refused(tiny_config, tmp_path):
   docs.mkdir()
   for i in range(3):
     (docs / f"{i}.txt").write_text(f"document {i} " * 50)
-  config = _config(tiny_config, **{"data.dataset": "text_files", "data.path": str(docs)})
-  trained_on = data.corpus_id(data_config(config))
+  config = _config(tiny_config, **{"data.dataset": "text_files", "data.path": str(docs),
+                                   "data.data_dir": str(tmp_path / "prepared")})
+
+  def corpus():
+    sources.prepare_dataset(data_config(config))
+    return data.corpus_id(data_config(config))
+
+  trained_on = corpus()
   meta = checkpoint_meta(config, "sha", trained_on)
+  for file in docs.iterdir():  # Times alone (a copy without -p, a checkout): the same corpus.
+    os.utime(file, (1, 1))
+  assert corpus() == trained_on == "text_files 1.2.0: train 2 documents " + trained_on.split(
+      "train 2 documents ")[1]
+  compatibility_check(config, str(tmp_path), "sp.model", "sha", trained_on, [])(4, meta)
   (docs / "1.txt").write_text("edited")
   (docs / "3.txt").write_text("added")
-  now = data.corpus_id(data_config(config))
-  assert now != trained_on and now.startswith("text_files-docs_")
+  now = corpus()
   check = compatibility_check(config, str(tmp_path), "sp.model", "sha", now, [])
   with pytest.raises(ConfigError, match=r"corpus is not the one the checkpoint of step 4 was "
                      r"trained on .*data.path's files changed since") as error:
     check(4, meta)
   assert "\n" not in str(error.value)
-  check = compatibility_check(config, str(tmp_path), "sp.model", "sha", trained_on, [])
-  check(4, meta)  # The same corpus resumes.
 
 
 def test_a_start_says_what_it_does_not_do(run, tiny_config, capsys):
@@ -387,7 +396,7 @@ def test_closed_loop_echoes_are_one_line_and_other_errors_pass(capsys):
   """After a failed Orbax read or write, its dropped I/O raises 'Event loop is closed' once
   per completion (36 tracebacks on a damaged OCDBT index, measured through the CLI)."""
   passed = []
-  echoes = console.ClosedLoopEchoes()
+  echoes = console.ClosedLoopEchoes(orbax_unraisable=True)
   echoes._excepthook = lambda *args: passed.append(args[1])  # pylint: disable=protected-access
   echoes._unraisablehook = lambda u: passed.append(u.exc_value)  # pylint: disable=protected-access
   for _ in range(3):
@@ -403,6 +412,10 @@ def test_closed_loop_echoes_are_one_line_and_other_errors_pass(capsys):
   assert passed == [other, abandoned] and echoes.count == 7
   assert capsys.readouterr().err.count("'Event loop is closed' and other echoes are not "
                                        "shown") == 1
+  trainer_echoes = console.ClosedLoopEchoes()  # The trainer's: only closed loops are echoes.
+  trainer_echoes._unraisablehook = passed.append  # pylint: disable=protected-access
+  trainer_echoes.unraisablehook(SimpleNamespace(exc_value=abandoned))
+  assert passed[-1].exc_value is abandoned and trainer_echoes.count == 0
 
 
 def _orbax_failure():

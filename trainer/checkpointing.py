@@ -271,9 +271,9 @@ class Checkpointer:
                    only=".params")
     except _Damaged as error:
       others = [str(other) for other in self.steps() if other != step]
-      older = (f"; --step picks another ({', '.join(others[-3:])})" if others else "")
+      pick = f"; --step picks another ({', '.join(others[-3:])})" if others else ""
       raise CheckpointError(f"checkpoint {self.directory}/{step} is damaged ({error}); "
-                            f"nothing was moved{older}") from error
+                            f"nothing was moved{pick}") from error
     return params, meta
 
   def _read(self, step: int, **items) -> Any:

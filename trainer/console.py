@@ -20,19 +20,22 @@ CLOSED_LOOP = "Event loop is closed"
 
 
 class ClosedLoopEchoes:
-  """Swallows 'Event loop is closed' errors after printing one line; passes others on."""
+  """Swallows 'Event loop is closed' errors after printing one line; passes others on. With
+  `orbax_unraisable` (the tools that only read, which stop at the first failed read), also
+  the unraisable errors of Orbax's abandoned reads."""
 
-  def __init__(self, stream=None):
+  def __init__(self, stream=None, orbax_unraisable: bool = False):
     self.count = 0
-    self._stream = stream
+    self._stream, self._orbax_unraisable = stream, orbax_unraisable
     self._excepthook, self._unraisablehook = sys.excepthook, sys.unraisablehook
 
   def _is_echo(self, value: BaseException | None, unraisable: bool = False) -> bool:
     closed_loop = isinstance(value, RuntimeError) and str(value) == CLOSED_LOOP
     # An Orbax read that nobody awaits any more (a sibling failed first) can only echo the
     # failure the caller was given: nothing can catch an unraisable error.
-    if not (closed_loop or (unraisable and value is not None and _through_orbax(
-        traceback.extract_tb(value.__traceback__)))):
+    abandoned_read = (unraisable and self._orbax_unraisable and value is not None
+                      and _through_orbax(traceback.extract_tb(value.__traceback__)))
+    if not (closed_loop or abandoned_read):
       return False
     self.count += 1
     if self.count == 1:
@@ -108,12 +111,12 @@ def install_reader_hooks() -> None:
   eval), which report a failed read in one line and stop: asyncio's 'Task exception was
   never retrieved' records of the reads abandoned with it are echoes too (hundreds of lines
   of TensorStore spec each), and these tools run no asyncio code of their own."""
-  install_hooks()
+  install_hooks(ClosedLoopEchoes(orbax_unraisable=True))
   logging.getLogger("asyncio").setLevel(logging.CRITICAL)
 
 
-def install_hooks() -> None:
+def install_hooks(echoes: ClosedLoopEchoes | None = None) -> None:
   """For the command line only (tests keep Python's and pytest's own reporting). Absl's
   logger gets `OrbaxTracebackOnce` once absl has made it."""
-  echoes = ClosedLoopEchoes()
+  echoes = echoes or ClosedLoopEchoes()
   sys.excepthook, sys.unraisablehook = echoes.excepthook, echoes.unraisablehook

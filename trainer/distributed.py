@@ -8,9 +8,14 @@ single-process run is left alone. It must run before anything touches a JAX back
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import jax
+from jax.experimental import multihost_utils
+import numpy as np
+
+from trainer.config_check import ConfigError
 
 
 def cluster_in_environment(environ: dict[str, str] | None = None) -> bool:
@@ -29,3 +34,17 @@ def initialize(coordinator_address: str | None, num_processes: int | None,
     jax.distributed.initialize(coordinator_address, num_processes, process_id)
   elif cluster_in_environment():
     jax.distributed.initialize()
+
+
+def same_everywhere(value: str, what: str) -> None:
+  """Raises ConfigError on every process unless all hold the same `value` (compared by
+  hash). Checks that each process makes against its own copy (a checkpoint's corpus and
+  tokenizer) must agree: a process that stopped alone would leave the others waiting at
+  the next collective for ever."""
+  if jax.process_count() == 1:
+    return
+  digest = np.frombuffer(hashlib.sha256(value.encode()).digest()[:8], np.int64)[0]
+  digests = multihost_utils.process_allgather(digest)
+  if (digests != digests[0]).any():
+    raise ConfigError(f"the processes do not hold the same {what} (process "
+                      f"{jax.process_index()} has {value}): give every host the same copy")

@@ -260,7 +260,10 @@ def find_max_seq_len(config: ml_collections.ConfigDict, device_memory_gib: float
   even one unit does not."""
   unit = seq_len_unit(config)
   device_memory_gib = device_memory_gib or default_memory_gib(gpu)
-  host_peaks: dict[int, int] = {}  # A probed length -> how far its compile grew host memory.
+  # A probed length -> its compile's peak host memory above what the search started with
+  # (not above what the probe started with: memory an earlier compile kept is reused).
+  host_peaks: dict[int, int] = {}
+  start_rss = host_memory.resident_bytes()
 
   def fits(seq_len: int) -> bool:
     probe = copy.deepcopy(config)
@@ -268,8 +271,8 @@ def find_max_seq_len(config: ml_collections.ConfigDict, device_memory_gib: float
     started = time.monotonic()
     with host_memory.PeakMeter() as meter:
       out, _ = memory_plan(probe, device_memory_gib, floor=False, gpu=gpu)
-    if meter.growth is not None:
-      host_peaks[seq_len] = meter.growth
+    if meter.peak is not None and start_rss is not None:
+      host_peaks[seq_len] = max(0, meter.peak - start_rss)
     log(f"  {seq_len:>12,} tokens: {out['total_bytes'] / GIB:7.1f} GiB  "
         f"{'fits' if out['fits'] else 'does not fit'}  [compiled in "
         f"{time.monotonic() - started:.0f} s]")
@@ -284,7 +287,7 @@ def find_max_seq_len(config: ml_collections.ConfigDict, device_memory_gib: float
       if 2 * low > MAX_SEARCHED_SEQ_LEN:
         log(f"{low:,} tokens fit; the search stops at {MAX_SEARCHED_SEQ_LEN:,}")
         return low
-      beyond_host = _beyond_host_memory(host_peaks, 2 * low)
+      beyond_host = _beyond_host_memory(host_peaks, 2 * low, _room(start_rss))
       if beyond_host:
         log(f"{low:,} tokens fit; {2 * low:,} were not tried: {beyond_host}")
         return low
@@ -312,22 +315,29 @@ def find_max_seq_len(config: ml_collections.ConfigDict, device_memory_gib: float
   return low
 
 
-def _beyond_host_memory(host_peaks: dict[int, int], seq_len: int) -> str | None:
-  """Why compiling `seq_len` would likely run this host out of memory (which the OS answers
-  with a silent kill), or None. Extrapolates the last doubling's growth: the schedule's
-  tile tables grow with the square of the tiles per block, so a compile's host memory can
-  grow up to 4x per doubling (the tiny config's 32-token tiles: 2 GB at 1M, 7 GB at 2M)."""
-  available = host_memory.available_bytes()
+def _room(start_rss: int | None) -> int | None:
+  """How far this process may grow above `start_rss` before the host runs out."""
+  available, rss = host_memory.available_bytes(), host_memory.resident_bytes()
+  return None if None in (available, rss, start_rss) else available + rss - start_rss
+
+
+def _beyond_host_memory(host_peaks: dict[int, int], seq_len: int,
+                        room: int | None) -> str | None:
+  """Why compiling `seq_len` would likely take more host memory than `room` (which the OS
+  answers with a silent kill), or None. Extrapolates the last doubling's growth, between
+  1x and 4x per doubling: the schedule's tile tables grow with the square of the tiles per
+  block (the tiny config's 32-token tiles took 2 GB at 1M tokens, 7 GB at 2M)."""
   probed = sorted(length for length in host_peaks if length < seq_len)
-  if available is None or len(probed) < 2:
+  if room is None or len(probed) < 2:
     return None
   last, before = probed[-1], probed[-2]
-  ratio = max(1.0, host_peaks[last] / max(host_peaks[before], 1))
-  per_doubling = ratio ** (1 / math.log2(last / before))
+  ratio = host_peaks[last] / max(host_peaks[before], 1)
+  per_doubling = min(4.0, max(1.0, ratio ** (1 / math.log2(last / before))))
   need = host_peaks[last] * per_doubling ** math.log2(seq_len / last)
-  if need <= available:
+  if need <= room:
     return None
-  return (f"its compile would take about {need / 1e9:.0f} GB of host memory ({last:,} tokens "
-          f"took {host_peaks[last] / 1e9:.1f} GB, {host_peaks[before] / 1e9:.1f} GB at "
-          f"{before:,}), and {available / 1e9:.0f} GB are free; search on a machine with more "
-          f"to go further")
+  return (f"its compile would take about {need / host_memory.GB:.0f} GB more host memory "
+          f"({last:,} tokens took {host_peaks[last] / host_memory.GB:.1f} GB, "
+          f"{host_peaks[before] / host_memory.GB:.1f} GB at {before:,}), and "
+          f"{room / host_memory.GB:.0f} GB are free; search on a machine with more to go "
+          f"further")

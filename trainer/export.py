@@ -107,6 +107,10 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str = "bfloat
     hf_config = hf_config_of(cfg, config.data.seq_len, pieces.bos_id(), pieces.eos_id(), dtype)
     with open(os.path.join(partial, "config.json"), "w") as f:
       json.dump(hf_config, f, indent=2)
+    # safetensors creates its files 0600: give them config.json's mode (the umask's).
+    mode = os.stat(os.path.join(partial, "config.json")).st_mode & 0o777
+    for file in set(plan.values()):
+      os.chmod(os.path.join(partial, file), mode)
     shutil.copyfile(tokenizer, os.path.join(partial, "tokenizer.model"))
     if os.path.isdir(out):
       os.rmdir(out)  # Empty, checked above.
@@ -152,10 +156,6 @@ def _write_shards(tensors, plan: dict[str, str], directory: str, log) -> int:
   def flush():
     file = plan[next(iter(shard))]
     save_file(shard, os.path.join(directory, file), metadata={"format": "pt"})
-    # safetensors creates its file as 0600; the export is shared like config.json beside it.
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(os.path.join(directory, file), 0o666 & ~umask)
     log(f"  wrote {file} ({len(shard)} tensors, {time.perf_counter() - start:.1f} s)")
     shard.clear()
 

@@ -38,25 +38,29 @@ def available_bytes() -> int | None:
   return None if kib is None else kib * 1024
 
 
+def resident_bytes() -> int | None:
+  """This process's resident memory now; None if unknown."""
+  kib = _proc_kib("/proc/self/status", "VmRSS")
+  return None if kib is None else kib * 1024
+
+
 class PeakMeter:
-  """`with PeakMeter() as meter:` ... then `meter.growth`: how far this process's resident
-  memory peaked above what it held on entry, in bytes (None where it cannot be measured)."""
+  """`with PeakMeter() as meter:` ... then `meter.peak`: the most resident memory this process
+  held during the block, in bytes (None where it cannot be measured)."""
 
   def __enter__(self) -> "PeakMeter":
-    self.growth = None
+    self.peak = None
     try:  # "5" resets the peak (VmHWM) to the current resident size (Linux >= 4.0).
       with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
         f.write("5")
+      self._measured = True
     except OSError:
-      self._before = None
-    else:
-      self._before = _proc_kib("/proc/self/status", "VmRSS")
+      self._measured = False
     return self
 
   def __exit__(self, *exc) -> None:
-    peak = _proc_kib("/proc/self/status", "VmHWM")
-    if self._before is not None and peak is not None:
-      self.growth = max(0, peak - self._before) * 1024
+    peak = _proc_kib("/proc/self/status", "VmHWM") if self._measured else None
+    self.peak = None if peak is None else peak * 1024
 
 
 def bytes_on_this_host(abstract_state) -> int:

@@ -21,7 +21,7 @@ from jax.experimental import multihost_utils
 import data
 import parallelism
 from model import ModelConfig
-from trainer import flops, hf_import, host_memory, stages
+from trainer import distributed, flops, hf_import, host_memory, stages
 from trainer.checkpointing import CheckpointError, Checkpointer
 from trainer.config_check import ConfigError
 from trainer.profiling import StepProfiler
@@ -75,6 +75,8 @@ def _train(config, workdir: str, start_over: bool, signals: StopSignals,
   tokenizer_file = data.tokenizer_path(data_cfg)
   tokenizer_sha256 = file_sha256(tokenizer_file)  # Read once: checked on restore, then stored.
   corpus = data.corpus_id(data_cfg)  # The same: its data position indexes these documents.
+  distributed.same_everywhere(corpus, "prepared corpus")  # Else a check stops some of them.
+  distributed.same_everywhere(tokenizer_sha256, "tokenizer file")
   records = run_records(config) if is_writer else None  # For config.json and W&B alike.
   log = (lambda line: print(line, flush=True)) if is_writer else (lambda line: None)
 

@@ -128,10 +128,13 @@ def compatibility_check(config: ml_collections.ConfigDict, workdir: str, tokeniz
       stage = meta.get("stage")  # Staged runs: stages after the checkpoint's may change.
       report[:] = compare(stored, config, where, stage["stage"] if stage else None)
     # Before the tokenizer: a corpus that changed explains a tokenizer trained on it anew.
-    recorded_corpus = meta.get("corpus")  # Absent from checkpoints written before it was.
-    if recorded_corpus and recorded_corpus != corpus:
-      fix = ("data.path's files changed since (names, sizes or times): restore them, or train "
-             "on the new ones in a new --workdir" if config.data.dataset == "text_files" else
+    recorded_corpus = meta.get("corpus")
+    if not recorded_corpus:
+      print(f"note: {where} records no corpus (it predates them), so the data is not checked "
+            f"against it", flush=True)
+    elif recorded_corpus != corpus:
+      fix = ("data.path's files changed since: restore them, or train on the new ones in a "
+             "new --workdir" if config.data.dataset == "text_files" else
              "resume with that corpus, or use a new --workdir")
       raise ConfigError(f"the corpus is not the one {where} was trained on ({recorded_corpus}, "
                         f"now {corpus}), so its data position would index other documents; "

@@ -70,7 +70,7 @@ def flag_error(error: Exception) -> str:
   return message
 
 
-_HELP_FLAGS = ("--help", "-help", "--helpshort", "--helpfull", "-?")
+_HELP_FLAGS = ("help", "helpshort", "helpfull", "helpxml", "?")  # absl's, with - or --.
 
 
 def _argv_value(argv: list[str], name: str) -> str | None:
@@ -94,7 +94,8 @@ def parse_run_flags(argv: list[str], define_flags: Callable[[], None], allow_hf:
 
   workdir, hf_dir = _argv_value(argv, "--workdir"), _argv_value(argv, "--from_hf")
   # Help lists the flags, so it needs none of them: its config fields are base.py's.
-  wants_help = any(arg.split("=")[0] in _HELP_FLAGS for arg in argv[1:])
+  wants_help = any(arg.split("=")[0].lstrip("-") in _HELP_FLAGS for arg in argv[1:]
+                   if arg.startswith("-"))
   if bool(workdir) == bool(hf_dir and allow_hf) and not wants_help:
     sys.exit("error: pass --workdir=RUN (a run directory of `python -m trainer`)"
              + (" or --from_hf=DIR (a Hugging Face LLaMA directory)" if allow_hf else ""))
