@@ -40,11 +40,17 @@ from parallelism.strategies import splits  # noqa: E402
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--config", default="configs/7b_256k_striped.py", help="configs/NAME.py")
+  parser.add_argument("--config", default="configs/7b_256k_striped.py",
+                      help="configs/NAME.py, or configs/NAME.py:ARG as for the trainer")
   parser.add_argument("--devices", default="8,64", help="comma-separated sequence devices")
   args = parser.parse_args()
-  name = os.path.splitext(os.path.basename(args.config))[0]
-  config = importlib.import_module(f"configs.{name}").get_config()
+  path, _, argument = args.config.partition(":")
+  name = os.path.splitext(os.path.basename(path))[0]
+  module = importlib.import_module(f"configs.{name}")
+  config = module.get_config(argument) if argument else module.get_config()
+  if config.model.attention == "dense":
+    parser.error(f"{args.config} has model.attention='dense', which does not split the "
+                 f"sequence; name a ring layout (e.g. configs/tiny_cpu.py:striped)")
   m = config.model
   head_dim = m.head_dim or m.d_model // m.num_heads
   itemsize = jnp.dtype(m.dtype).itemsize

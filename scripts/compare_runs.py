@@ -131,7 +131,9 @@ def build_figure(runs: list[Run]) -> mpl_figure.Figure:
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-  parser.add_argument("--out", default="compare.png", help="PNG to write (default compare.png)")
+  parser.add_argument("--out", default=os.path.join("runs", "compare.png"),
+                      help="PNG to write (default runs/compare.png, beside the runs and out of "
+                           "git)")
   args = parser.parse_args(argv)
   runs = []
   for path in args.run_dirs:
@@ -141,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
       print(f"error: cannot read run {path}: {error}", file=sys.stderr)
       return 1
   print(table(runs))
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   build_figure(runs).savefig(args.out, dpi=110)
   print(f"wrote {args.out}")
   return 0

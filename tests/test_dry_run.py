@@ -12,7 +12,7 @@ import pytest
 
 import data
 import parallelism
-from trainer import dry_run, plan_report
+from trainer import dry_run, flops, plan_report
 from trainer.config_check import ConfigError
 from trainer.training import build_training
 from trainer.state import init_state
@@ -69,6 +69,30 @@ def test_cli_dry_run_prints_verdict():
   assert result.returncode == 0, result.stderr[-2000:]
   assert "mesh: data=1 x fsdp=2 x sequence=4 x ulysses=1 x tensor=1 = 8 devices" in result.stdout
   assert "fits in 80 GiB per device (" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("args, wandb_mode, message", [
+    (("--dry_run", "--plan_mfu=0"), "", "--plan_mfu=0 must be in (0, 1]"),  # Was a ZeroDivision.
+    (("--dry_run", "--device_memory_gib=-5"), "", "--device_memory_gib=-5 must be positive"),
+    (("--plan_compiler=cpu",), "", "--plan_compiler plans: pass it with --dry_run"),  # Trained.
+    ((), "bogus", "W&B mode 'bogus' (from WANDB_MODE or config.wandb.mode) is not one of "
+                  "auto, online, offline, disabled"),  # Was a traceback, after the workdir.
+])
+def test_flags_out_of_place_or_range_stop_in_one_line(tmp_path, args, wandb_mode, message):
+  env = {**os.environ, "WANDB_MODE": wandb_mode}
+  result = subprocess.run(
+      [sys.executable, "-m", "trainer", "--config", "configs/tiny_cpu.py",
+       f"--workdir={tmp_path / 'run'}", *args], cwd=ROOT, env=env, capture_output=True,
+      text=True, timeout=120, check=False)
+  assert result.returncode == 1 and result.stderr.strip().splitlines() == [f"error: {message}"]
+  assert not (tmp_path / "run").exists()
+
+
+def test_a_cpu_compile_is_checked_against_the_accelerators_memory():
+  """Not 80 GiB for every kind: a TPU v5e has 16."""
+  assert set(flops.MEMORY_GIB) == set(flops.PEAK_FLOPS)
+  assert dry_run.default_memory_gib(None, "tpu_v5e") == 16.0
+  assert dry_run.default_memory_gib(None) == 80.0
 
 
 def test_abstract_batch_is_what_the_loop_sends():

@@ -393,7 +393,7 @@ def test_compare_runs_prints_a_table_and_plots_both_runs(dense_run, tmp_path, ca
   monkeypatch.setitem(sys.modules, "compare_runs", compare)  # dataclasses look it up.
   spec.loader.exec_module(compare)
   capsys.readouterr()
-  out_png = tmp_path / "cmp.png"
+  out_png = tmp_path / "not_yet" / "cmp.png"  # Its folder is made (was a PIL traceback).
   dirs = [str(dense_run[0]), str(tmp_path / "other")]
   assert compare.main(dirs + ["--out", str(out_png)]) == 0
   lines = capsys.readouterr().out.splitlines()

@@ -28,7 +28,8 @@ import ml_collections
 from ml_collections import config_flags
 
 import data
-from trainer import distributed, hf_import, plan_target, profiling, run_flags, stages
+from trainer import (distributed, hf_import, plan_target, profiling, run_flags, stages,
+                     wandb_tracker)
 from trainer.config_check import ConfigError, check_config
 from trainer.checkpointing import CheckpointError
 from model.hf_format import HFFormatError
@@ -50,7 +51,7 @@ _FIND_MAX = flags.DEFINE_bool(
     "--device_memory_gib, by compiles at doubling then bisected lengths.")
 _MEMORY_GIB = flags.DEFINE_float("device_memory_gib", None,
                                  "Dry run: memory of one accelerator to check the plan against "
-                                 "(default: the described GPU's, 80 for a CPU compile).")
+                                 "(default: the described GPU's; for a CPU compile, --plan_accelerator's).")
 _PLAN_COMPILER = flags.DEFINE_enum(
     "plan_compiler", "auto", list(plan_target.COMPILERS), "Dry run: compile for described GPUs of "
     "--plan_accelerator's kind (gpu: XLA's GPU compiler, installed by `make plan_gpu`), or for "
@@ -139,6 +140,25 @@ def _config() -> ml_collections.ConfigDict:
     _exit_config_unloadable(error)
 
 
+_PLAN_FLAGS = ("device_memory_gib", "plan_compiler", "plan_mfu", "plan_accelerator",
+               "intra_node_gbps", "inter_node_gbps", "node_size")
+
+
+def _plan_flags_problem() -> str | None:
+  """A plan flag without --dry_run (training would ignore it), or out of range."""
+  given = [name for name in _PLAN_FLAGS if flags.FLAGS[name].present]
+  if given and not _DRY_RUN.value:
+    return f"--{given[0]} plans: pass it with --dry_run"
+  if _MEMORY_GIB.value is not None and _MEMORY_GIB.value <= 0:
+    return f"--device_memory_gib={_MEMORY_GIB.value:g} must be positive"
+  if not 0 < _PLAN_MFU.value <= 1:
+    return f"--plan_mfu={_PLAN_MFU.value:g} must be in (0, 1]"
+  for flag in (_INTRA_GBPS, _INTER_GBPS, _NODE_SIZE):
+    if flag.value <= 0:
+      return f"--{flag.name}={flag.value:g} must be positive"
+  return None
+
+
 def main(argv: list[str]) -> None:
   del argv
   logging.set_verbosity(logging.WARNING)  # JAX's INFO lines (absent TPU etc.) are noise here.
@@ -148,6 +168,9 @@ def main(argv: list[str]) -> None:
     sys.exit("error: --find_max_seq_len and --compare_strategies plan: pass them with --dry_run")
   if _FIND_MAX.value and _COMPARE.value:
     sys.exit("error: pass one of --find_max_seq_len and --compare_strategies")
+  problem = _plan_flags_problem()
+  if problem:
+    sys.exit(f"error: {problem}")
   if _PROFILE_STEPS.value and _DRY_RUN.value:
     sys.exit("error: --profile_steps traces training steps; a --dry_run trains none")
   try:
@@ -186,6 +209,10 @@ def main(argv: list[str]) -> None:
     if jax.process_count() > 1:  # `train` installs no handler then (see stop_signals.StopSignals):
       signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is an error exit.
     check_config(config, jax.device_count())
+    try:  # WANDB_MODE too, which the config check does not read: before the workdir exists.
+      wandb_tracker.resolve_mode(config.wandb.mode)
+    except ValueError as error:
+      raise ConfigError(str(error)) from None
     last_step = stages.plan(config)[-1].last_step
     if profile_steps and profile_steps[0] > last_step:
       raise ConfigError(f"--profile_steps={_PROFILE_STEPS.value} starts after the run's last "

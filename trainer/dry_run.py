@@ -143,7 +143,8 @@ def plan(config: ml_collections.ConfigDict, device_memory_gib: float | None = No
   see `plan_target.gpu_target`) and prints (and returns) the plan.
 
   Byte figures are per device; FLOPs are per step, for the whole mesh unless named
-  `per_device`. `device_memory_gib` defaults to the described GPU's memory (80 on the CPU).
+  `per_device`. `device_memory_gib` defaults to the described GPU's memory, else the
+  accelerator's (`flops.MEMORY_GIB`).
   `floor` adds the float32 compile that bounds the CPU's promotion. Raises ConfigError for a
   config that cannot run or an unknown accelerator.
   """
@@ -152,7 +153,7 @@ def plan(config: ml_collections.ConfigDict, device_memory_gib: float | None = No
                       f"{', '.join(flops.PEAK_FLOPS)}")
   gpu = plan_target.gpu_target(compiler, accelerator)
   budget = plan_target.budget_label(gpu) if gpu and not device_memory_gib else None
-  device_memory_gib = device_memory_gib or default_memory_gib(gpu)
+  device_memory_gib = device_memory_gib or default_memory_gib(gpu, accelerator)
   start = time.monotonic()
   out, compiled = memory_plan(config, device_memory_gib, floor, gpu)
   compile_s = time.monotonic() - start
@@ -172,10 +173,10 @@ def plan(config: ml_collections.ConfigDict, device_memory_gib: float | None = No
   return out
 
 
-def default_memory_gib(gpu: str | None) -> float:
+def default_memory_gib(gpu: str | None, accelerator: str = "h100") -> float:
   """What a plan is checked against unless told: what JAX may use of the described GPU's
-  memory (`plan_target.memory_gib`), else 80 GiB."""
-  return plan_target.memory_gib(gpu) if gpu else 80.0
+  memory (`plan_target.memory_gib`), else the accelerator's memory (a TPU v5e's 16 GiB)."""
+  return plan_target.memory_gib(gpu) if gpu else float(flops.MEMORY_GIB[accelerator])
 
 
 def memory_plan(config: ml_collections.ConfigDict, device_memory_gib: float,

@@ -92,7 +92,7 @@ def compare(config: ml_collections.ConfigDict, device_memory_gib: float | None =
   returns the rows. Each split compiles once (for described `gpu`s, else fake CPU devices),
   in the config's layout: the layouts differ in the schedule (balance, so time), not in
   what the step holds."""
-  device_memory_gib = device_memory_gib or dry_run.default_memory_gib(gpu)
+  device_memory_gib = device_memory_gib or dry_run.default_memory_gib(gpu, accelerator)
   if config.model.attention == "dense":
     raise ConfigError("--compare_strategies compares ways to split the sequence; "
                       "model.attention='dense' does not split it")
