@@ -309,7 +309,8 @@ class _CaptureFds:
 def dense_run(tmp_path_factory, shared_data_dir):
   """A tiny dense run, secrets planted in its environment: 3 steps in W&B `online` mode
   against a server that is not there (so it falls back to offline), then resumed to 6 steps
-  in `offline` mode. Returns (workdir, console output of the first part)."""
+  in `offline` mode, then run again with nothing to do. Returns (workdir, console output of
+  the first part)."""
   from trainer.loop import train  # pylint: disable=g-import-not-at-top  # Needs `data`.
 
   workdir = tmp_path_factory.mktemp("runs") / "dense"
@@ -330,6 +331,7 @@ def dense_run(tmp_path_factory, shared_data_dir):
     monkeypatch.setenv("WANDB_MODE", "offline")
     config.train.steps = 6
     train(config, str(workdir))
+    train(config, str(workdir))  # Nothing to do: no third W&B run.
   return workdir, console.text
 
 
@@ -338,8 +340,8 @@ def test_online_run_with_an_unreachable_server_completes_offline(dense_run):
   warnings = [line for line in console.splitlines() if "falling back to offline" in line]
   assert len(warnings) == 1, console
   assert "done: step 3" in console
-  assert all(d.startswith("offline-run-") for d in os.listdir(workdir / "wandb")
-             if d.startswith(("run-", "offline-run-")))
+  runs = [d for d in os.listdir(workdir / "wandb") if d.startswith(("run-", "offline-run-"))]
+  assert len(runs) == 2 and all(d.startswith("offline-run-") for d in runs), runs
 
 
 def test_offline_history_holds_the_metrics_and_the_resumed_run_continues_it(dense_run):

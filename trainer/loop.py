@@ -142,7 +142,7 @@ def _train(config, workdir: str, start_over: bool, signals: StopSignals,
               functools.partial(eval_step, model=parts.model, evaluator=evaluator),
               in_shardings=(parts.shardings.params, parts.batch_sharding))
           if is_writer and not trackers:  # Once the first step is near: files, W&B run.
-            trackers = make_trackers(config, workdir, records, plan[-1].last_step)
+            trackers = make_trackers(config, workdir, records, plan[-1].last_step, step)
           run = _Run(stage, stage_model_cfg, mesh, checkpointer, trackers, iterator, eval_fn,
                      evaluator, {**checkpoint_meta(config, tokenizer_sha256, corpus),
                                  **stage.checkpoint_meta()})
@@ -209,12 +209,12 @@ def _initial_state(config, model_cfg: ModelConfig, parts: "Training", log) -> Tr
   return state_from_params(params, parts.optimizer, parts.shardings)
 
 
-def make_trackers(config: ml_collections.ConfigDict, workdir: str,
-                  records: dict[str, Any], total_steps: int) -> list[Tracker]:
-  """The trackers of process 0 for this run: JSONL, console, and W&B unless disabled."""
-  return [JsonlTracker(os.path.join(workdir, "metrics.jsonl")),
-          ConsoleTracker(total_steps),
-          wandb_tracker.make(config, workdir, records)]
+def make_trackers(config: ml_collections.ConfigDict, workdir: str, records: dict[str, Any],
+                  total_steps: int, step: int) -> list[Tracker]:
+  """The trackers of process 0 for this run: JSONL, console, and W&B unless disabled or
+  there is nothing left to train (a W&B run, or an online start's wait, for no step)."""
+  return [JsonlTracker(os.path.join(workdir, "metrics.jsonl")), ConsoleTracker(total_steps),
+          *([wandb_tracker.make(config, workdir, records)] if step < total_steps else [])]
 
 
 def _prepare_data(data_cfg: data.DataConfig, is_writer: bool) -> None:
