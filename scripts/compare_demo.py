@@ -33,8 +33,9 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path[:0] = [os.path.join(ROOT, "scripts"), ROOT]
 import compare_runs  # noqa: E402  (the table and PNG of any two workdirs)
+from configs import tiny_cpu  # noqa: E402  (what the demo trains)
 
 LAYOUTS = ("ring", "striped")
 RESULTS = os.path.join(ROOT, "results", "compare_demo.jsonl")
@@ -49,8 +50,9 @@ def _free_port() -> int:
 def _overrides(args) -> list[str]:
   return [f"--config.data.seq_len={args.seq_len}", "--config.train.batch_size=1",
           f"--config.train.steps={args.steps}", "--config.train.log_every=1",
-          # The tiny config warms up for 10 steps; a shorter demo warms up for all but one.
-          f"--config.train.warmup_steps={min(10, args.steps - 1)}",
+          # A demo shorter than the config's warm-up warms up for all but one step.
+          f"--config.train.warmup_steps="
+          f"{min(tiny_cpu.get_config().train.warmup_steps, args.steps - 1)}",
           "--config.train.eval_every=0", f"--config.checkpoint.every_steps={args.steps}",
           "--config.model.dtype=float32",  # XLA:CPU's bfloat16 matmuls are emulated, slower.
           f"--config.model.attention_tile={args.tile}",

@@ -64,6 +64,7 @@ from trainer import flops, host_memory, plan_target
 from model.config import layout_of
 from trainer.config_check import ConfigError, check_config
 from trainer.plan_report import GIB, print_plan
+from trainer.state import shard_bytes
 from trainer.training import build_training, model_config
 
 MAX_SEARCHED_SEQ_LEN = 1 << 27  # --find_max_seq_len doubles up to 128M tokens at most.
@@ -101,10 +102,9 @@ def fake_devices(count: int) -> list[jax.Device]:
   return devices
 
 
-def shard_bytes(tree) -> int:
-  """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the largest shard)."""
-  return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
-             for leaf in jax.tree.leaves(tree))
+def tree_shard_bytes(tree) -> int:
+  """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the largest shards)."""
+  return sum(shard_bytes(leaf) for leaf in jax.tree.leaves(tree))
 
 
 def compile_step(config: ml_collections.ConfigDict, mesh) -> tuple[Any, Any]:
@@ -197,8 +197,8 @@ def memory_plan(config: ml_collections.ConfigDict, device_memory_gib: float,
   out = {"devices": count, "mesh": dict(mesh.shape),
          "compiled_for": devices[0].device_kind if gpu else "cpu",
          "params": sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)),
-         "param_bytes": shard_bytes(state.params),
-         "opt_state_bytes": shard_bytes(state.opt_state), **memory_figures(compiled)}
+         "param_bytes": tree_shard_bytes(state.params),
+         "opt_state_bytes": tree_shard_bytes(state.opt_state), **memory_figures(compiled)}
   if gpu:
     return with_verdict(accelerator_figures(out), device_memory_gib), compiled
   out["total_bytes"] = out["peak_bytes"] + out["code_bytes"]

@@ -10,13 +10,9 @@ the figures are None and nothing is checked.
 
 from __future__ import annotations
 
-import math
-
 import jax
-from jax.experimental import multihost_utils
-import numpy as np
 
-from trainer.config_check import ConfigError
+from trainer.state import shard_bytes
 
 GB = 1e9
 
@@ -66,8 +62,8 @@ class PeakMeter:
 def bytes_on_this_host(abstract_state) -> int:
   """Bytes a tree of sharded ShapeDtypeStructs takes on this process's devices, every copy
   counted: a replicated leaf is held once per device."""
-  return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
-             * len(leaf.sharding.addressable_devices) for leaf in jax.tree.leaves(abstract_state))
+  return sum(shard_bytes(leaf) * len(leaf.sharding.addressable_devices)
+             for leaf in jax.tree.leaves(abstract_state))
 
 
 def cpu_state_problem(abstract_state, available: int | None = None) -> str | None:
@@ -82,17 +78,3 @@ def cpu_state_problem(abstract_state, available: int | None = None) -> str | Non
           f"(CPU devices live in it), and {available / GB:.1f} GB are free: this run cannot "
           f"train on this machine. Plan it for accelerators with --dry_run, or train a "
           f"smaller model")
-
-
-def check_cpu_state(abstract_state) -> None:
-  """Raises ConfigError if this process's or any other's CPU devices cannot hold their part
-  of the state. Every process decides alike: one that went on alone would wait forever at
-  the next collective for those that stopped."""
-  problem = cpu_state_problem(abstract_state)
-  if jax.process_count() > 1:
-    refused = multihost_utils.process_allgather(np.int32(problem is not None))
-    if refused.any() and not problem:
-      problem = (f"process {int(np.argmax(refused))} cannot hold its part of the training "
-                 f"state in its host's memory (its own line says how much)")
-  if problem:
-    raise ConfigError(problem)

@@ -14,6 +14,7 @@ output it throws away.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -102,3 +103,8 @@ def init_state(model: Decoder, optimizer: optax.GradientTransformation, sharding
   mesh = shardings.step.mesh
   return jax.jit(lambda rng: _init(model, optimizer, rng, mesh),
                  out_shardings=shardings)(jax.random.key(seed))
+
+
+def shard_bytes(leaf) -> int:
+  """Bytes of one device's shard (the largest) of a sharded ShapeDtypeStruct."""
+  return math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
