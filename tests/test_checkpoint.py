@@ -12,11 +12,12 @@ import jax
 from flax import linen as nn
 import numpy as np
 import pytest
+import tensorstore
 
 import data
 import parallelism
 from trainer import loop
-from trainer.checkpointing import CheckpointError, Checkpointer, open_step
+from trainer.checkpointing import CheckpointError, Checkpointer, _first_line, open_step
 from trainer.loop import NonFiniteError, train
 from trainer.optimizer import make_schedule
 
@@ -254,7 +255,7 @@ def test_full_disk_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path, tin
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and re.fullmatch(
         r"error: saving step 20 failed \(.*No space left on device.*\); the newest committed "
-        r"checkpoint is step 10 in .*/run/checkpoints", errors[0]), err[-3000:]
+        r"checkpoint is step 10 in .*/run/checkpoints", errors[0]), (errors, err[-3000:])
     assert (out + err).count("Traceback") <= 1  # Orbax's first log of the failure only.
     # Noticed within a step or two of the failure, not at the next save (step 30).
     assert max(_losses(workdir)) <= 23, max(_losses(workdir))
@@ -264,3 +265,15 @@ def test_full_disk_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path, tin
     assert _checkpoint_values(workdir, _config(tiny_config), (1, 2, 4, 1, 1))[0] == 10
   finally:
     subprocess.run(["umount", str(mount_point)], check=False)
+
+
+def test_an_error_line_keeps_the_os_reason_tensorstore_puts_before_its_spec(tmp_path):
+  """TensorStore writes its spec (hundreds of characters) between the OS's reason and the error
+  code; shortening the line in the middle cut the reason out ("No space left on device" in CI)."""
+  (tmp_path / "a_file").touch()
+  spec = {"driver": "zarr", "kvstore": {"driver": "file", "path": str(tmp_path / "a_file" / "x")}}
+  with pytest.raises(ValueError) as raised:
+    tensorstore.open(spec, create=True, dtype=tensorstore.float32, shape=[8]).result()
+  assert "tensorstore_spec" in str(raised.value) and len(str(raised.value)) > 300
+  line = _first_line(raised.value)
+  assert "Not a directory" in line and "tensorstore_spec" not in line, line

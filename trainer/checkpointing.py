@@ -26,6 +26,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import time
 from typing import Any, Callable
 
@@ -66,12 +67,17 @@ def _not_about_the_files(error: BaseException) -> bool:
   return False
 
 
+_TENSORSTORE_SPEC = re.compile(r" ?\[tensorstore_spec='(?:[^'\\]|\\.)*'\]")
+
+
 def _first_line(error: BaseException, limit: int = 300) -> str:
   """An error's first line, shortened in the middle: TensorStore puts the OS's reason ("No
   space left on device") at the end of a long line of paths."""
   line = (str(error).splitlines() or [type(error).__name__])[0]
-  # TensorStore ends some messages with a pybind11 repr of its spec: no reason, only noise.
+  # TensorStore ends some messages with a pybind11 repr of its spec, and puts the spec itself
+  # (hundreds of characters) between the OS's reason and the error code: no reason, only noise.
   line = line.split(" See full TensorStore details:")[0]
+  line = _TENSORSTORE_SPEC.sub("", line)
   return line if len(line) <= limit else f"{line[:limit // 2]} ... {line[-limit // 2:]}"
 
 
