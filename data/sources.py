@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -93,6 +94,9 @@ def prepare_dataset(cfg: DataConfig) -> tfds.core.DatasetBuilder:
     print(f"preparing {cfg.dataset} ({builder.builder_config.name}) under {cfg.data_dir}",
           flush=True)
   os.makedirs(cfg.data_dir, exist_ok=True)
+  # TFDS's nested bars redraw with carriage returns and cursor-up escapes: on a terminal that
+  # is progress, in a job's log file it is kilobytes of escapes and blanks per split.
+  tfds.display_progress_bar(sys.stderr.isatty())
   try:
     builder.download_and_prepare(
         file_format=FILE_FORMAT,

@@ -73,8 +73,11 @@ def test_text_files_builds_skips_bad_files_and_yields_batches(text_cfg, capsys):
   assert "preparing" not in capsys.readouterr().out
 
 
-def test_a_first_preparation_logs_no_tfds_warning(tmp_path, caplog):
-  """TFDS warns that a dataset not prepared yet has no dataset_info.json: every first run."""
+def test_a_first_preparation_logs_no_tfds_warning_nor_bars_into_a_file(tmp_path, caplog,
+                                                                        capfd):
+  """TFDS warns that a dataset not prepared yet has no dataset_info.json: every first run. And
+  its progress bars, redrawn with carriage returns and cursor-up escapes, are for terminals:
+  a job's log file (here pytest's capture) gets none."""
   _write_corpus(tmp_path / "docs", bad=False)
   cfg = data.DataConfig(dataset="text_files", path=str(tmp_path / "docs"),
                         data_dir=str(tmp_path / "prepared"))
@@ -82,6 +85,8 @@ def test_a_first_preparation_logs_no_tfds_warning(tmp_path, caplog):
     sources.prepare_dataset(cfg)
   assert sources.split_source(cfg, "train")
   assert not [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+  output = "".join(capfd.readouterr())
+  assert "preparing text_files" in output and "\r" not in output and "\x1b[" not in output
 
 
 def test_text_files_follow_linked_folders_once_and_skip_empty_documents(tmp_path):
