@@ -12,7 +12,7 @@ import pytest
 
 import data
 import parallelism
-from trainer import dry_run, flops, plan_report
+from trainer import dry_run, flops, plan_report, plan_target
 from trainer.config_check import ConfigError
 from trainer.training import build_training
 from trainer.state import init_state
@@ -64,17 +64,25 @@ def test_cli_dry_run_prints_verdict():
   env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
   result = subprocess.run(
       [sys.executable, "-m", "trainer", "--config", "configs/tiny_cpu.py", "--dry_run",
-       "--plan_compiler=cpu", "--config.model.dtype=float32"],
+       "--plan_compiler=cpu", "--plan_accelerator=tpu_v5e", "--config.model.dtype=float32"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
   assert result.returncode == 0, result.stderr[-2000:]
   assert "mesh: data=1 x fsdp=2 x sequence=4 x ulysses=1 x tensor=1 = 8 devices" in result.stdout
-  assert "fits in 80 GiB per device (" in result.stdout, result.stdout
+  assert "fits in 16 GiB per device (" in result.stdout, result.stdout
 
 
 @pytest.mark.parametrize("args, wandb_mode, message", [
     (("--dry_run", "--plan_mfu=0"), "", "--plan_mfu=0 must be in (0, 1]"),  # Was a ZeroDivision.
     (("--dry_run", "--device_memory_gib=-5"), "", "--device_memory_gib=-5 must be positive"),
+    (("--dry_run", "--compare_strategies", "--intra_node_gbps=nan"), "",
+     "--intra_node_gbps=nan must be positive"),
+    (("--dry_run", "--plan_accelerator=tpu_v6"), "", "flag --plan_accelerator=tpu_v6: value "
+     "should be one of <h100|h100_pcie|h200|a100|tpu_v4|tpu_v5e|tpu_v5p>"),  # Was a KeyError.
     (("--plan_compiler=cpu",), "", "--plan_compiler plans: pass it with --dry_run"),  # Trained.
+    (("--find_max_seq_len",), "", "--find_max_seq_len plans: pass it with --dry_run"),
+    (("--dry_run", "--find_max_seq_len", "--plan_mfu=0.5"), "",
+     "--plan_mfu is read by a plain --dry_run and --compare_strategies only"),  # Was ignored.
+    (("--dry_run", "--node_size=4"), "", "--node_size is read by --compare_strategies only"),
     ((), "bogus", "W&B mode 'bogus' (from WANDB_MODE or config.wandb.mode) is not one of "
                   "auto, online, offline, disabled"),  # Was a traceback, after the workdir.
 ])
@@ -88,11 +96,18 @@ def test_flags_out_of_place_or_range_stop_in_one_line(tmp_path, args, wandb_mode
   assert not (tmp_path / "run").exists()
 
 
-def test_a_cpu_compile_is_checked_against_the_accelerators_memory():
-  """Not 80 GiB for every kind: a TPU v5e has 16."""
-  assert set(flops.MEMORY_GIB) == set(flops.PEAK_FLOPS)
+def test_a_cpu_compile_is_checked_against_the_accelerators_memory(tiny_config, monkeypatch):
+  """Not 80 GiB for every kind: a TPU v5e has 16, and a described GPU the same figure whether
+  the plan compiles for it or for CPUs; the search for the longest length uses it too."""
+  assert set(flops.MEMORY_GIB) | set(plan_target.GPUS) == set(flops.PEAK_FLOPS)
   assert dry_run.default_memory_gib(None, "tpu_v5e") == 16.0
-  assert dry_run.default_memory_gib(None) == 80.0
+  assert dry_run.default_memory_gib(None, "h100") == plan_target.memory_gib("h100") < 80
+  judged = []
+  monkeypatch.setattr(dry_run, "memory_plan", lambda config, memory_gib, floor=True, gpu=None: (
+      judged.append(memory_gib) or {"total_bytes": 0, "fits": False}, None))
+  dry_run.find_max_seq_len(tiny_config("striped"), log=lambda line: None,
+                           accelerator="tpu_v5e")
+  assert judged and set(judged) == {16.0}
 
 
 def test_abstract_batch_is_what_the_loop_sends():

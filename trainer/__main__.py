@@ -28,8 +28,8 @@ import ml_collections
 from ml_collections import config_flags
 
 import data
-from trainer import (distributed, hf_import, plan_target, profiling, run_flags, stages,
-                     wandb_tracker)
+from trainer import (distributed, flops, hf_import, plan_target, profiling, run_flags,
+                     stages, wandb_tracker)
 from trainer.config_check import ConfigError, check_config
 from trainer.checkpointing import CheckpointError
 from model.hf_format import HFFormatError
@@ -49,18 +49,18 @@ _DRY_RUN = flags.DEFINE_bool(
 _FIND_MAX = flags.DEFINE_bool(
     "find_max_seq_len", False, "Dry run: find the longest data.seq_len whose plan fits "
     "--device_memory_gib, by compiles at doubling then bisected lengths.")
-_MEMORY_GIB = flags.DEFINE_float("device_memory_gib", None,
-                                 "Dry run: memory of one accelerator to check the plan against "
-                                 "(default: the described GPU's; for a CPU compile, --plan_accelerator's).")
+_MEMORY_GIB = flags.DEFINE_float(
+    "device_memory_gib", None, "Dry run: memory of one accelerator to check the plan against "
+    "(default: --plan_accelerator's).")
 _PLAN_COMPILER = flags.DEFINE_enum(
     "plan_compiler", "auto", list(plan_target.COMPILERS), "Dry run: compile for described GPUs of "
     "--plan_accelerator's kind (gpu: XLA's GPU compiler, installed by `make plan_gpu`), or for "
     "fake CPU devices (cpu: bf16 buffers may be float32, bounded by a second compile); auto: "
     "gpu when installed and the accelerator is a GPU.")
 _PLAN_MFU = flags.DEFINE_float("plan_mfu", 0.4, "Dry run: MFU the step-time estimate assumes.")
-_PLAN_ACCELERATOR = flags.DEFINE_string(
-    "plan_accelerator", "h100", "Dry run: accelerator (a key of trainer.flops.PEAK_FLOPS) whose "
-    "peak FLOP/s the step-time estimate uses.")
+_PLAN_ACCELERATOR = flags.DEFINE_enum(
+    "plan_accelerator", "h100", list(flops.PEAK_FLOPS), "Dry run: the accelerator whose peak "
+    "FLOP/s the step-time estimate uses, and whose memory a plan is checked against.")
 _COMPARE = flags.DEFINE_bool(
     "compare_strategies", False, "Dry run: plan every sequence-parallel strategy and ring x "
     "Ulysses split of the config's sequence devices (trainer/strategy_plan.py): memory from "
@@ -140,22 +140,44 @@ def _config() -> ml_collections.ConfigDict:
     _exit_config_unloadable(error)
 
 
-_PLAN_FLAGS = ("device_memory_gib", "plan_compiler", "plan_mfu", "plan_accelerator",
-               "intra_node_gbps", "inter_node_gbps", "node_size")
+_PLAN_FLAGS = ("find_max_seq_len", "compare_strategies", "device_memory_gib", "plan_compiler",
+               "plan_mfu", "plan_accelerator", "intra_node_gbps", "inter_node_gbps", "node_size")
+# The plan flags that only some --dry_run modes read ("plan": a plain --dry_run).
+_READ_ONLY_BY = {"plan_mfu": ("plan", "compare_strategies"),
+                 **dict.fromkeys(("intra_node_gbps", "inter_node_gbps", "node_size"),
+                                 ("compare_strategies",))}
 
 
 def _plan_flags_problem() -> str | None:
-  """A plan flag without --dry_run (training would ignore it), or out of range."""
+  """A plan flag without --dry_run (training would ignore it), or that this --dry_run mode
+  does not read, or out of range."""
   given = [name for name in _PLAN_FLAGS if flags.FLAGS[name].present]
   if given and not _DRY_RUN.value:
     return f"--{given[0]} plans: pass it with --dry_run"
-  if _MEMORY_GIB.value is not None and _MEMORY_GIB.value <= 0:
+  mode = ("compare_strategies" if _COMPARE.value else
+          "find_max_seq_len" if _FIND_MAX.value else "plan")
+  for name in given:
+    readers = _READ_ONLY_BY.get(name, (mode,))
+    if mode not in readers:
+      return (f"--{name} is read by " + " and ".join(
+          "a plain --dry_run" if reader == "plan" else f"--{reader}" for reader in readers)
+              + " only")
+  # Written as `not x > 0`, so that nan is out of range too.
+  if _MEMORY_GIB.value is not None and not _MEMORY_GIB.value > 0:
     return f"--device_memory_gib={_MEMORY_GIB.value:g} must be positive"
   if not 0 < _PLAN_MFU.value <= 1:
     return f"--plan_mfu={_PLAN_MFU.value:g} must be in (0, 1]"
   for flag in (_INTRA_GBPS, _INTER_GBPS, _NODE_SIZE):
-    if flag.value <= 0:
+    if not flag.value > 0:
       return f"--{flag.name}={flag.value:g} must be positive"
+  return None
+
+
+def _wandb_mode_problem(config: ml_collections.ConfigDict) -> str | None:
+  try:
+    wandb_tracker.resolve_mode(config.wandb.mode)
+  except ValueError as error:
+    return str(error)
   return None
 
 
@@ -164,13 +186,11 @@ def main(argv: list[str]) -> None:
   logging.set_verbosity(logging.WARNING)  # JAX's INFO lines (absent TPU etc.) are noise here.
   console.fold_orbax_logs(logging.get_absl_logger())
   config = _config()
-  if (_FIND_MAX.value or _COMPARE.value) and not _DRY_RUN.value:
-    sys.exit("error: --find_max_seq_len and --compare_strategies plan: pass them with --dry_run")
-  if _FIND_MAX.value and _COMPARE.value:
-    sys.exit("error: pass one of --find_max_seq_len and --compare_strategies")
   problem = _plan_flags_problem()
   if problem:
     sys.exit(f"error: {problem}")
+  if _FIND_MAX.value and _COMPARE.value:
+    sys.exit("error: pass one of --find_max_seq_len and --compare_strategies")
   if _PROFILE_STEPS.value and _DRY_RUN.value:
     sys.exit("error: --profile_steps traces training steps; a --dry_run trains none")
   try:
@@ -193,7 +213,8 @@ def main(argv: list[str]) -> None:
         if stage.name:
           print(f"{stage.label}:", flush=True)
         if _FIND_MAX.value:
-          dry_run.find_max_seq_len(stage.config, _MEMORY_GIB.value, gpu=gpu)
+          dry_run.find_max_seq_len(stage.config, _MEMORY_GIB.value, gpu=gpu,
+                                   accelerator=_PLAN_ACCELERATOR.value)
         elif _COMPARE.value:
           from trainer import strategy_plan  # pylint: disable=g-import-not-at-top
           strategy_plan.compare(stage.config, _MEMORY_GIB.value, _PLAN_MFU.value,
@@ -209,10 +230,10 @@ def main(argv: list[str]) -> None:
     if jax.process_count() > 1:  # `train` installs no handler then (see stop_signals.StopSignals):
       signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is an error exit.
     check_config(config, jax.device_count())
-    try:  # WANDB_MODE too, which the config check does not read: before the workdir exists.
-      wandb_tracker.resolve_mode(config.wandb.mode)
-    except ValueError as error:
-      raise ConfigError(str(error)) from None
+    # WANDB_MODE too, which the config check does not read: before the workdir exists. Each
+    # host has its own environment, and a process that stopped alone would leave the others
+    # waiting.
+    distributed.stop_together(_wandb_mode_problem(config), "its WANDB_MODE is not valid")
     last_step = stages.plan(config)[-1].last_step
     if profile_steps and profile_steps[0] > last_step:
       raise ConfigError(f"--profile_steps={_PROFILE_STEPS.value} starts after the run's last "

@@ -71,8 +71,8 @@ _TENSORSTORE_SPEC = re.compile(r" ?\[tensorstore_spec='(?:[^'\\]|\\.)*'\]")
 
 
 def _first_line(error: BaseException, limit: int = 300) -> str:
-  """An error's first line, shortened in the middle: TensorStore puts the OS's reason ("No
-  space left on device") at the end of a long line of paths."""
+  """An error's first line without TensorStore's spec, shortened in the middle: the OS's
+  reason ("No space left on device") comes at the end of a long line of paths."""
   line = (str(error).splitlines() or [type(error).__name__])[0]
   # TensorStore ends some messages with a pybind11 repr of its spec, and puts the spec itself
   # (hundreds of characters) between the OS's reason and the error code: no reason, only noise.

@@ -50,13 +50,15 @@ def same_everywhere(value: str, what: str) -> None:
                       f"{jax.process_index()} has {value}): give every host the same copy")
 
 
-def stop_together(problem: str | None) -> None:
+def stop_together(problem: str | None, what: str) -> None:
   """Raises ConfigError on every process if any has a `problem` (a check each makes against
   its own host, such as its free memory): one that went on alone would wait for ever at the
-  next collective for those that stopped."""
+  next collective for those that stopped. The others say which process stopped, and `what`
+  it checked."""
   if jax.process_count() > 1:
     stopped = multihost_utils.process_allgather(np.int32(problem is not None))
     if stopped.any() and not problem:
-      problem = (f"process {int(np.argmax(stopped))} cannot go on (its own line says why)")
+      problem = (f"process {int(np.argmax(stopped))} cannot go on: {what} (its own line "
+                 f"says why)")
   if problem:
     raise ConfigError(problem)

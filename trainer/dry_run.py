@@ -152,7 +152,8 @@ def plan(config: ml_collections.ConfigDict, device_memory_gib: float | None = No
     raise ConfigError(f"--plan_accelerator={accelerator!r} is not one of "
                       f"{', '.join(flops.PEAK_FLOPS)}")
   gpu = plan_target.gpu_target(compiler, accelerator)
-  budget = plan_target.budget_label(gpu) if gpu and not device_memory_gib else None
+  described = _described_gpu(gpu, accelerator)
+  budget = plan_target.budget_label(described) if described and not device_memory_gib else None
   device_memory_gib = device_memory_gib or default_memory_gib(gpu, accelerator)
   start = time.monotonic()
   out, compiled = memory_plan(config, device_memory_gib, floor, gpu)
@@ -173,10 +174,16 @@ def plan(config: ml_collections.ConfigDict, device_memory_gib: float | None = No
   return out
 
 
-def default_memory_gib(gpu: str | None, accelerator: str = "h100") -> float:
-  """What a plan is checked against unless told: what JAX may use of the described GPU's
-  memory (`plan_target.memory_gib`), else the accelerator's memory (a TPU v5e's 16 GiB)."""
-  return plan_target.memory_gib(gpu) if gpu else float(flops.MEMORY_GIB[accelerator])
+def default_memory_gib(gpu: str | None, accelerator: str) -> float:
+  """What a plan is checked against unless told: what JAX may use of a described GPU's memory
+  (`plan_target.memory_gib`), whether the plan compiled for it or for fake CPU devices;
+  else the accelerator's memory (a TPU v5e's 16 GiB)."""
+  described = _described_gpu(gpu, accelerator)
+  return plan_target.memory_gib(described) if described else float(flops.MEMORY_GIB[accelerator])
+
+
+def _described_gpu(gpu: str | None, accelerator: str) -> str | None:
+  return gpu or (accelerator if accelerator in plan_target.GPUS else None)
 
 
 def memory_plan(config: ml_collections.ConfigDict, device_memory_gib: float,
@@ -255,12 +262,12 @@ def seq_len_unit(config: ml_collections.ConfigDict) -> int:
 
 
 def find_max_seq_len(config: ml_collections.ConfigDict, device_memory_gib: float | None = None,
-                     log=print, gpu: str | None = None) -> int:
+                     log=print, gpu: str | None = None, accelerator: str = "h100") -> int:
   """The longest sequence (a multiple of `seq_len_unit`) whose figure (for `gpu`, else the
   CPU's) fits, by doubling from the config's length and then bisecting to within 1/16; 0 if
   even one unit does not."""
   unit = seq_len_unit(config)
-  device_memory_gib = device_memory_gib or default_memory_gib(gpu)
+  device_memory_gib = device_memory_gib or default_memory_gib(gpu, accelerator)
   # A probed length -> its compile's peak host memory above what the search started with
   # (not above what the probe started with: memory an earlier compile kept is reused).
   host_peaks: dict[int, int] = {}

@@ -30,10 +30,9 @@ PEAK_FLOPS = {
     "tpu_v5p": 459e12,
 }
 
-# Memory of one of each, in GiB: what a plan compiled for fake CPU devices is checked
-# against (a described GPU's own figure is used where XLA's GPU compiler runs).
-MEMORY_GIB = {"h100": 80, "h100_pcie": 80, "h200": 141, "a100": 80, "tpu_v4": 32,
-              "tpu_v5e": 16, "tpu_v5p": 95}
+# Memory of one, in GiB, of those that `plan_target.GPUS` does not describe (whose figure is
+# there): what a plan is checked against.
+MEMORY_GIB = {"a100": 80, "tpu_v4": 32, "tpu_v5e": 16, "tpu_v5p": 95}
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

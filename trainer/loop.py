@@ -70,7 +70,8 @@ def _train(config, workdir: str, start_over: bool, signals: StopSignals,
   if jax.default_backend() == "cpu":  # Before anything is allocated: the OS kills silently.
     with jax.set_mesh(mesh), nn.logical_axis_rules(config.mesh.rules):
       distributed.stop_together(
-          host_memory.cpu_state_problem(build_training(config, mesh).abstract_state))
+          host_memory.cpu_state_problem(build_training(config, mesh).abstract_state),
+          "its host's memory cannot hold its part of the training state")
   _prepare_data(data_cfg, is_writer)
   data.check_vocab(data_cfg, model_cfg.vocab_size)
   tokenizer_file = data.tokenizer_path(data_cfg)
