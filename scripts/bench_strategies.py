@@ -35,6 +35,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import bench_results  # noqa: E402  (scripts/, first on the path)
 from parallelism import traffic  # noqa: E402
+from parallelism.layouts import LAYOUTS  # noqa: E402
 from parallelism.strategies import splits  # noqa: E402
 
 
@@ -48,9 +49,10 @@ def main() -> None:
   name = os.path.splitext(os.path.basename(path))[0]
   module = importlib.import_module(f"configs.{name}")
   config = module.get_config(argument) if argument else module.get_config()
-  if config.model.attention == "dense":
-    parser.error(f"{args.config} has model.attention='dense', which does not split the "
-                 f"sequence; name a ring layout (e.g. configs/tiny_cpu.py:striped)")
+  if config.model.attention not in LAYOUTS:
+    parser.error(f"{args.config} has model.attention={config.model.attention!r}, not a layout "
+                 f"that splits the sequence; name one of {', '.join(LAYOUTS)} (e.g. "
+                 f"configs/tiny_cpu.py:striped)")
   m = config.model
   head_dim = m.head_dim or m.d_model // m.num_heads
   itemsize = jnp.dtype(m.dtype).itemsize
