@@ -391,9 +391,10 @@ class _Run:
                if timed else "too few steps to time")
       label = f"{self.stage.label} " if self.stage.name else ""
       # The steps of both losses: the first logged one is not step 0's.
-      print(f"{label}{'stopped' if stopped else 'done'}: step {self.reached}, loss "
-            f"{first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} (step "
-            f"{last['step']}), {speed}", flush=True)
+      losses = " -> ".join(f"{r['loss']:.4f} (step {r['step']})"
+                           for r in ([first] if first is last else [first, last]))
+      print(f"{label}{'stopped' if stopped else 'done'}: step {self.reached}, loss {losses}, "
+            f"{speed}", flush=True)
     elif self.trackers and not stopped:
       print(f"nothing to do: the run is already at step {self.start_step}", flush=True)
     return summary
