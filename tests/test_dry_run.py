@@ -83,6 +83,10 @@ def test_cli_dry_run_prints_verdict():
     (("--dry_run", "--find_max_seq_len", "--plan_mfu=0.5"), "",
      "--plan_mfu is read by a plain --dry_run and --compare_strategies only"),  # Was ignored.
     (("--dry_run", "--node_size=4"), "", "--node_size is read by --compare_strategies only"),
+    (("--config.init.from_hf=tests/hf_fixtures/llama_gqa_sharded", "--config.model.num_layers=4"),
+     "", "--config.model.num_layers=4, but init.from_hf=tests/hf_fixtures/llama_gqa_sharded has "
+     "2: the checkpoint sets the model's shape (only its RoPE may be overridden); drop the "
+     "override"),  # Was dropped without a word.
     ((), "bogus", "W&B mode 'bogus' (from WANDB_MODE or config.wandb.mode) is not one of "
                   "auto, online, offline, disabled"),  # Was a traceback, after the workdir.
 ])

@@ -127,6 +127,26 @@ def test_a_bad_checkpoint_stops_in_one_line_naming_it(tmp_path, damage, message)
   assert message in str(error.value)
 
 
+def test_command_line_rope_survives_the_import_and_a_shape_that_differs_stops():
+  """Overrides (ml_collections' flat names) of RoPE are kept: they extend the context; one of
+  the shape would be dropped, so it stops. The config file's own model fields are replaced."""
+  directory = os.path.join(FIXTURE_DIR, "llama_gqa_sharded")
+  config = base.get_config()
+  config.init.from_hf = directory
+  config.model.num_layers = 7  # The config file's: the checkpoint's wins.
+  config.model.rope_theta, config.model.rope_scaling.type = 5e5, "yarn"
+  config.model.rope_scaling.factor, config.model.rope_scaling.original_max_len = 2.0, 128
+  summary = hf_import.apply_to_config(config, {
+      "model.rope_theta": 5e5, "model.rope_scaling.type": "yarn",
+      "model.rope_scaling.factor": 2.0, "model.rope_scaling.original_max_len": 128,
+      "model.num_kv_heads": 2})  # The checkpoint's value: no conflict.
+  assert config.model.num_layers == 2 and config.model.rope_theta == 5e5
+  assert config.model.rope_scaling.type == "yarn" and config.model.rope_scaling.factor == 2.0
+  assert "(set on the command line; the checkpoint's: rope_theta=10000.0, " in summary
+  with pytest.raises(HFFormatError, match="^--config.model.num_kv_heads=4, but .* has 2: "):
+    hf_import.apply_to_config(config, {"model.num_kv_heads": 4})
+
+
 def test_a_run_starts_from_the_checkpoint_and_exports_it_back_tensor_for_tensor(
     tmp_path, tiny_config):
   """Step 1 at learning rate 0 (the warmup's first) keeps the imported weights: the exported

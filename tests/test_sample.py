@@ -210,6 +210,16 @@ def test_the_command_line_prints_json_and_stops_bad_input_in_one_line(trained_ru
   assert result.returncode == 0, result.stderr
   printed = json.loads(result.stdout)
   assert len(printed["generated_ids"]) == 3 and max(printed["generated_ids"]) < 320
+  # Its RoPE may be set on the command line (to sample past its trained length); its shape
+  # may not. Both were dropped without a word.
+  result = _cli(f"--from_hf={fixture}", "--prompt=hello world", "--max_new_tokens=1",
+                "--config.model.rope_theta=100")
+  assert result.returncode == 0 and "RoPE theta 100 llama3 x8 (set on the command line; the " \
+      "checkpoint's: rope_theta=500000.0)" in result.stderr, result.stderr
+  result = _cli(f"--from_hf={fixture}", "--prompt=x", "--config.model.d_model=32")
+  assert result.returncode == 1 and result.stderr.strip().splitlines() == [
+      f"error: --config.model.d_model=32, but init.from_hf={fixture} has 64: the checkpoint "
+      f"sets the model's shape (only its RoPE may be overridden); drop the override"]
 
   (tmp_path / "config.json").write_text(open(f"{trained_run}/config.json").read())
   with pytest.raises(sample.SampleError, match="has no checkpoints/ directory"):

@@ -199,7 +199,8 @@ def main(argv: list[str]) -> None:
     sys.exit(f"error: {error}")
   try:
     if config.init.from_hf:  # Sets the model's shape and tokenizer: before any check or plan.
-      print(hf_import.apply_to_config(config), flush=True)
+      print(hf_import.apply_to_config(
+          config, config_flags.get_override_values(flags.FLAGS["config"])), flush=True)
     if _DRY_RUN.value:
       # Imported here: the planner sets up JAX's (CPU) backend before it starts.
       from trainer import dry_run  # pylint: disable=g-import-not-at-top

@@ -34,9 +34,19 @@ SINGLE_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.model"
 
 
-def apply_to_config(config: ml_collections.ConfigDict) -> str:
+# `config.model` fields a command-line override keeps over the checkpoint's config.json: RoPE,
+# to train or sample at a longer context than the checkpoint's. The rest is its shape.
+_OVERRIDABLE = ("rope_theta", "rope_scaling.")
+
+
+def apply_to_config(config: ml_collections.ConfigDict,
+                    overrides: dict[str, Any] | None = None) -> str:
   """Sets `config.model`'s architecture and RoPE, and `config.data.tokenizer` unless set,
-  from the checkpoint in `config.init.from_hf`; returns a one-line summary to print."""
+  from the checkpoint in `config.init.from_hf`; returns a one-line summary to print.
+
+  `overrides` are the command line's `--config.*` values (flat names, as ml_collections'
+  `get_override_values` gives them): a RoPE field given there keeps its value; a shape
+  field given there with another value than the checkpoint's stops (it would be dropped)."""
   directory = config.init.from_hf
   where = f"init.from_hf={directory}"
   if not os.path.isdir(directory):
@@ -47,12 +57,20 @@ def apply_to_config(config: ml_collections.ConfigDict) -> str:
       hf_config = json.load(f)
   except (OSError, json.JSONDecodeError) as error:
     raise HFFormatError(f"{where}: cannot read config.json ({error})") from None
-  for key, value in model_fields(hf_config, config_file).items():
-    if key == "rope_scaling":
-      for field, field_value in value.items():
-        config.model.rope_scaling[field] = field_value
-    else:
-      config.model[key] = value
+  overrides = overrides or {}
+  replaced = []  # The checkpoint's RoPE values that command-line overrides replace.
+  for name, value in traverse_util.flatten_dict(model_fields(hf_config, config_file),
+                                                sep=".").items():
+    given = overrides.get(f"model.{name}", value)
+    if given != value and name.startswith(_OVERRIDABLE):
+      replaced.append(f"{name}={value}")
+      continue
+    if given != value:
+      raise HFFormatError(f"--config.model.{name}={given}, but {where} has {value}: the "
+                          f"checkpoint sets the model's shape (only its RoPE may be "
+                          f"overridden); drop the override")
+    target, _, field = f"model.{name}".rpartition(".")
+    config[target][field] = value  # ConfigDict resolves the dotted path of the parent.
   if not config.data.tokenizer:
     config.data.tokenizer = _tokenizer_file(directory)
   check_tensors(directory, ModelConfig(**config.model.to_dict()))
@@ -61,7 +79,10 @@ def apply_to_config(config: ml_collections.ConfigDict) -> str:
                                    if m.rope_scaling.type != "default" else "")
   return (f"starting from {directory}: {m.num_layers} layers, d_model {m.d_model}, heads "
           f"{m.num_heads}/{m.num_kv_heads} kv, vocab {m.vocab_size}, RoPE theta "
-          f"{m.rope_theta:g} {scaling}; tokenizer {config.data.tokenizer}")
+          f"{m.rope_theta:g} {scaling}"
+          + (f" (set on the command line; the checkpoint's: {', '.join(replaced)})"
+             if replaced else "")
+          + f"; tokenizer {config.data.tokenizer}")
 
 
 def _tokenizer_file(directory: str) -> str:

@@ -306,6 +306,7 @@ def main(argv: list[str]) -> None:
   from absl import flags  # pylint: disable=g-import-not-at-top
   from model.hf_format import HFFormatError  # pylint: disable=g-import-not-at-top
   from trainer import hf_import  # pylint: disable=g-import-not-at-top
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 
   def define_flags():
     flags.DEFINE_string("prompt", None, "Prompt text.")
@@ -337,7 +338,7 @@ def main(argv: list[str]) -> None:
   try:
     check_settings(f.max_new_tokens, f.temperature, f.top_p)  # Before minutes of loading.
     if f.from_hf:
-      info(hf_import.apply_to_config(config))
+      info(hf_import.apply_to_config(config, config_flags.get_override_values(f["config"])))
       sampler, step = from_hf(config, info), None
     else:
       sampler, step = load(f.workdir, config, f.step, info)
