@@ -78,6 +78,25 @@ def test_a_bad_stage_is_one_error_naming_stage_and_field(shared_data_dir, edit, 
     check_config(config, 8)
 
 
+def test_a_command_line_override_a_stage_would_replace_stops_in_one_line(tmp_path):
+  """`--config.model.rope_scaling.factor=16` on a staged config was replaced by stage 2's 4.0
+  without a word; so was `--config.train.steps`, which every stage sets."""
+  config = importlib.import_module("configs.tiny_extend").get_config()
+  assert stages.overridden_by_a_stage(config, {"train.log_every": 1, "data.data_dir": "d"}) \
+      is None
+  assert stages.overridden_by_a_stage(config, {"model.rope_scaling.factor": 16.0}) == (
+      "--config.model.rope_scaling.factor is set by stage 2 '256' of config.stages, whose "
+      "value wins there: set --config.stages[1].model.rope_scaling.factor instead")
+  result = subprocess.run(
+      [sys.executable, "-m", "trainer", "--config", "configs/tiny_extend.py",
+       f"--workdir={tmp_path / 'run'}", "--config.train.steps=100"],
+      cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+  assert result.returncode == 1 and result.stderr.strip().splitlines() == [
+      "error: --config.train.steps is set by stage 1 '64' of config.stages, whose value wins "
+      "there: set --config.stages[0].train.steps instead"]
+  assert not (tmp_path / "run").exists()
+
+
 def test_resume_may_change_stages_not_yet_begun_only(shared_data_dir):
   old = resume.config_dict(_extend_config(shared_data_dir))
   later = _extend_config(shared_data_dir)

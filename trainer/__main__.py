@@ -197,16 +197,16 @@ def main(argv: list[str]) -> None:
     profile_steps = profiling.parse_steps(_PROFILE_STEPS.value)
   except ValueError as error:
     sys.exit(f"error: {error}")
+  overrides = config_flags.get_override_values(flags.FLAGS["config"])
   try:
     if config.init.from_hf:  # Sets the model's shape and tokenizer: before any check or plan.
-      print(hf_import.apply_to_config(
-          config, config_flags.get_override_values(flags.FLAGS["config"])), flush=True)
+      print(hf_import.apply_to_config(config, overrides), flush=True)
+    problem = stages.problem(config) or stages.overridden_by_a_stage(config, overrides)
+    if problem:
+      raise ConfigError(problem)
     if _DRY_RUN.value:
       # Imported here: the planner sets up JAX's (CPU) backend before it starts.
       from trainer import dry_run  # pylint: disable=g-import-not-at-top
-      problem = stages.problem(config)
-      if problem:
-        raise ConfigError(problem)
       # find/compare plan by the GPU they compile for; `plan` resolves the same from its flags.
       gpu = (plan_target.gpu_target(_PLAN_COMPILER.value, _PLAN_ACCELERATOR.value)
              if _FIND_MAX.value or _COMPARE.value else None)

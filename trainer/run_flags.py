@@ -90,7 +90,7 @@ def parse_run_flags(argv: list[str], define_flags: Callable[[], None], allow_hf:
   run exits with one line."""
   from absl import app, flags, logging  # pylint: disable=g-import-not-at-top
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
-  from trainer import console  # pylint: disable=g-import-not-at-top
+  from trainer import console, stages  # pylint: disable=g-import-not-at-top
 
   workdir, hf_dir = _argv_value(argv, "--workdir"), _argv_value(argv, "--from_hf")
   # Help lists the flags, so it needs none of them: its config fields are base.py's.
@@ -121,6 +121,12 @@ def parse_run_flags(argv: list[str], define_flags: Callable[[], None], allow_hf:
     flags.FLAGS(argv)
   except (flags.Error, AttributeError, KeyError) as error:
     sys.exit(f"error: {flag_error(error)}")
+  config = flags.FLAGS.config
+  problem = (stages.problem(config)
+             or stages.overridden_by_a_stage(config, config_flags.get_override_values(
+                 flags.FLAGS["config"])))
+  if problem:
+    sys.exit(f"error: {problem}")
   # Errors only: a read-only checkpoint manager warns about its own read-only options.
   logging.set_verbosity(logging.ERROR)
   console.fold_orbax_logs(logging.get_absl_logger())

@@ -160,6 +160,19 @@ def plan(config: ml_collections.ConfigDict) -> list[Stage]:
   return stages
 
 
+def overridden_by_a_stage(config: ml_collections.ConfigDict,
+                          overrides: dict[str, Any]) -> str | None:
+  """Why a command-line override (ml_collections' flat names) would not hold: a stage that
+  sets the same field replaces it there, without a word. None if every one holds."""
+  for index, spec in enumerate(config.stages):
+    spec = ml_collections.ConfigDict(spec)
+    for name in fields.flatten(spec.to_dict()).keys() & overrides.keys():
+      if name not in _OWN_FIELDS:
+        return (f"--config.{name} is set by stage {index + 1} '{spec.name}' of config.stages, "
+                f"whose value wins there: set --config.stages[{index}].{name} instead")
+  return None
+
+
 def holding(stages: list[Stage], step: int) -> Stage:
   """The stage that trained up to `step` (a checkpoint's); the first one for step 0."""
   return next((s for s in stages if s.last_step >= step), stages[-1])
