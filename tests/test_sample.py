@@ -245,6 +245,21 @@ def test_a_hugging_face_checkpoint_samples_what_transformers_predicts():
     assert first == [int(np.argmax(recorded["logits"][length - 1]))], length
 
 
+def test_the_untrained_baseline_of_an_imported_run_is_its_checkpoint():
+  """eval_needle's --untrained scores the model step 0 starts from: for a run that starts
+  from a Hugging Face checkpoint, that checkpoint (it was random weights from the seed)."""
+  import os
+  from trainer import hf_import
+  directory = os.path.join(os.path.dirname(__file__), "hf_fixtures", "llama_gqa_sharded")
+  config = run_flags.hf_config(directory)
+  hf_import.apply_to_config(config)
+  baseline = sample.untrained(config, log=lambda line: None)
+  imported = sample.from_hf(config, log=lambda line: None)
+  same = jax.tree.map(lambda a, b: bool((np.asarray(a) == np.asarray(b)).all()),
+                      baseline.params, imported.params)
+  assert all(jax.tree.leaves(same))
+
+
 def test_top_p_keeps_the_smallest_set_reaching_its_mass():
   logits_BV = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
   draws = lambda top_p: {int(sample._choose(logits_BV, jax.random.key(seed), temperature=1.0,

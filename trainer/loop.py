@@ -21,7 +21,7 @@ from jax.experimental import multihost_utils
 import data
 import parallelism
 from model import ModelConfig
-from trainer import distributed, flops, hf_import, host_memory, stages
+from trainer import distributed, flops, host_memory, stages
 from trainer.checkpointing import CheckpointError, Checkpointer
 from trainer.config_check import ConfigError
 from trainer.profiling import StepProfiler
@@ -29,10 +29,10 @@ from trainer.provenance import run_records
 from trainer import workdir as workdir_lock
 from trainer.resume import (checkpoint_meta, compatibility_check, config_dict, config_path,
                             file_sha256, start_warning)
-from trainer.state import TrainState, init_state, state_from_params
+from trainer.state import TrainState
 from trainer.stop_signals import StopSignals
 from trainer.step import eval_step
-from trainer.training import Training, build_training, data_config, model_config
+from trainer.training import build_training, data_config, initial_state, model_config
 from trainer import wandb_tracker
 from trainer.tracking import ConsoleTracker, JsonlTracker, Tracker, device_memory_bytes
 
@@ -126,7 +126,7 @@ def _train(config, workdir: str, start_over: bool, signals: StopSignals,
           parts = build_training(stage.config, mesh)
           stage_model_cfg = model_config(stage.config)
           if state is None:
-            state = _initial_state(stage.config, stage_model_cfg, parts, log)
+            state = initial_state(stage.config, parts, log)
           elif step == stage.first_step - 1 and stage.index > 0:
             state = stages.carry_over(state, parts.optimizer, parts.shardings,
                                       stage.keep_optimizer)
@@ -199,16 +199,6 @@ def _combined(summaries: list[dict[str, Any]]) -> dict[str, Any]:
   summary["first_loss"] = losses[0] if losses else None
   summary["skipped_steps"] = sum(s["skipped_steps"] for s in summaries)
   return summary
-
-
-def _initial_state(config, model_cfg: ModelConfig, parts: "Training", log) -> TrainState:
-  """Step 0's state: random weights from the seed, or a Hugging Face checkpoint's."""
-  if not config.init.from_hf:
-    return init_state(parts.model, parts.optimizer, parts.shardings, config.seed)
-  log(f"loading weights from {config.init.from_hf}")
-  params = hf_import.load_params(config.init.from_hf, model_cfg, parts.abstract_state.params,
-                                 log)
-  return state_from_params(params, parts.optimizer, parts.shardings)
 
 
 def make_trackers(config: ml_collections.ConfigDict, workdir: str, records: dict[str, Any],

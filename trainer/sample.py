@@ -72,14 +72,13 @@ def from_hf(config: ml_collections.ConfigDict, log: Callable[[str], None] = prin
 
 def untrained(config: ml_collections.ConfigDict,
               log: Callable[[str], None] = print) -> Sampler:
-  """A sampler of the run's model as step 0 would start it (its seed): the baseline that a
-  trained checkpoint should beat."""
-  from trainer.training import data_config  # pylint: disable=g-import-not-at-top
-  from trainer.state import init_state  # pylint: disable=g-import-not-at-top
+  """A sampler of the run's model as step 0 would start it (its seed, or the Hugging Face
+  checkpoint it starts from): the baseline that a trained checkpoint should beat."""
+  from trainer.training import data_config, initial_state  # pylint: disable=g-import-not-at-top
   config = stages.plan(config)[0].config
   mesh, parts = _on_mesh(config)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.mesh.rules):
-    state = init_state(parts.model, parts.optimizer, parts.shardings, config.seed)
+    state = initial_state(config, parts, log)
   return Sampler(config, mesh, state.params, data.load_tokenizer(data_config(config)), log)
 
 

@@ -15,7 +15,8 @@ import data
 import parallelism
 from model import Decoder, ModelConfig
 from trainer.optimizer import make_optimizer, make_schedule
-from trainer.state import TrainState, abstract_state, shardings_of
+from trainer import hf_import
+from trainer.state import TrainState, abstract_state, init_state, shardings_of, state_from_params
 from trainer.step import jit_train_step
 
 
@@ -52,3 +53,14 @@ def build_training(config: ml_collections.ConfigDict, mesh) -> Training:
   step_fn = jit_train_step(model, optimizer, make_schedule(config.train),
                            config.train.micro_batches, shardings, batch_sharding)
   return Training(model, optimizer, shardings, state, batch_sharding, step_fn)
+
+
+def initial_state(config: ml_collections.ConfigDict, parts: Training, log) -> TrainState:
+  """Step 0's state: random weights from the seed, or a Hugging Face checkpoint's (the
+  loop's start, and the sampler's untrained baseline)."""
+  if not config.init.from_hf:
+    return init_state(parts.model, parts.optimizer, parts.shardings, config.seed)
+  log(f"loading weights from {config.init.from_hf}")
+  params = hf_import.load_params(config.init.from_hf, model_config(config),
+                                 parts.abstract_state.params, log)
+  return state_from_params(params, parts.optimizer, parts.shardings)
