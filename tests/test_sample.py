@@ -133,6 +133,7 @@ def test_a_needle_prompt_hides_the_fact_at_its_depth(tokenizer, tiny_config):
   fmt = needle.format_of(config.data.dataset)
   sentences = needle.filler_sentences(data_config(config), tokenizer, fmt, 600)
   filler = " ".join(s for s, _ in sentences)
+  assert max(count for _, count in sentences) < 32  # None is cut: the prompts are as they were.
   assert not {w for w in filler.split()} & set(fmt.keys + fmt.values)  # Nothing competes.
   fact, question = "the code of mira is amber .", "what is the code of mira ? it is"
   for depth in (0, 0.5, 1):
@@ -141,6 +142,13 @@ def test_a_needle_prompt_hides_the_fact_at_its_depth(tokenizer, tiny_config):
     assert 480 <= len(ids) <= 512 and text.endswith(question)
     where = text.index(fact) / (len(text) - len(question))
     assert abs(where - depth) < 0.05, (depth, where)
+  # Text without sentence ends is cut at words: the prompt still nearly reaches its length
+  # (it took 90 tokens of a 256 one).
+  unpunctuated = [(" ".join(s.rstrip(" .?!") for s, _ in sentences), 0)]
+  pieces = [(p, len(tokenizer.encode(p))) for p in needle._pieces(
+      unpunctuated[0][0], len(tokenizer.encode(unpunctuated[0][0])), 16)]
+  assert len(pieces) > 20 and max(count for _, count in pieces) <= 24
+  assert len(needle.build_prompt(pieces, tokenizer, fact, question, 256, 0.5)) >= 256 - 24
   assert needle_grid.parse_lengths("128, 1k,4K") == [128, 1024, 4096]
   for bad in ("12", "abc", ""):
     with pytest.raises(needle_grid.NeedleError):

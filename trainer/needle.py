@@ -53,9 +53,12 @@ def format_of(dataset: str) -> NeedleFormat:
 
 
 def filler_sentences(data_cfg: data.DataConfig, tokenizer: data.Tokenizer, fmt: NeedleFormat,
-                     tokens: int) -> list[tuple[str, int]]:
+                     tokens: int, piece_tokens: int = 64) -> list[tuple[str, int]]:
   """(sentence, its token count) from the eval split, in order, until `tokens` are reached;
-  sentences naming a needle key or value are left out."""
+  sentences naming a needle key or value are left out, and one over `piece_tokens` and 32
+  tokens is cut at words into pieces of about `piece_tokens` (a prompt takes whole pieces:
+  text without sentence ends gave prompts a fraction of their length). No sentence of the
+  synthetic corpus reaches 32 tokens: its prompts stay as they were."""
   # A key or a value in the filler would compete with the needle ("it is amber ." is a
   # sentence of its own once the synthetic corpus's questions are split at "?").
   banned = {word.lower() for word in fmt.keys + fmt.values}
@@ -66,13 +69,25 @@ def filler_sentences(data_cfg: data.DataConfig, tokenizer: data.Tokenizer, fmt: 
     for sentence in re.split(r"(?<=[.?!])\s+", text.strip()):
       if not sentence or banned & set(re.findall(r"\w+", sentence.lower())):
         continue
-      count = len(tokenizer.encode(sentence))
-      sentences.append((sentence, count))
-      total += count
-      if total >= tokens:
-        return sentences
+      for piece in _pieces(sentence, len(tokenizer.encode(sentence)), piece_tokens):
+        count = len(tokenizer.encode(piece))
+        sentences.append((piece, count))
+        total += count
+        if total >= tokens:
+          return sentences
   raise NeedleError(f"the eval split '{data_cfg.eval_split}' holds only {total:,} filler tokens "
                     f"without a needle key, fewer than the longest length ({tokens:,})")
+
+
+def _pieces(sentence: str, count: int, piece_tokens: int) -> list[str]:
+  """`sentence` whole, or if over 32 tokens and `piece_tokens`, cut at words into about
+  count / piece_tokens pieces of equal word counts."""
+  words = sentence.split()
+  parts = min(len(words), -(-count // piece_tokens))
+  if count <= max(32, piece_tokens) or parts <= 1:
+    return [sentence]
+  bounds = np.linspace(0, len(words), parts + 1).round().astype(int)
+  return [" ".join(words[start:end]) for start, end in zip(bounds, bounds[1:])]
 
 
 def build_prompt(sentences: list[tuple[str, int]], tokenizer: data.Tokenizer, fact: str,
@@ -98,7 +113,9 @@ def evaluate(sampler: Sampler, lengths: list[int], depths: list[float], trials: 
   it is correct, and whether it is a value at all (`a_value`)."""
   tokenizer = sampler.tokenizer
   fmt = format_of(sampler.config.data.dataset)
-  sentences = filler_sentences(sampler.data_cfg, tokenizer, fmt, max(lengths))
+  # Pieces of 1/16 of the shortest prompt, so each prompt nearly reaches its length.
+  sentences = filler_sentences(sampler.data_cfg, tokenizer, fmt, max(lengths),
+                               piece_tokens=max(8, min(lengths) // 16))
   rng = np.random.default_rng(seed)
   rows = []
   for length in lengths:
