@@ -117,8 +117,12 @@ def _rewrite_tensors(directory: str, edit) -> None:
     (lambda d: os.remove(os.path.join(d, "tokenizer.model")), "has no tokenizer.model"),
     (lambda d: os.remove(os.path.join(d, "model.safetensors")),
      "holds neither model.safetensors nor model.safetensors.index.json"),
+    (lambda d: open(os.path.join(d, "model.safetensors"), "r+b").truncate(5),  # Was a traceback.
+     "model.safetensors: cannot read ("),
+    (lambda d: _edit_config(d, num_hidden_layers=1),  # Layer 1 was dropped without a word.
+     "config.json has num_hidden_layers=1, but the checkpoint holds tensors of layer 1"),
 ], ids=["not_llama", "bias", "rope_type", "shape", "missing_tensor", "no_tokenizer",
-        "no_weights"])
+        "no_weights", "truncated_single_file", "more_layers_than_config"])
 def test_a_bad_checkpoint_stops_in_one_line_naming_it(tmp_path, damage, message):
   directory = _copy("llama_tied_linear", tmp_path)
   damage(directory)
@@ -180,6 +184,28 @@ def test_a_run_starts_from_the_checkpoint_and_exports_it_back_tensor_for_tensor(
               "intermediate_size", "vocab_size", "tie_word_embeddings", "rope_parameters"):
     assert hf_config[key] == source_config[key], key
   assert hf_config["max_position_embeddings"] == config.data.seq_len
+
+  # Refused in one line before the arrays are read, leaving nothing behind: a tokenizer the
+  # vocabulary cannot hold (the tiny corpus's 512 pieces for 384 rows), one that is not a
+  # SentencePiece model (both were written, or a traceback), an --out in no folder, no shards.
+  import data  # pylint: disable=g-import-not-at-top
+  from trainer.training import data_config  # pylint: disable=g-import-not-at-top
+  garbage = tmp_path / "garbage.model"
+  garbage.write_bytes(b"not a model")
+  data.prepare(data_config(tiny_config()))
+  for kwargs, message in [
+      (dict(tokenizer=data.tokenizer_path(data_config(tiny_config()))),
+       "has 512 pieces, more than the model's vocabulary (384)"),
+      (dict(tokenizer=str(garbage)), "is not a SentencePiece model"),
+      (dict(tokenizer=str(tmp_path / "missing.model")), "missing.model does not exist"),
+      (dict(out=str(tmp_path / "nowhere" / "out")), "/nowhere does not exist"),
+      (dict(max_shard_bytes=0), "--max_shard_gib must be positive")]:
+    kwargs.setdefault("out", str(tmp_path / "refused"))
+    with pytest.raises(export.ExportError, match="^[^\n]*$") as error:
+      export.export(workdir, log=lines.append, **kwargs)
+    assert message in str(error.value)
+    assert not os.path.exists(kwargs["out"]) and not [
+        p for p in os.listdir(tmp_path) if ".partial-" in p]
 
 
 def test_export_refuses_a_missing_step_in_one_line(tmp_path):

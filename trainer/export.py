@@ -61,6 +61,13 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str = "bfloat
   """Writes step `step` (default the newest) of `workdir` to `out`; returns a summary line."""
   if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
     raise ExportError(f"--out={out} already exists and is not an empty directory")
+  parent = os.path.dirname(os.path.abspath(out))
+  if not os.path.isdir(parent) or not os.access(parent, os.W_OK):  # Before minutes of reading.
+    raise ExportError(f"cannot write --out={out}: its folder {parent} "
+                      + ("does not exist" if not os.path.isdir(parent) else
+                         "is not writable (permissions, or a read-only file system)"))
+  if max_shard_bytes <= 0:
+    raise ExportError("--max_shard_gib must be positive")
   checkpointer, step = open_step(workdir, step, ExportError)
   try:
     # Every local device on fsdp: what the parameters need, whatever mesh trained them.
@@ -72,7 +79,11 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str = "bfloat
       config = stages.holding(stages.plan(ml_collections.ConfigDict(meta["config"])), step).config
       rules = tuple((name, tuple(axes) if isinstance(axes, list) else axes)
                     for name, axes in config.mesh.rules)
-      found.update(config=config, rules=rules)
+      # The tokenizer is checked before the arrays are read: minutes for a large model.
+      path = tokenizer or _run_tokenizer(data.tokenizer_path(data_config(config)),
+                                         meta.get("tokenizer_sha256"))
+      found.update(config=config, rules=rules, tokenizer=path,
+                   pieces=_checked_tokenizer(path, config.model.vocab_size))
       with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         return abstract_state(Decoder(model_config(config)), make_optimizer(config.train),
                               mesh, rules)
@@ -82,11 +93,8 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str = "bfloat
   finally:
     checkpointer.close()
 
-  config = found["config"]
+  config, tokenizer, pieces = found["config"], found["tokenizer"], found["pieces"]
   cfg = model_config(config)
-  tokenizer = tokenizer or _run_tokenizer(data.tokenizer_path(data_config(config)),
-                                          meta.get("tokenizer_sha256"))
-  pieces = sentencepiece.SentencePieceProcessor(model_file=tokenizer)
   np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
 
   def hf_tensors():
@@ -115,12 +123,30 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str = "bfloat
     if os.path.isdir(out):
       os.rmdir(out)  # Empty, checked above.
     os.rename(partial, out)
-  except BaseException:
+  except BaseException as error:
     shutil.rmtree(partial, ignore_errors=True)
+    if isinstance(error, OSError):  # A full disk, say.
+      raise ExportError(f"writing {out} failed ({error}); nothing was left there") from error
     raise
   return (f"exported step {step} of {workdir} to {out}: {len(set(plan.values()))} "
           f"safetensors file(s), "
           f"{total / 2**20:.1f} MiB {dtype}, tokenizer {tokenizer}")
+
+
+def _checked_tokenizer(path: str, vocab_size: int) -> sentencepiece.SentencePieceProcessor:
+  """The SentencePiece model at `path`, if it is one whose ids the model's vocabulary holds
+  (`transformers` would index past its embedding with a larger one)."""
+  if not os.path.isfile(path):
+    raise ExportError(f"tokenizer {path} does not exist")
+  try:
+    pieces = sentencepiece.SentencePieceProcessor(model_file=path)
+  except (OSError, RuntimeError) as error:
+    raise ExportError(f"tokenizer {path} is not a SentencePiece model ({str(error).strip()})"
+                      ) from None
+  if pieces.get_piece_size() > vocab_size:
+    raise ExportError(f"tokenizer {path} has {pieces.get_piece_size()} pieces, more than the "
+                      f"model's vocabulary ({vocab_size}); pass the run's, or a smaller one")
+  return pieces
 
 
 def _run_tokenizer(path: str, recorded_sha256: str | None) -> str:
@@ -179,6 +205,8 @@ def main(argv: list[str]) -> None:
   try:
     print(export(_WORKDIR.value, _OUT.value, _STEP.value, _DTYPE.value, _TOKENIZER.value,
                  int(_MAX_SHARD_GIB.value * 2**30)), flush=True)
+  except KeyboardInterrupt:
+    console.exit_interrupted()
   except (ExportError, CheckpointError) as error:
     console.exit_with_error(str(error))
 

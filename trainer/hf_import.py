@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from typing import Any, Callable
 
@@ -110,11 +111,17 @@ def tensor_files(directory: str) -> dict[str, str]:
     return {name: os.path.join(directory, file) for name, file in weight_map.items()}
   single = os.path.join(directory, SINGLE_FILE)
   if os.path.isfile(single):
-    with safe_open(single, framework="numpy") as f:
-      return {name: single for name in f.keys()}
+    try:
+      with safe_open(single, framework="numpy") as f:
+        return {name: single for name in f.keys()}
+    except Exception as error:  # OSError, or safetensors' own SafetensorError for a bad header.
+      raise HFFormatError(f"{single}: cannot read ({error})") from None
   raise HFFormatError(
       f"init.from_hf={directory} holds neither {SINGLE_FILE} nor {INDEX_FILE} (a "
       f"pytorch_model.bin checkpoint must be converted to safetensors first)")
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def check_tensors(directory: str, cfg: ModelConfig) -> None:
@@ -126,6 +133,13 @@ def check_tensors(directory: str, cfg: ModelConfig) -> None:
   for name in expected:
     if name not in files:
       raise HFFormatError(f"init.from_hf={directory}: tensor {name} is missing")
+  # Layers past config.json's count would be dropped without a word (other extras, such as
+  # the rotary inv_freq buffers of older exports, are not weights).
+  layers = {int(match.group(1)) for match in map(_LAYER.match, files) if match}
+  if layers and max(layers) >= cfg.num_layers:
+    raise HFFormatError(f"init.from_hf={directory}: config.json has num_hidden_layers="
+                        f"{cfg.num_layers}, but the checkpoint holds tensors of layer "
+                        f"{max(layers)} (0-based); fix config.json")
   by_file: dict[str, list[str]] = {}
   for name in expected:
     by_file.setdefault(files[name], []).append(name)
