@@ -40,6 +40,14 @@ def main(argv: list[str]) -> None:
   f = run_flags.parse_run_flags(argv, define_flags)
   if f.trials < 1:
     sys.exit(f"error: --trials={f.trials} must be at least 1")
+  out_dir = os.path.join(f.workdir, "needle")
+  try:  # Before the eval (hours on a large model), not when its results are written.
+    os.makedirs(out_dir, exist_ok=True)
+  except OSError as error:
+    console.exit_with_error(f"cannot create {out_dir}: {workdir_lock.os_reason(error)}")
+  if not os.access(out_dir, os.W_OK):
+    console.exit_with_error(f"cannot write to {out_dir} (permission denied, or a read-only "
+                            f"file system)")
   try:
     lengths = needle_grid.parse_lengths(f.lengths)
     depths = needle_grid.parse_depths(f.depths)
@@ -52,11 +60,11 @@ def main(argv: list[str]) -> None:
           f"{lengths}, depths {depths}, {f.trials} per cell", flush=True)
     started = time.monotonic()
     rows = needle.evaluate(sampler, lengths, depths, f.trials, f.seed)
+  except KeyboardInterrupt:
+    console.exit_interrupted()
   except sample.RUN_ERRORS + (needle_grid.NeedleError,) as error:
     console.exit_with_error(str(error))
   accuracy = needle.grid(rows, lengths, depths)
-  out_dir = os.path.join(f.workdir, "needle")
-  os.makedirs(out_dir, exist_ok=True)
   json_path, png_path = (os.path.join(out_dir, f"{name}.{ext}") for ext in ("json", "png"))
   title = (f"{os.path.basename(os.path.normpath(f.workdir))} {name}: needle retrieval "
            f"({sampler.model_cfg.attention}, trained at {sampler.config.data.seq_len} tokens)")

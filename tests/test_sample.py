@@ -3,6 +3,7 @@ the ring gives, token for token, the greedy tokens of the dense model recomputin
 row at every step; bad input stops in one line."""
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -180,6 +181,39 @@ def _cli(*args, check=False):
   result = subprocess.run([sys.executable, "-m", "trainer.sample", *args],
                           capture_output=True, text=True, timeout=300)
   return result
+
+
+def test_ctrl_c_stops_sampling_in_one_line(trained_run):
+  """Was a KeyboardInterrupt traceback of 40-55 lines; the tools that read have nothing to
+  save, so they stop with a line and a shell's Ctrl-C code."""
+  import signal
+  import subprocess
+  import sys
+  process = subprocess.Popen(
+      [sys.executable, "-m", "trainer.sample", f"--workdir={trained_run}", "--prompt=the code",
+       "--max_new_tokens=200"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  first = process.stderr.readline()  # "reading ...": the tool's work has begun.
+  process.send_signal(signal.SIGINT)
+  _, err = process.communicate(timeout=120)
+  assert first.startswith("reading ") and process.returncode == 130, first + err
+  assert "stopped by Ctrl-C" in err.splitlines() and "Traceback" not in err, err
+
+
+def test_the_needle_eval_checks_its_output_folder_before_it_runs(trained_run, tmp_path):
+  """A workdir whose needle/ cannot be made stopped with a traceback only after the whole
+  eval (hours on a large model), its results lost."""
+  import shutil
+  import subprocess
+  import sys
+  workdir = tmp_path / "run"
+  shutil.copytree(trained_run, workdir)
+  (workdir / "needle").write_text("a file where the folder goes")
+  result = subprocess.run([sys.executable, "scripts/eval_needle.py", f"--workdir={workdir}",
+                           "--lengths=64"], capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert result.returncode == 1 and result.stderr.strip().splitlines() == [
+      f"error: cannot create {workdir}/needle: File exists"], result.stderr
+  assert "needles in" not in result.stdout  # Stopped before the eval.
 
 
 def test_help_lists_the_flags_without_a_run():

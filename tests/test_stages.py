@@ -95,6 +95,13 @@ def test_a_command_line_override_a_stage_would_replace_stops_in_one_line(tmp_pat
       "error: --config.train.steps is set by stage 1 '64' of config.stages, whose value wins "
       "there: set --config.stages[0].train.steps instead"]
   assert not (tmp_path / "run").exists()
+  result = subprocess.run(  # A stage the config does not have: was an IndexError traceback.
+      [sys.executable, "-m", "trainer", "--config", "configs/tiny_extend.py",
+       "--config.stages[2].train.lr=1e-4"], cwd=ROOT, capture_output=True, text=True,
+      timeout=120, check=False)
+  assert result.returncode == 1 and result.stderr.strip().splitlines() == [
+      "error: --config.stages[2].train.lr: an index past the end of its list (a stage, say, "
+      "that the config does not have; they count from 0)"]
 
 
 def test_resume_may_change_stages_not_yet_begun_only(shared_data_dir):

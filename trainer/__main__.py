@@ -110,6 +110,8 @@ def _parse_flags(argv: list[str]) -> list[str]:
              f"{error.msg}")
   except OSError as error:  # The config file failed to load and an override touched it.
     _exit_config_unloadable(error)
+  except IndexError:
+    sys.exit(f"error: {run_flags.index_error(argv)}")
   except (AttributeError, KeyError) as error:
     # config_flags raises these for an override of a field the config does not have; the
     # innermost message is "'name'" plus, sometimes, a did-you-mean line.

@@ -106,6 +106,13 @@ def exit_with_error(message: str) -> None:
   sys.exit(1)
 
 
+def exit_interrupted() -> None:
+  """Exits 130 (a shell's code for Ctrl-C) after one line: the tools that only read stop
+  on Ctrl-C with nothing to save, and a KeyboardInterrupt traceback says nothing more."""
+  _write_line(sys.stderr, "stopped by Ctrl-C")
+  sys.exit(130)
+
+
 def install_reader_hooks() -> None:
   """`install_hooks` for the tools that only read a checkpoint (export, sample, the needle
   eval), which report a failed read in one line and stop: asyncio's 'Task exception was

@@ -70,6 +70,14 @@ def flag_error(error: Exception) -> str:
   return message
 
 
+def index_error(argv: list[str]) -> str:
+  """ml_collections' IndexError ("tuple index out of range") for an override such as
+  `--config.stages[2].train.lr` of a config with two stages, said with the flag."""
+  indexed = [arg.split("=")[0] for arg in argv if arg.startswith("--config.") and "[" in arg]
+  return (f"{' or '.join(indexed) or 'a --config override'}: an index past the end of its "
+          f"list (a stage, say, that the config does not have; they count from 0)")
+
+
 _HELP_FLAGS = ("help", "helpshort", "helpfull", "helpxml", "?")  # absl's, with - or --.
 
 
@@ -121,6 +129,8 @@ def parse_run_flags(argv: list[str], define_flags: Callable[[], None], allow_hf:
     flags.FLAGS(argv)
   except (flags.Error, AttributeError, KeyError) as error:
     sys.exit(f"error: {flag_error(error)}")
+  except IndexError:
+    sys.exit(f"error: {index_error(argv)}")
   config = flags.FLAGS.config
   problem = (stages.problem(config)
              or stages.overridden_by_a_stage(config, config_flags.get_override_values(

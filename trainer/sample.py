@@ -355,6 +355,8 @@ def main(argv: list[str]) -> None:
     new_ids, timing = sampler.generate(ids, f.max_new_tokens, f.temperature, f.top_p, f.seed,
                                        on_token=None if f.json else stream,
                                        ignore_eos=f.ignore_eos)
+  except KeyboardInterrupt:
+    console.exit_interrupted()
   except RUN_ERRORS + (HFFormatError,) as error:
     console.exit_with_error(str(error))
   if f.json:
