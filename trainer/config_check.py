@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import ml_collections
+import jax
 import jax.numpy as jnp
 
 import parallelism
@@ -105,7 +106,11 @@ def _check_mesh(config: ml_collections.ConfigDict, num_devices: int, head_size: 
                      parallelism.resolve_mesh_shape(config.mesh, num_devices)))
     parallelism.check_rules(config.mesh.rules)
   except ValueError as error:
-    raise ConfigError(str(error)) from None
+    # On CPUs the devices are simulated: their number is a config field too.
+    cpus = (f"; or simulate more CPU devices with config.cpu_devices (now "
+            f"{config.cpu_devices or 'unset'})"
+            if "multiply to" in str(error) and jax.default_backend() == "cpu" else "")
+    raise ConfigError(f"{error}{cpus}") from None
   batch_shards = shape["data"] * shape["fsdp"]
   _require(config.train.batch_size % batch_shards == 0,
            f"train.batch_size={config.train.batch_size} must be divisible by mesh.data x mesh.fsdp"
