@@ -38,32 +38,40 @@ def define_flags() -> None:
 
 def main(argv: list[str]) -> None:
   f = run_flags.parse_run_flags(argv, define_flags)
+  try:
+    _evaluate(f, argv)
+  except KeyboardInterrupt:
+    console.exit_interrupted()
+  except sample.RUN_ERRORS + (needle_grid.NeedleError, workdir_lock.WorkdirError) as error:
+    console.exit_with_error(str(error))
+
+
+def _evaluate(f, argv: list[str]) -> None:
   if f.trials < 1:
-    sys.exit(f"error: --trials={f.trials} must be at least 1")
+    raise needle_grid.NeedleError(f"--trials={f.trials} must be at least 1")
+  if f.untrained and f.step is not None:
+    raise needle_grid.NeedleError("pass --step or --untrained, not both")
+  lengths = needle_grid.parse_lengths(f.lengths)
+  depths = needle_grid.parse_depths(f.depths)
   out_dir = os.path.join(f.workdir, "needle")
   try:  # Before the eval (hours on a large model), not when its results are written.
     os.makedirs(out_dir, exist_ok=True)
   except OSError as error:
-    console.exit_with_error(f"cannot create {out_dir}: {workdir_lock.os_reason(error)}")
+    raise needle_grid.NeedleError(f"cannot create {out_dir}: {workdir_lock.os_reason(error)}"
+                                  ) from None
   if not os.access(out_dir, os.W_OK):
-    console.exit_with_error(f"cannot write to {out_dir} (permission denied, or a read-only "
-                            f"file system)")
-  try:
-    lengths = needle_grid.parse_lengths(f.lengths)
-    depths = needle_grid.parse_depths(f.depths)
-    if f.untrained:
-      sampler, name, step = sample.untrained(f.config), "untrained", 0
-    else:
-      sampler, step = sample.load(f.workdir, f.config, f.step)
-      name = str(step)
-    print(f"needles in {sampler.model_cfg.attention} attention, {name}: lengths "
-          f"{lengths}, depths {depths}, {f.trials} per cell", flush=True)
-    started = time.monotonic()
-    rows = needle.evaluate(sampler, lengths, depths, f.trials, f.seed)
-  except KeyboardInterrupt:
-    console.exit_interrupted()
-  except sample.RUN_ERRORS + (needle_grid.NeedleError,) as error:
-    console.exit_with_error(str(error))
+    raise needle_grid.NeedleError(f"cannot write to {out_dir} (permission denied, or a "
+                                  f"read-only file system)")
+  if f.untrained:
+    sampler, name, step = sample.untrained(f.config), "untrained", 0
+  else:
+    sampler, step = sample.load(f.workdir, f.config, f.step)
+    name = str(step)
+  print(f"needles in {sampler.model_cfg.attention} attention, "
+        f"{name if f.untrained else f'step {step}'}: lengths {lengths}, depths {depths}, "
+        f"{f.trials} per cell", flush=True)
+  started = time.monotonic()
+  rows = needle.evaluate(sampler, lengths, depths, f.trials, f.seed)
   accuracy = needle.grid(rows, lengths, depths)
   json_path, png_path = (os.path.join(out_dir, f"{name}.{ext}") for ext in ("json", "png"))
   title = (f"{os.path.basename(os.path.normpath(f.workdir))} {name}: needle retrieval "

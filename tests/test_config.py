@@ -93,7 +93,7 @@ def _run_cli(tmp_path, *overrides):
     ("--config.model.num_kv_heads=3", "model.num_kv_heads"),
     ("--config.data.cross_document_attention=yes", "=yes: must be true or false"),
     ("--config.cpu_devices=4", "but there are 4 devices; mesh.fsdp=1 or mesh.sequence=2 would "
-     "fit; or simulate more CPU devices with config.cpu_devices (now 4)"),
+     "fit; or config.cpu_devices=8 simulates that many CPU devices"),
 ])
 def test_cli_reports_bad_overrides_in_one_line(tmp_path, override, expected):
   result, workdir = _run_cli(tmp_path, override)

@@ -104,6 +104,7 @@ def test_a_cpu_compile_is_checked_against_the_accelerators_memory(tiny_config, m
   """Not 80 GiB for every kind: a TPU v5e has 16, and a described GPU the same figure whether
   the plan compiles for it or for CPUs; the search for the longest length uses it too."""
   assert set(flops.MEMORY_GIB) | set(plan_target.GPUS) == set(flops.PEAK_FLOPS)
+  assert not set(flops.MEMORY_GIB) & set(plan_target.GPUS)  # One figure per accelerator.
   assert dry_run.default_memory_gib(None, "tpu_v5e") == 16.0
   assert dry_run.default_memory_gib(None, "h100") == plan_target.memory_gib("h100") < 80
   judged = []

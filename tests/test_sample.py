@@ -156,6 +156,11 @@ def test_a_needle_prompt_hides_the_fact_at_its_depth(tokenizer, tiny_config):
       needle_grid.parse_lengths(bad)
   with pytest.raises(needle_grid.NeedleError):
     needle_grid.parse_depths("0,1.5")
+  # A repeated cell counted its needles twice ("0% of 4 needles" for 2 per cell).
+  with pytest.raises(needle_grid.NeedleError, match="lengths '64,64' name 64 more than once"):
+    needle_grid.parse_lengths("64,64")
+  with pytest.raises(needle_grid.NeedleError, match="depths '0,0.5,0' name 0 more than once"):
+    needle_grid.parse_depths("0,0.5,0")
 
 
 def test_a_checkpoint_samples_alike_under_striped_and_dense(trained_run):

@@ -78,22 +78,26 @@ def test_a_bad_stage_is_one_error_naming_stage_and_field(shared_data_dir, edit, 
     check_config(config, 8)
 
 
-def test_a_command_line_override_a_stage_would_replace_stops_in_one_line(tmp_path):
-  """`--config.model.rope_scaling.factor=16` on a staged config was replaced by stage 2's 4.0
-  without a word; so was `--config.train.steps`, which every stage sets."""
+def test_command_line_overrides_that_stages_replace_are_said(tmp_path):
+  """`--config.train.steps`, which every stage sets, did nothing, without a word; one that a
+  stage replaces holds in the others only (`--config.model.rope_scaling.factor=16`: stage
+  1's, not stage 2's 4.0)."""
   config = importlib.import_module("configs.tiny_extend").get_config()
-  assert stages.overridden_by_a_stage(config, {"train.log_every": 1, "data.data_dir": "d"}) \
-      is None
-  assert stages.overridden_by_a_stage(config, {"model.rope_scaling.factor": 16.0}) == (
-      "--config.model.rope_scaling.factor is set by stage 2 '256' of config.stages, whose "
-      "value wins there: set --config.stages[1].model.rope_scaling.factor instead")
+  assert stages.replaced_overrides(config, {"train.log_every": 1, "data.data_dir": "d"}) == (
+      None, [])
+  assert stages.replaced_overrides(config, {"model.rope_scaling.factor": 16.0}) == (None, [
+      "note: --config.model.rope_scaling.factor holds in stages that do not set it; stage "
+      "2 '256' sets its own (--config.stages[1].model.rope_scaling.factor overrides that)"])
+  stored = json.loads(config.to_json_best_effort())  # A run's config.json: plain dicts.
+  assert stages.replaced_overrides(ml_collections.ConfigDict(stored),
+                                   {"model.rope_scaling.factor": 16.0})[1]
   result = subprocess.run(
       [sys.executable, "-m", "trainer", "--config", "configs/tiny_extend.py",
        f"--workdir={tmp_path / 'run'}", "--config.train.steps=100"],
       cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
   assert result.returncode == 1 and result.stderr.strip().splitlines() == [
-      "error: --config.train.steps is set by stage 1 '64' of config.stages, whose value wins "
-      "there: set --config.stages[0].train.steps instead"]
+      "error: --config.train.steps is set by every stage of config.stages, whose values win: "
+      "set --config.stages[0].train.steps (and so on) instead"]
   assert not (tmp_path / "run").exists()
   result = subprocess.run(  # A stage the config does not have: was an IndexError traceback.
       [sys.executable, "-m", "trainer", "--config", "configs/tiny_extend.py",
@@ -213,6 +217,15 @@ def test_two_stages_train_and_resume_exactly_after_a_kill_inside_stage_2(
   assert {s: r["loss"] for s, r in killed.items()} == {s: r["loss"] for s, r in
                                                       appended.items()}
   assert [killed[s]["stage"] for s in range(1, 13)] == [1] * 6 + [2] * 6
+
+  # The tools that read a run open a staged one (its config.json holds the stages as plain
+  # dicts), at the stage of the step they read.
+  sampled = subprocess.run(
+      [sys.executable, "-m", "trainer.sample", f"--workdir={tmp_path / 'killed'}",
+       "--prompt=the code of", "--max_new_tokens=2", "--config.model.rope_scaling.factor=4.0"],
+      cwd=ROOT, text=True, capture_output=True, timeout=300)
+  assert sampled.returncode == 0, sampled.stderr
+  assert "note: --config.model.rope_scaling.factor holds in stages" in sampled.stderr
 
 
 def test_the_llama_extension_recipe_resolves_on_an_imported_checkpoint():

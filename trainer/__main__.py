@@ -111,6 +111,8 @@ def _parse_flags(argv: list[str]) -> list[str]:
   except OSError as error:  # The config file failed to load and an override touched it.
     _exit_config_unloadable(error)
   except IndexError:
+    if not any(arg.startswith("--config.") and "[" in arg for arg in argv):
+      raise  # From the config file's own code: its traceback names the line.
     sys.exit(f"error: {run_flags.index_error(argv)}")
   except (AttributeError, KeyError) as error:
     # config_flags raises these for an override of a field the config does not have; the
@@ -153,7 +155,9 @@ _READ_ONLY_BY = {"plan_mfu": ("plan", "compare_strategies"),
 def _plan_flags_problem() -> str | None:
   """A plan flag without --dry_run (training would ignore it), or that this --dry_run mode
   does not read, or out of range."""
-  given = [name for name in _PLAN_FLAGS if flags.FLAGS[name].present]
+  # `--nofind_max_seq_len` asks for nothing: a boolean counts when true.
+  given = [name for name in _PLAN_FLAGS
+           if flags.FLAGS[name].present and flags.FLAGS[name].value is not False]
   if given and not _DRY_RUN.value:
     return f"--{given[0]} plans: pass it with --dry_run"
   mode = ("compare_strategies" if _COMPARE.value else
@@ -203,9 +207,14 @@ def main(argv: list[str]) -> None:
   try:
     if config.init.from_hf:  # Sets the model's shape and tokenizer: before any check or plan.
       print(hf_import.apply_to_config(config, overrides), flush=True)
-    problem = stages.problem(config) or stages.overridden_by_a_stage(config, overrides)
+    problem = stages.problem(config)
     if problem:
       raise ConfigError(problem)
+    problem, notes = stages.replaced_overrides(config, overrides)
+    if problem:
+      raise ConfigError(problem)
+    for note in notes:
+      print(note, flush=True)
     if _DRY_RUN.value:
       # Imported here: the planner sets up JAX's (CPU) backend before it starts.
       from trainer import dry_run  # pylint: disable=g-import-not-at-top

@@ -107,9 +107,11 @@ def _check_mesh(config: ml_collections.ConfigDict, num_devices: int, head_size: 
     parallelism.check_rules(config.mesh.rules)
   except ValueError as error:
     # On CPUs the devices are simulated: their number is a config field too.
-    cpus = (f"; or simulate more CPU devices with config.cpu_devices (now "
-            f"{config.cpu_devices or 'unset'})"
-            if "multiply to" in str(error) and jax.default_backend() == "cpu" else "")
+    sizes = [config.mesh.get(axis, 1) for axis in parallelism.MESH_AXES]
+    wanted = math.prod(sizes)
+    cpus = (f"; or config.cpu_devices={wanted} simulates that many CPU devices"
+            if jax.default_backend() == "cpu" and min(sizes) > 0 and wanted != num_devices
+            else "")
     raise ConfigError(f"{error}{cpus}") from None
   batch_shards = shape["data"] * shape["fsdp"]
   _require(config.train.batch_size % batch_shards == 0,

@@ -25,6 +25,7 @@ import jax
 import ml_collections
 import ml_dtypes
 import numpy as np
+import safetensors
 import sentencepiece
 from absl import app, flags, logging
 from flax import traverse_util
@@ -108,8 +109,8 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str = "bfloat
 
   partial = f"{out.rstrip('/')}.partial-{os.getpid()}"
   shutil.rmtree(partial, ignore_errors=True)
-  os.makedirs(partial)
   try:
+    os.makedirs(partial)
     plan = _shard_plan(hf_shapes(cfg), np.dtype(np_dtype).itemsize, max_shard_bytes)
     total = _write_shards(hf_tensors(), plan, partial, log)
     hf_config = hf_config_of(cfg, config.data.seq_len, pieces.bos_id(), pieces.eos_id(), dtype)
@@ -125,7 +126,8 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str = "bfloat
     os.rename(partial, out)
   except BaseException as error:
     shutil.rmtree(partial, ignore_errors=True)
-    if isinstance(error, OSError):  # A full disk, say.
+    # A full disk, say: safetensors reports its own write errors as SafetensorError.
+    if isinstance(error, (OSError, safetensors.SafetensorError)):
       raise ExportError(f"writing {out} failed ({error}); nothing was left there") from error
     raise
   return (f"exported step {step} of {workdir} to {out}: {len(set(plan.values()))} "
@@ -202,6 +204,8 @@ def main(argv: list[str]) -> None:
   # Orbax announces a read-only manager with warnings; the export says what it does itself.
   logging.set_verbosity(logging.ERROR)
   console.install_reader_hooks()  # A failed checkpoint read's echoes, folded.
+  if not _MAX_SHARD_GIB.value * 2**30 >= 1:  # nan too.
+    console.exit_with_error(f"--max_shard_gib={_MAX_SHARD_GIB.value:g} must be positive")
   try:
     print(export(_WORKDIR.value, _OUT.value, _STEP.value, _DTYPE.value, _TOKENIZER.value,
                  int(_MAX_SHARD_GIB.value * 2**30)), flush=True)

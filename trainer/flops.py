@@ -32,7 +32,7 @@ PEAK_FLOPS = {
 
 # Memory of one, in GiB, of those that `plan_target.GPUS` does not describe (whose figure is
 # there): what a plan is checked against.
-MEMORY_GIB = {"a100": 80, "tpu_v4": 32, "tpu_v5e": 16, "tpu_v5p": 95}
+MEMORY_GIB = {"tpu_v4": 32, "tpu_v5e": 16, "tpu_v5p": 95}
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

@@ -55,10 +55,10 @@ def format_of(dataset: str) -> NeedleFormat:
 def filler_sentences(data_cfg: data.DataConfig, tokenizer: data.Tokenizer, fmt: NeedleFormat,
                      tokens: int, piece_tokens: int = 64) -> list[tuple[str, int]]:
   """(sentence, its token count) from the eval split, in order, until `tokens` are reached;
-  sentences naming a needle key or value are left out, and one over `piece_tokens` and 32
-  tokens is cut at words into pieces of about `piece_tokens` (a prompt takes whole pieces:
-  text without sentence ends gave prompts a fraction of their length). No sentence of the
-  synthetic corpus reaches 32 tokens: its prompts stay as they were."""
+  sentences naming a needle key or value are left out, and one over 4 x `piece_tokens` (and
+  32) tokens is cut at words into pieces of about `piece_tokens`: a prompt takes whole
+  pieces, and text without sentence ends gave prompts a fraction of their length. No
+  sentence of the synthetic corpus reaches 32 tokens: its prompts stay as they were."""
   # A key or a value in the filler would compete with the needle ("it is amber ." is a
   # sentence of its own once the synthetic corpus's questions are split at "?").
   banned = {word.lower() for word in fmt.keys + fmt.values}
@@ -80,11 +80,11 @@ def filler_sentences(data_cfg: data.DataConfig, tokenizer: data.Tokenizer, fmt: 
 
 
 def _pieces(sentence: str, count: int, piece_tokens: int) -> list[str]:
-  """`sentence` whole, or if over 32 tokens and `piece_tokens`, cut at words into about
+  """`sentence` whole, or if over 4 x `piece_tokens` and 32 tokens, cut at words into about
   count / piece_tokens pieces of equal word counts."""
   words = sentence.split()
   parts = min(len(words), -(-count // piece_tokens))
-  if count <= max(32, piece_tokens) or parts <= 1:
+  if count <= max(32, 4 * piece_tokens) or parts <= 1:
     return [sentence]
   bounds = np.linspace(0, len(words), parts + 1).round().astype(int)
   return [" ".join(words[start:end]) for start, end in zip(bounds, bounds[1:])]
@@ -113,7 +113,8 @@ def evaluate(sampler: Sampler, lengths: list[int], depths: list[float], trials: 
   it is correct, and whether it is a value at all (`a_value`)."""
   tokenizer = sampler.tokenizer
   fmt = format_of(sampler.config.data.dataset)
-  # Pieces of 1/16 of the shortest prompt, so each prompt nearly reaches its length.
+  # Sentences over 1/4 of the shortest prompt are cut into pieces of 1/16 of it: each prompt
+  # comes within about 1/4 of its length, and ordinary sentences stay whole.
   sentences = filler_sentences(sampler.data_cfg, tokenizer, fmt, max(lengths),
                                piece_tokens=max(8, min(lengths) // 16))
   rng = np.random.default_rng(seed)

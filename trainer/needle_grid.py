@@ -20,7 +20,7 @@ def parse_lengths(text: str) -> list[int]:
       raise NeedleError(f"cannot read the length '{part}' (write e.g. 512,1k,4k)") from None
   if not lengths or min(lengths) < 16:
     raise NeedleError(f"lengths '{text}' must be a list of at least 16 tokens each")
-  return lengths
+  return _once_each(lengths, "lengths", text)
 
 
 def parse_depths(text: str) -> list[float]:
@@ -30,4 +30,13 @@ def parse_depths(text: str) -> list[float]:
     raise NeedleError(f"cannot read the depths '{text}' (write e.g. 0,0.25,0.5,0.75,1)") from None
   if not depths or any(not 0 <= d <= 1 for d in depths):
     raise NeedleError(f"depths '{text}' must be fractions between 0 and 1")
-  return depths
+  return _once_each(depths, "depths", text)
+
+
+def _once_each(values: list, what: str, text: str) -> list:
+  """`values`, unless one repeats: a repeated cell counted its needles twice."""
+  repeated = sorted({v for v in values if values.count(v) > 1})
+  if repeated:
+    raise NeedleError(f"{what} '{text}' name {', '.join(f'{v:g}' for v in repeated)} more than "
+                      f"once")
+  return values

@@ -104,6 +104,8 @@ def parse_run_flags(argv: list[str], define_flags: Callable[[], None], allow_hf:
   # Help lists the flags, so it needs none of them: its config fields are base.py's.
   wants_help = any(arg.split("=")[0].lstrip("-") in _HELP_FLAGS for arg in argv[1:]
                    if arg.startswith("-"))
+  if workdir and hf_dir and allow_hf:
+    sys.exit("error: pass --workdir or --from_hf, not both")
   if bool(workdir) == bool(hf_dir and allow_hf) and not wants_help:
     sys.exit("error: pass --workdir=RUN (a run directory of `python -m trainer`)"
              + (" or --from_hf=DIR (a Hugging Face LLaMA directory)" if allow_hf else ""))
@@ -130,13 +132,15 @@ def parse_run_flags(argv: list[str], define_flags: Callable[[], None], allow_hf:
   except (flags.Error, AttributeError, KeyError) as error:
     sys.exit(f"error: {flag_error(error)}")
   except IndexError:
+    if not any(arg.startswith("--config.") and "[" in arg for arg in argv):
+      raise
     sys.exit(f"error: {index_error(argv)}")
-  config = flags.FLAGS.config
-  problem = (stages.problem(config)
-             or stages.overridden_by_a_stage(config, config_flags.get_override_values(
-                 flags.FLAGS["config"])))
+  problem, notes = stages.replaced_overrides(
+      flags.FLAGS.config, config_flags.get_override_values(flags.FLAGS["config"]))
   if problem:
     sys.exit(f"error: {problem}")
+  for note in notes:
+    print(note, file=sys.stderr, flush=True)
   # Errors only: a read-only checkpoint manager warns about its own read-only options.
   logging.set_verbosity(logging.ERROR)
   console.fold_orbax_logs(logging.get_absl_logger())

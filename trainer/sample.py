@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 import data
 import parallelism
 from model import Decoder, ModelConfig
+from model.hf_format import HFFormatError
 from trainer import console, stages
 from trainer.checkpointing import CheckpointError, open_step
 from trainer.config_check import ConfigError
@@ -61,12 +62,10 @@ def _on_mesh(config: ml_collections.ConfigDict):
 def from_hf(config: ml_collections.ConfigDict, log: Callable[[str], None] = print) -> Sampler:
   """A sampler of the Hugging Face checkpoint in `config.init.from_hf` (after
   `hf_import.apply_to_config`), its weights read one tensor at a time onto the mesh."""
-  from trainer import hf_import  # pylint: disable=g-import-not-at-top
-  from trainer.training import model_config  # pylint: disable=g-import-not-at-top
+  from trainer.training import initial_params  # pylint: disable=g-import-not-at-top
   mesh, parts = _on_mesh(config)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.mesh.rules):
-    params = hf_import.load_params(config.init.from_hf, model_config(config),
-                                   parts.abstract_state.params, log)
+    params = initial_params(config, parts, log)
   return Sampler(config, mesh, params, data.Tokenizer(config.data.tokenizer), log)
 
 
@@ -74,12 +73,12 @@ def untrained(config: ml_collections.ConfigDict,
               log: Callable[[str], None] = print) -> Sampler:
   """A sampler of the run's model as step 0 would start it (its seed, or the Hugging Face
   checkpoint it starts from): the baseline that a trained checkpoint should beat."""
-  from trainer.training import data_config, initial_state  # pylint: disable=g-import-not-at-top
+  from trainer.training import data_config, initial_params  # pylint: disable=g-import-not-at-top
   config = stages.plan(config)[0].config
   mesh, parts = _on_mesh(config)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.mesh.rules):
-    state = initial_state(config, parts, log)
-  return Sampler(config, mesh, state.params, data.load_tokenizer(data_config(config)), log)
+    params = initial_params(config, parts, log)
+  return Sampler(config, mesh, params, data.load_tokenizer(data_config(config)), log)
 
 
 def load(workdir: str, config: ml_collections.ConfigDict, step: int | None = None,
@@ -292,7 +291,7 @@ def _choose(logits_BV: jax.Array, key: jax.Array, *, temperature: float, top_p: 
 
 # What loading and sampling a run raise for a problem of the run or the flags, each with a
 # one-line message (the command lines print it and exit 1).
-RUN_ERRORS = (SampleError, CheckpointError, ConfigError, data.DataError)
+RUN_ERRORS = (SampleError, CheckpointError, ConfigError, data.DataError, HFFormatError)
 
 
 def prompt_ids(tokenizer: data.Tokenizer, text: str) -> list[int]:
@@ -303,7 +302,6 @@ def prompt_ids(tokenizer: data.Tokenizer, text: str) -> list[int]:
 def main(argv: list[str]) -> None:
   """The command line (module docstring)."""
   from absl import flags  # pylint: disable=g-import-not-at-top
-  from model.hf_format import HFFormatError  # pylint: disable=g-import-not-at-top
   from trainer import hf_import  # pylint: disable=g-import-not-at-top
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 
@@ -357,7 +355,7 @@ def main(argv: list[str]) -> None:
                                        ignore_eos=f.ignore_eos)
   except KeyboardInterrupt:
     console.exit_interrupted()
-  except RUN_ERRORS + (HFFormatError,) as error:
+  except RUN_ERRORS as error:
     console.exit_with_error(str(error))
   if f.json:
     print(json.dumps({"workdir": f.workdir, "from_hf": f.from_hf, "step": step,

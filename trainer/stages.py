@@ -160,17 +160,25 @@ def plan(config: ml_collections.ConfigDict) -> list[Stage]:
   return stages
 
 
-def overridden_by_a_stage(config: ml_collections.ConfigDict,
-                          overrides: dict[str, Any]) -> str | None:
-  """Why a command-line override (ml_collections' flat names) would not hold: a stage that
-  sets the same field replaces it there, without a word. None if every one holds."""
-  for index, spec in enumerate(config.stages):
-    spec = ml_collections.ConfigDict(spec)
-    for name in fields.flatten(spec.to_dict()).keys() & overrides.keys():
-      if name not in _OWN_FIELDS:
-        return (f"--config.{name} is set by stage {index + 1} '{spec.name}' of config.stages, "
-                f"whose value wins there: set --config.stages[{index}].{name} instead")
-  return None
+def replaced_overrides(config: ml_collections.ConfigDict,
+                       overrides: dict[str, Any]) -> tuple[str | None, list[str]]:
+  """(problem, notes) of command-line overrides (ml_collections' flat names) that stages
+  replace with their own value: one every stage replaces would do nothing (the problem);
+  one some replace holds in the others (a note each)."""
+  specs = [ml_collections.ConfigDict(spec) for spec in config.stages]  # Stored: plain dicts.
+  notes = []
+  for name in sorted(overrides):
+    setting = [i for i, spec in enumerate(specs)
+               if name in fields.flatten(spec.to_dict()) and name not in _OWN_FIELDS]
+    if not setting:
+      continue
+    stages = ", ".join(f"{i + 1} '{specs[i].name}'" for i in setting)
+    if len(setting) == len(specs):
+      return (f"--config.{name} is set by every stage of config.stages, whose values win: "
+              f"set --config.stages[{setting[0]}].{name} (and so on) instead"), []
+    notes.append(f"note: --config.{name} holds in stages that do not set it; stage {stages} "
+                 f"sets its own (--config.stages[{setting[0]}].{name} overrides that)")
+  return None, notes
 
 
 def holding(stages: list[Stage], step: int) -> Stage:

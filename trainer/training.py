@@ -5,7 +5,7 @@ loop importing it back."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import ml_collections
@@ -55,12 +55,21 @@ def build_training(config: ml_collections.ConfigDict, mesh) -> Training:
   return Training(model, optimizer, shardings, state, batch_sharding, step_fn)
 
 
-def initial_state(config: ml_collections.ConfigDict, parts: Training, log) -> TrainState:
-  """Step 0's state: random weights from the seed, or a Hugging Face checkpoint's (the
-  loop's start, and the sampler's untrained baseline)."""
+def initial_state(config: ml_collections.ConfigDict, parts: Training,
+                  log: Callable[[str], None]) -> TrainState:
+  """Step 0's state: random weights from the seed, or a Hugging Face checkpoint's."""
   if not config.init.from_hf:
     return init_state(parts.model, parts.optimizer, parts.shardings, config.seed)
+  return state_from_params(initial_params(config, parts, log), parts.optimizer,
+                           parts.shardings)
+
+
+def initial_params(config: ml_collections.ConfigDict, parts: Training,
+                   log: Callable[[str], None]) -> Any:
+  """Step 0's parameters (the sampler's untrained baseline, and a Hugging Face checkpoint
+  sampled as it is): a checkpoint's are read without building an optimizer state."""
+  if not config.init.from_hf:
+    return init_state(parts.model, parts.optimizer, parts.shardings, config.seed).params
   log(f"loading weights from {config.init.from_hf}")
-  params = hf_import.load_params(config.init.from_hf, model_config(config),
-                                 parts.abstract_state.params, log)
-  return state_from_params(params, parts.optimizer, parts.shardings)
+  return hf_import.load_params(config.init.from_hf, model_config(config),
+                               parts.abstract_state.params, log)
