@@ -121,8 +121,13 @@ def _rewrite_tensors(directory: str, edit) -> None:
      "model.safetensors: cannot read ("),
     (lambda d: _edit_config(d, num_hidden_layers=1),  # Layer 1 was dropped without a word.
      "config.json has num_hidden_layers=1, but the checkpoint holds tensors of layer 1"),
+    (lambda d: _edit_config(d, vocab_size=300),  # Sampling clamped ids past the embedding.
+     "tokenizer.model has 320 pieces, more than init.from_hf="),
+    (lambda d: open(os.path.join(d, "tokenizer.model"), "wb").write(b"junk"),
+     "tokenizer.model is not a SentencePiece model"),
 ], ids=["not_llama", "bias", "rope_type", "shape", "missing_tensor", "no_tokenizer",
-        "no_weights", "truncated_single_file", "more_layers_than_config"])
+        "no_weights", "truncated_single_file", "more_layers_than_config", "tokenizer_too_big",
+        "tokenizer_not_sentencepiece"])
 def test_a_bad_checkpoint_stops_in_one_line_naming_it(tmp_path, damage, message):
   directory = _copy("llama_tied_linear", tmp_path)
   damage(directory)
@@ -149,6 +154,12 @@ def test_command_line_rope_survives_the_import_and_a_shape_that_differs_stops():
   assert "(set on the command line; the checkpoint's: rope_theta=10000.0, " in summary
   with pytest.raises(HFFormatError, match="^--config.model.num_kv_heads=4, but .* has 2: "):
     hf_import.apply_to_config(config, {"model.num_kv_heads": 4})
+  # Training past the checkpoint's length with its RoPE as it was is said, not refused.
+  plain = base.get_config()
+  plain.init.from_hf, plain.data.seq_len = directory, 256
+  assert hf_import.apply_to_config(plain).splitlines()[1] == (
+      "note: data.seq_len=256 is past the checkpoint's max_position_embeddings (128) with its "
+      "RoPE unscaled; set model.rope_scaling.* on the command line to extend its context")
 
 
 def test_a_run_starts_from_the_checkpoint_and_exports_it_back_tensor_for_tensor(

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import ml_collections
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, which safetensors' reader needs)
 import numpy as np
+import sentencepiece
 from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec as P
 from safetensors import safe_open
@@ -74,16 +75,38 @@ def apply_to_config(config: ml_collections.ConfigDict,
     config[target][field] = value  # ConfigDict resolves the dotted path of the parent.
   if not config.data.tokenizer:
     config.data.tokenizer = _tokenizer_file(directory)
+  _check_tokenizer(config.data.tokenizer, config.model.vocab_size, where)
   check_tensors(directory, ModelConfig(**config.model.to_dict()))
   m = config.model
   scaling = m.rope_scaling.type + (f" x{m.rope_scaling.factor:g}"
                                    if m.rope_scaling.type != "default" else "")
+  trained = hf_config.get("max_position_embeddings") or 0
+  # Stages set their own lengths and RoPE after this; a run without them trains at this one.
+  past = (not config.stages and config.data.seq_len > trained > 0 and not replaced
+          and m.rope_scaling.type == "default")
+  note = (f"\nnote: data.seq_len={config.data.seq_len} is past the checkpoint's "
+          f"max_position_embeddings ({trained}) with its RoPE unscaled; set "
+          f"model.rope_scaling.* on the command line to extend its context" if past else "")
   return (f"starting from {directory}: {m.num_layers} layers, d_model {m.d_model}, heads "
           f"{m.num_heads}/{m.num_kv_heads} kv, vocab {m.vocab_size}, RoPE theta "
           f"{m.rope_theta:g} {scaling}"
           + (f" (set on the command line; the checkpoint's: {', '.join(replaced)})"
              if replaced else "")
-          + f"; tokenizer {config.data.tokenizer}")
+          + f"; tokenizer {config.data.tokenizer}{note}")
+
+
+def _check_tokenizer(path: str, vocab_size: int, where: str) -> None:
+  """The tokenizer's ids fit the checkpoint's vocabulary (a larger one indexes past the
+  embedding, which JAX clamps without a word); the vocabulary is the checkpoint's to set."""
+  try:
+    pieces = sentencepiece.SentencePieceProcessor(model_file=path).get_piece_size()
+  except (OSError, RuntimeError) as error:
+    raise HFFormatError(f"data.tokenizer={path} is not a SentencePiece model "
+                        f"({str(error).strip()})") from None
+  if pieces > vocab_size:
+    raise HFFormatError(f"data.tokenizer={path} has {pieces} pieces, more than {where}'s "
+                        f"vocab_size {vocab_size}; use the checkpoint's own tokenizer (leave "
+                        f"data.tokenizer empty) or one whose ids it knows")
 
 
 def _tokenizer_file(directory: str) -> str:
