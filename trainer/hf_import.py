@@ -44,7 +44,8 @@ _OVERRIDABLE = ("rope_theta", "rope_scaling.")
 def apply_to_config(config: ml_collections.ConfigDict,
                     overrides: dict[str, Any] | None = None) -> str:
   """Sets `config.model`'s architecture and RoPE, and `config.data.tokenizer` unless set,
-  from the checkpoint in `config.init.from_hf`; returns a one-line summary to print.
+  from the checkpoint in `config.init.from_hf`; returns a summary line to print (and a note
+  line when the run is longer than the checkpoint's length, its RoPE unscaled).
 
   `overrides` are the command line's `--config.*` values (flat names, as ml_collections'
   `get_override_values` gives them): a RoPE field given there keeps its value; a shape
