@@ -1,6 +1,6 @@
 """Compares training runs by speed and loss, from their workdirs alone (no W&B needed).
 
-    python scripts/compare_runs.py runs/ring runs/striped [--out compare.png]
+    python scripts/compare_runs.py runs/ring runs/striped [--out runs/compare.png]
 
 prints one row per run (layout, mesh, seq_len, median tokens/sec after warm-up, speedup
 against the first run, final loss) and writes a PNG with tokens/sec and loss against step.

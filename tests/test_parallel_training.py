@@ -189,3 +189,34 @@ def test_two_processes_log_the_losses_of_one(tmp_path, shared_data_dir, referenc
   assert "attention: striped, block kernel auto on cpu: xla\n" in outputs[0]
   assert len(_losses(workdir)) == steps
   np.testing.assert_allclose(_losses(workdir), reference_losses[:steps], rtol=1e-5)
+
+
+def test_processes_that_do_not_run_the_same_settings_all_stop_in_one_line(tmp_path):
+  """A process given another data.seq_len trained a different model in step with the other
+  (exit 0), and one given another workdir hung at the first save: now every process stops
+  before any work, naming what differs. A --process_id out of range is one line too."""
+  address = f"127.0.0.1:{_free_port()}"
+  xla_flags = os.environ["XLA_FLAGS"].replace("--xla_force_host_platform_device_count=8", "")
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "WANDB_MODE": "disabled", "XLA_FLAGS": xla_flags}
+  procs = [subprocess.Popen(
+      [sys.executable, "-m", "trainer", "--config", "configs/tiny_cpu.py",
+       f"--workdir={tmp_path / f'run{pid}'}", f"--coordinator_address={address}",
+       "--num_processes=2", f"--process_id={pid}", "--config.cpu_devices=4",
+       f"--config.data.seq_len={256 * (pid + 1)}"],
+      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      for pid in range(2)]
+  for pid, proc in enumerate(procs):
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        f"error: the processes do not run with the same --workdir, data.seq_len (process {pid} "
+        f"has --workdir={tmp_path / f'run{pid}'}, data.seq_len={256 * (pid + 1)}): give every "
+        f"process the same command"], err[-3000:]
+    assert not (tmp_path / f"run{pid}").exists()
+  result = subprocess.run(
+      [sys.executable, "-m", "trainer", "--config", "configs/tiny_cpu.py",
+       f"--coordinator_address={address}", "--num_processes=2", "--process_id=2"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  assert result.returncode == 1 and result.stderr.strip().splitlines() == [
+      "error: --process_id=2 must be in 0..1 (--num_processes=2)"], result.stderr

@@ -3,6 +3,7 @@
 import os
 import signal
 import sys
+from typing import Any
 
 from trainer import console  # Light: no JAX, so installed before the slow imports below.
 
@@ -28,10 +29,11 @@ import ml_collections
 from ml_collections import config_flags
 
 import data
-from trainer import (distributed, flops, hf_import, plan_target, profiling, run_flags,
-                     stages, wandb_tracker)
+from trainer import (distributed, fields, flops, hf_import, plan_target, profiling,
+                     run_flags, stages, wandb_tracker)
 from trainer.config_check import ConfigError, check_config
 from trainer.checkpointing import CheckpointError
+from trainer.resume import config_dict
 from model.hf_format import HFFormatError
 from trainer.loop import NonFiniteError, train
 from trainer.stop_signals import StoppedBeforeTraining
@@ -179,6 +181,17 @@ def _plan_flags_problem() -> str | None:
   return None
 
 
+# Fields each host may set for itself: where its data and tokenizer lie (their contents are
+# compared once read), and W&B, which process 0 alone uses.
+_PER_HOST = ("data.data_dir", "data.tokenizer", "wandb.")
+
+
+def _shared_fields(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The config's fields every process must agree on (see `_PER_HOST`)."""
+  return {name: value for name, value in fields.flatten(config_dict(config)).items()
+          if not fields.matches(name, _PER_HOST)}
+
+
 def _wandb_mode_problem(config: ml_collections.ConfigDict) -> str | None:
   try:
     wandb_tracker.resolve_mode(config.wandb.mode)
@@ -241,6 +254,10 @@ def main(argv: list[str]) -> None:
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     if jax.process_count() > 1:  # `train` installs no handler then (see stop_signals.StopSignals):
       signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is an error exit.
+    name = os.path.splitext(os.path.basename(config_flags.get_config_filename(
+        flags.FLAGS["config"])))[0]
+    workdir = _WORKDIR.value or os.path.join("runs", name)
+    distributed.same_settings({**_shared_fields(config), "--workdir": os.path.abspath(workdir)})
     check_config(config, jax.device_count())
     # WANDB_MODE too, which the config check does not read: before the workdir exists. Each
     # host has its own environment, and a process that stopped alone would leave the others
@@ -250,10 +267,7 @@ def main(argv: list[str]) -> None:
     if profile_steps and profile_steps[0] > last_step:
       raise ConfigError(f"--profile_steps={_PROFILE_STEPS.value} starts after the run's last "
                         f"step, {last_step}")
-    name = os.path.splitext(os.path.basename(config_flags.get_config_filename(
-        flags.FLAGS["config"])))[0]
-    train(config, _WORKDIR.value or os.path.join("runs", name),
-          start_over=_START_OVER.value, profile_steps=profile_steps)
+    train(config, workdir, start_over=_START_OVER.value, profile_steps=profile_steps)
   except StoppedBeforeTraining as stopped:
     print(stopped, flush=True)
   except (ConfigError, data.DataError, CheckpointError, NonFiniteError, WorkdirError,

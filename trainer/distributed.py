@@ -8,8 +8,12 @@ single-process run is left alone. It must run before anything touches a JAX back
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import os
+import signal
+from typing import Any
 
 import jax
 from jax.experimental import multihost_utils
@@ -28,12 +32,34 @@ def cluster_in_environment(environ: dict[str, str] | None = None) -> bool:
 
 def initialize(coordinator_address: str | None, num_processes: int | None,
                process_id: int | None) -> None:
+  """Joins the run's processes; ConfigError for flags that cannot name one of them."""
   if coordinator_address:
     if num_processes is None or process_id is None:
-      raise ValueError("--coordinator_address needs --num_processes and --process_id")
-    jax.distributed.initialize(coordinator_address, num_processes, process_id)
+      raise ConfigError("--coordinator_address needs --num_processes and --process_id")
+    if not 0 <= process_id < num_processes:
+      raise ConfigError(f"--process_id={process_id} must be in 0..{num_processes - 1} "
+                        f"(--num_processes={num_processes})")
+    # JAX waits for every process in silence, and gives up after 5 minutes with an abort.
+    print(f"process {process_id} of {num_processes}: joining the others at "
+          f"{coordinator_address} (JAX waits up to 5 minutes for all of them)", flush=True)
+    with _default_signal_handlers():
+      jax.distributed.initialize(coordinator_address, num_processes, process_id)
   elif cluster_in_environment():
-    jax.distributed.initialize()
+    with _default_signal_handlers():
+      jax.distributed.initialize()
+
+
+@contextlib.contextmanager
+def _default_signal_handlers():
+  """SIGTERM and SIGINT end the process while JAX waits for the others: a Python handler
+  would run only once that wait ended (up to 5 minutes), and there is nothing to save."""
+  previous = {number: signal.signal(number, signal.SIG_DFL)
+              for number in (signal.SIGTERM, signal.SIGINT)}
+  try:
+    yield
+  finally:
+    for number, handler in previous.items():
+      signal.signal(number, handler)
 
 
 def same_everywhere(value: str, what: str) -> None:
@@ -41,13 +67,40 @@ def same_everywhere(value: str, what: str) -> None:
   hash). Checks that each process makes against its own copy (a checkpoint's corpus and
   tokenizer) must agree: a process that stopped alone would leave the others waiting at
   the next collective for ever."""
-  if jax.process_count() == 1:
-    return
-  digest = np.frombuffer(hashlib.sha256(value.encode()).digest()[:8], np.int64)[0]
-  digests = multihost_utils.process_allgather(digest)
-  if (digests != digests[0]).any():
+  if jax.process_count() > 1 and not _everywhere(_digest(value)):
     raise ConfigError(f"the processes do not hold the same {what} (process "
                       f"{jax.process_index()} has {value}): give every host the same copy")
+
+
+def same_settings(settings: dict[str, Any]) -> None:
+  """Raises ConfigError on every process unless all run with the same `settings` (name ->
+  value: the config's fields, the workdir). A process with another length or schedule
+  trained another model in step with the rest, without a word; one with another workdir
+  hung at the first save."""
+  if jax.process_count() == 1:
+    return
+  names = sorted(settings)
+  values = [json.dumps(settings[name], sort_keys=True, default=str) for name in names]
+  if _everywhere(_digest("\n".join(names + values))):
+    return
+  if not _everywhere(_digest("\n".join(names))):
+    raise ConfigError("the processes' configs have different fields (different versions of "
+                      "the trainer?): give every host the same checkout")
+  digests = multihost_utils.process_allgather(np.array([_digest(v) for v in values]))
+  differ = [name for i, name in enumerate(names) if (digests[:, i] != digests[0, i]).any()]
+  mine = ", ".join(f"{name}={settings[name]}" for name in differ[:3])
+  raise ConfigError(f"the processes do not run with the same {', '.join(differ)} (process "
+                    f"{jax.process_index()} has {mine}): give every process the same command")
+
+
+def _digest(text: str) -> np.int64:
+  return np.frombuffer(hashlib.sha256(text.encode()).digest()[:8], np.int64)[0]
+
+
+def _everywhere(digest: np.int64) -> bool:
+  """Whether every process holds this digest (a collective: every process must call it)."""
+  digests = multihost_utils.process_allgather(digest)
+  return bool((digests == digests[0]).all())
 
 
 def stop_together(problem: str | None, what: str) -> None:
