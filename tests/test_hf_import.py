@@ -124,7 +124,7 @@ def _rewrite_tensors(directory: str, edit) -> None:
     (lambda d: _edit_config(d, vocab_size=300),  # Sampling clamped ids past the embedding.
      "tokenizer.model has 320 pieces, more than init.from_hf="),
     (lambda d: open(os.path.join(d, "tokenizer.model"), "wb").write(b"junk"),
-     "tokenizer.model is not a SentencePiece model"),
+     "tokenizer.model cannot be read as a SentencePiece model"),
 ], ids=["not_llama", "bias", "rope_type", "shape", "missing_tensor", "no_tokenizer",
         "no_weights", "truncated_single_file", "more_layers_than_config", "tokenizer_too_big",
         "tokenizer_not_sentencepiece"])

@@ -1,5 +1,6 @@
 """Entry point: `python -m trainer --config configs/tiny_cpu.py [--config.train.steps=20]`."""
 
+import json
 import os
 import signal
 import sys
@@ -33,7 +34,6 @@ from trainer import (distributed, fields, flops, hf_import, plan_target, profili
                      run_flags, stages, wandb_tracker)
 from trainer.config_check import ConfigError, check_config
 from trainer.checkpointing import CheckpointError
-from trainer.resume import config_dict
 from model.hf_format import HFFormatError
 from trainer.loop import NonFiniteError, train
 from trainer.stop_signals import StoppedBeforeTraining
@@ -181,14 +181,16 @@ def _plan_flags_problem() -> str | None:
   return None
 
 
-# Fields each host may set for itself: where its data and tokenizer lie (their contents are
-# compared once read), and W&B, which process 0 alone uses.
-_PER_HOST = ("data.data_dir", "data.tokenizer", "wandb.")
+# Fields each host may set for itself: where its corpus, prepared data and tokenizer lie
+# (their contents are compared once read).
+_PER_HOST = ("data.path", "data.data_dir", "data.tokenizer")
 
 
 def _shared_fields(config: ml_collections.ConfigDict) -> dict[str, Any]:
-  """The config's fields every process must agree on (see `_PER_HOST`)."""
-  return {name: value for name, value in fields.flatten(config_dict(config)).items()
+  """The config's fields every process must agree on (see `_PER_HOST`), unscrubbed: each
+  host's secrets differ, and a scrubbed value would differ with them."""
+  return {name: value
+          for name, value in fields.flatten(json.loads(config.to_json_best_effort())).items()
           if not fields.matches(name, _PER_HOST)}
 
 

@@ -20,6 +20,7 @@ from jax.experimental import multihost_utils
 import numpy as np
 
 from trainer.config_check import ConfigError
+from trainer.tracking import scrub
 
 
 def cluster_in_environment(environ: dict[str, str] | None = None) -> bool:
@@ -36,7 +37,7 @@ def initialize(coordinator_address: str | None, num_processes: int | None,
   if coordinator_address:
     if num_processes is None or process_id is None:
       raise ConfigError("--coordinator_address needs --num_processes and --process_id")
-    if not 0 <= process_id < num_processes:
+    if num_processes < 1 or not 0 <= process_id < num_processes:
       raise ConfigError(f"--process_id={process_id} must be in 0..{num_processes - 1} "
                         f"(--num_processes={num_processes})")
     # JAX waits for every process in silence, and gives up after 5 minutes with an abort.
@@ -45,6 +46,8 @@ def initialize(coordinator_address: str | None, num_processes: int | None,
     with _default_signal_handlers():
       jax.distributed.initialize(coordinator_address, num_processes, process_id)
   elif cluster_in_environment():
+    print("joining the run's other processes (from the cluster's environment; JAX waits up "
+          "to 5 minutes for all of them)", flush=True)
     with _default_signal_handlers():
       jax.distributed.initialize()
 
@@ -52,14 +55,20 @@ def initialize(coordinator_address: str | None, num_processes: int | None,
 @contextlib.contextmanager
 def _default_signal_handlers():
   """SIGTERM and SIGINT end the process while JAX waits for the others: a Python handler
-  would run only once that wait ended (up to 5 minutes), and there is nothing to save."""
+  would run only once that wait ended (up to 5 minutes), and there is nothing to save.
+
+  Once joined, SIGTERM stays JAX's: its preemption service installs its own handler there,
+  which agrees on one step to save for all processes (see stop_signals.StopSignals);
+  putting the trainer's back would replace it. SIGINT gets the trainer's back."""
   previous = {number: signal.signal(number, signal.SIG_DFL)
               for number in (signal.SIGTERM, signal.SIGINT)}
   try:
     yield
-  finally:
+  except BaseException:
     for number, handler in previous.items():
       signal.signal(number, handler)
+    raise
+  signal.signal(signal.SIGINT, previous[signal.SIGINT])
 
 
 def same_everywhere(value: str, what: str) -> None:
@@ -88,7 +97,7 @@ def same_settings(settings: dict[str, Any]) -> None:
                       "the trainer?): give every host the same checkout")
   digests = multihost_utils.process_allgather(np.array([_digest(v) for v in values]))
   differ = [name for i, name in enumerate(names) if (digests[:, i] != digests[0, i]).any()]
-  mine = ", ".join(f"{name}={settings[name]}" for name in differ[:3])
+  mine = ", ".join(f"{name}={scrub(settings[name])}" for name in differ[:3])
   raise ConfigError(f"the processes do not run with the same {', '.join(differ)} (process "
                     f"{jax.process_index()} has {mine}): give every process the same command")
 

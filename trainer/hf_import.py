@@ -102,7 +102,7 @@ def _check_tokenizer(path: str, vocab_size: int, where: str) -> None:
   try:
     pieces = sentencepiece.SentencePieceProcessor(model_file=path).get_piece_size()
   except (OSError, RuntimeError) as error:
-    raise HFFormatError(f"data.tokenizer={path} is not a SentencePiece model "
+    raise HFFormatError(f"data.tokenizer={path} cannot be read as a SentencePiece model "
                         f"({str(error).strip()})") from None
   if pieces > vocab_size:
     raise HFFormatError(f"data.tokenizer={path} has {pieces} pieces, more than {where}'s "
