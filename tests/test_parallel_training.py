@@ -8,6 +8,7 @@ the issues state). In bf16 the same comparisons would be limited by bf16 roundin
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -225,3 +226,39 @@ def test_processes_that_do_not_run_the_same_settings_all_stop_in_one_line(tmp_pa
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
   assert result.returncode == 1 and result.stderr.strip().splitlines()[-1] == (
       "error: --process_id=2 must be in 0..1 (--num_processes=2)"), result.stderr
+
+
+@pytest.mark.slow(30)
+def test_sigterm_to_every_process_saves_one_agreed_step(tmp_path, shared_data_dir):
+  """A preemption: SIGTERM to both processes mid-run is JAX's to handle (its preemption
+  service agrees on one step, which both save); a trainer handler put back after joining
+  made them exit 0 at once saying that nothing was trained."""
+  address = f"127.0.0.1:{_free_port()}"
+  xla_flags = os.environ["XLA_FLAGS"].replace("--xla_force_host_platform_device_count=8", "")
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "WANDB_MODE": "disabled", "XLA_FLAGS": xla_flags}
+  workdir = tmp_path / "run"
+  procs = [subprocess.Popen(
+      [sys.executable, "-m", "trainer", "--config", "configs/tiny_cpu.py",
+       f"--workdir={workdir}", f"--coordinator_address={address}", "--num_processes=2",
+       f"--process_id={pid}", "--config.cpu_devices=4", "--config.train.steps=1000",
+       "--config.train.log_every=1", "--config.train.eval_every=0",
+       "--config.checkpoint.every_steps=1000", f"--config.data.data_dir={shared_data_dir}"],
+      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+      for pid in range(2)]
+  try:
+    seen = []
+    for line in procs[0].stdout:
+      seen.append(line)
+      if line.startswith("step") and line.split()[1].startswith("3/"):
+        break
+    for proc in procs:
+      proc.send_signal(signal.SIGTERM)
+    outputs = ["".join(seen) + proc.communicate(timeout=120)[0] for proc in procs]
+  finally:
+    for proc in procs:
+      proc.kill()
+  assert [proc.returncode for proc in procs] == [0, 0], outputs[0][-3000:]
+  assert "on preemption: saved a checkpoint" in outputs[0], outputs[0][-3000:]
+  assert "nothing was trained" not in outputs[0] + outputs[1]
+  saved = os.listdir(workdir / "checkpoints")
+  assert len(saved) == 1 and 3 <= int(saved[0]) < 1000, saved
