@@ -197,10 +197,14 @@ def test_ctrl_c_stops_sampling_in_one_line(trained_run):
   process = subprocess.Popen(
       [sys.executable, "-m", "trainer.sample", f"--workdir={trained_run}", "--prompt=the code",
        "--max_new_tokens=200"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  first = process.stderr.readline()  # "reading ...": the tool's work has begun.
+  before = []
+  for line in process.stderr:  # Up to "reading ...": the tool's work has begun.
+    before.append(line)
+    if line.startswith("reading "):
+      break
   process.send_signal(signal.SIGINT)
   _, err = process.communicate(timeout=120)
-  assert first.startswith("reading ") and process.returncode == 130, first + err
+  assert before[-1].startswith("reading ") and process.returncode == 130, "".join(before) + err
   assert "stopped by Ctrl-C" in err.splitlines() and "Traceback" not in err, err
 
 
