@@ -113,9 +113,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
   except OSError as error:  # The config file failed to load and an override touched it.
     _exit_config_unloadable(error)
   except IndexError:
-    if not any(arg.startswith("--config.") and "[" in arg for arg in argv):
-      raise  # From the config file's own code: its traceback names the line.
-    sys.exit(f"error: {run_flags.index_error(argv)}")
+    run_flags.exit_on_index_error(argv)
   except (AttributeError, KeyError) as error:
     # config_flags raises these for an override of a field the config does not have; the
     # innermost message is "'name'" plus, sometimes, a did-you-mean line.

@@ -70,12 +70,16 @@ def flag_error(error: Exception) -> str:
   return message
 
 
-def index_error(argv: list[str]) -> str:
-  """ml_collections' IndexError ("tuple index out of range") for an override such as
-  `--config.stages[2].train.lr` of a config with two stages, said with the flag."""
+def exit_on_index_error(argv: list[str]) -> None:
+  """Called while handling an IndexError from flag parsing: ml_collections' ("tuple index out
+  of range") for an override such as `--config.stages[2].train.lr` of a config with two
+  stages exits in one line naming the flag; one from a config file's own code (no override
+  indexes) goes on, its traceback naming the line."""
   indexed = [arg.split("=")[0] for arg in argv if arg.startswith("--config.") and "[" in arg]
-  return (f"{' or '.join(indexed) or 'a --config override'}: an index past the end of its "
-          f"list (a stage, say, that the config does not have; they count from 0)")
+  if not indexed:
+    raise  # pylint: disable=misplaced-bare-raise  # The IndexError being handled.
+  sys.exit(f"error: {' or '.join(indexed)}: an index past the end of its list (a stage, say, "
+           f"that the config does not have; they count from 0)")
 
 
 _HELP_FLAGS = ("help", "helpshort", "helpfull", "helpxml", "?")  # absl's, with - or --.
@@ -132,9 +136,7 @@ def parse_run_flags(argv: list[str], define_flags: Callable[[], None], allow_hf:
   except (flags.Error, AttributeError, KeyError) as error:
     sys.exit(f"error: {flag_error(error)}")
   except IndexError:
-    if not any(arg.startswith("--config.") and "[" in arg for arg in argv):
-      raise
-    sys.exit(f"error: {index_error(argv)}")
+    exit_on_index_error(argv)
   problem, notes = stages.replaced_overrides(
       flags.FLAGS.config, config_flags.get_override_values(flags.FLAGS["config"]))
   if problem:
