@@ -2,16 +2,18 @@
 # use (a stamp file makes later runs skip it), then does its job.
 #   make train   # the embedded default: tiny model, synthetic data, 8 simulated CPU devices
 #   make test    # the whole test suite
-PYTHON ?= python3
 VENV := .venv
-STAMP := $(VENV)/.installed
+# The stamp names the Python: a .venv from another one is remade (scripts/venv.sh, which
+# takes PYTHON=... or finds a Python 3.12).
+STAMP := $(VENV)/.installed-py3.12
 ARGS ?=
 
-# XLA's GPU compiler for `--dry_run` (trainer/plan_target.py): the CUDA plugin, pinned, in its
-# own folder rather than the venv, where JAX would load it into every process (and, without
-# CUDA, say so on every run). No GPU is needed. The tests plan for described H100s with it.
+# XLA's GPU compiler for `--dry_run` (trainer/plan_target.py): the CUDA 13 plugin our GPU
+# machines run, pinned, in its own folder rather than the venv, where JAX would load it into
+# every process (and, without CUDA, say so on every run). No GPU is needed. The tests plan
+# for described H100s with it.
 PLAN_GPU := .plan_gpu
-PLAN_GPU_STAMP := $(PLAN_GPU)/.installed
+PLAN_GPU_STAMP := $(PLAN_GPU)/.installed-cuda13
 
 .PHONY: train test bench compare plan_gpu
 
@@ -33,12 +35,12 @@ compare: $(STAMP)
 plan_gpu: $(PLAN_GPU_STAMP)
 
 $(PLAN_GPU_STAMP): constraints.txt $(STAMP)
-	$(VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps --upgrade \
-	  --target $(PLAN_GPU) -c constraints.txt jax-cuda12-plugin jax-cuda12-pjrt
+	rm -rf $(PLAN_GPU)
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps \
+	  --target $(PLAN_GPU) -c constraints.txt jax-cuda13-plugin jax-cuda13-pjrt
 	touch $(PLAN_GPU_STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
-	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is needed, found " + sys.version.split()[0]'
-	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	@scripts/venv.sh $(VENV)
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]'
 	touch $(STAMP)

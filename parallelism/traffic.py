@@ -60,16 +60,27 @@ def _array_bytes(type_text: str) -> int:
 
 
 def _group_size(line: str) -> int:
+  """The devices in each of a collective's groups, in any of the forms XLA prints: iota
+  (`[groups,size]<=[...]`), explicit (`{{0,1},{2,3}}`), or, from JAX 0.11, the mesh axes the
+  groups run along (`mesh['sequence'=4,'ulysses'=2] {'ulysses'}`: 2)."""
   iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)
   if iota:
     return int(iota.group(2))
   groups = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
-  return len(groups.group(1).split(",")) if groups else 1
+  if groups:
+    return len(groups.group(1).split(","))
+  mesh = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line)
+  if mesh:
+    sizes = {name: int(size) for name, size in re.findall(r"'([^']+)'=(\d+)", mesh.group(1))}
+    return math.prod(sizes[name] for name in re.findall(r"'([^']+)'", mesh.group(2)))
+  # Counting such a collective as one device's would report no traffic without a word.
+  raise ValueError(f"unknown replica_groups form in: {line.strip()[:300]}")
 
 
-def _sent(kind: str, result_bytes: int, group: int) -> float:
-  if kind == "collective-permute":
+def _sent(kind: str, result_bytes: int, line: str) -> float:
+  if kind == "collective-permute":  # pairs, not groups
     return result_bytes
+  group = _group_size(line)
   if kind == "reduce-scatter":
     return result_bytes * (group - 1)
   if kind == "all-reduce":
@@ -105,7 +116,7 @@ def hlo_bytes(hlo_text: str) -> dict[str, float]:
                        for dtype, dims in _ARRAY.findall(type_text))
         else:
           result = _array_bytes(type_text)
-        out[kind] += _sent(kind, result, _group_size(line))
+        out[kind] += _sent(kind, result, line)
         continue
       loop = _WHILE.search(line)
       if loop:

@@ -31,6 +31,19 @@ N, BLOCK, HEADS, HEAD_DIM, TILE = 4, 64, 4, 16, 16
 PAIRS = ((0, 0), (2, 2), (2, 1), (1, 2), (3, 0))  # (query device, key device)
 
 
+def _export_for_cuda(function, *avals):
+  """`function` jitted and exported for CUDA from this CPU machine. Triton's lowering reads
+  the target GPU from the context's abstract mesh (JAX 0.11: without one it looks for an
+  attached GPU), so an H100 is named there, as a plan's described devices name theirs."""
+  h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
+                                     platform="gpu")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,),
+                                   abstract_device=h100)
+  with jax.sharding.use_abstract_mesh(mesh):
+    return export.export(jax.jit(function), platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*avals)
+
+
 def _segments(index_BT):
   """Row 0: one document; row 1: three, boundaries at original tokens 37 and 150."""
   seg = (index_BT >= 37).astype(np.int32) + (index_BT >= 150)
@@ -153,10 +166,7 @@ def test_kernels_lower_to_triton_for_cuda(monkeypatch, packed):
     delta = jnp.sum(out, axis=-1)
     return kernel_pallas.block_bwd(q, k, v, q, lse, delta, seg, seg, **attend)
 
-  exported = export.export(
-      jax.jit(fwd_bwd), platforms=["cuda"],
-      disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
-          q, kv, kv, seg, jax.ShapeDtypeStruct((), jnp.int32))
+  exported = _export_for_cuda(fwd_bwd, q, kv, kv, seg, jax.ShapeDtypeStruct((), jnp.int32))
   assert exported.mlir_module().count("__gpu$xla.gpu.triton") == 3  # fwd, dK/dV, dQ
 
 
@@ -221,9 +231,7 @@ def test_auto_runs_pallas_on_gpus_where_triton_lowers_it(monkeypatch, capsys, q_
     return kernel_pallas.block_bwd(q, k, v, q, lse, lse, None, None, **attend)
 
   try:
-    export.export(jax.jit(fwd_bwd), platforms=["cuda"], disabled_checks=[
-        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
-            q, kv, kv, jax.ShapeDtypeStruct((), jnp.int32))
+    _export_for_cuda(fwd_bwd, q, kv, kv, jax.ShapeDtypeStruct((), jnp.int32))
     lowered = True
   except ValueError as error:  # Triton's lowering, or the kernel's own tile division.
     assert "power of 2" in str(error) or "not divisible by the kernel tile" in str(error)

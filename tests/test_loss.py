@@ -76,9 +76,10 @@ def _optimizer():
 
 @pytest.mark.slow(60)
 def test_the_compiled_step_never_holds_the_whole_logits(tiny_config):
-  """With a wide vocabulary, chunking the loss saves more than two float32 copies of the
-  whole local logits (logits and their gradient) against one chunk the size of the local
-  sequence, in the compiled train step's temporaries."""
+  """With a wide vocabulary, chunking the loss saves more than one float32 copy of the whole
+  local logits, against one chunk the size of the local sequence, in the compiled train
+  step's temporaries. Unchunked, XLA (JAX 0.11) holds 1.3 copies more than the chunked step
+  (0.10 held more than 2), so a chunked step that held a whole copy too would save 0.3."""
   from trainer import dry_run
   temps, logits_bytes = {}, None
   for chunk in (64, 1 << 20):
@@ -89,4 +90,4 @@ def test_the_compiled_step_never_holds_the_whole_logits(tiny_config):
     temps[chunk] = compiled.memory_analysis().temp_size_in_bytes
     local_rows = config.train.batch_size // (mesh.shape["data"] * mesh.shape["fsdp"])
     logits_bytes = local_rows * (1024 // mesh.shape["sequence"]) * 16384 * 4
-  assert temps[1 << 20] - temps[64] > 2 * logits_bytes, (temps, logits_bytes)
+  assert temps[1 << 20] - temps[64] > logits_bytes, (temps, logits_bytes)

@@ -40,3 +40,26 @@ ENTRY %main (a: f32[8]) -> f32[8] {
   assert counted["collective-permute"] == 3 * 16  # 16 bytes, 3 trips
   assert counted["all-gather"] == 64 * 3 / 4  # groups of 4: 3/4 of the 64-byte result
   assert counted["unknown_trips"] == 0
+
+
+def test_groups_named_by_mesh_axes_count_their_devices():
+  """JAX 0.11 prints a group as the mesh axes it runs along; read as one device, an
+  all-gather sent nothing (scripts/bench_strategies.py reported zero bytes)."""
+  hlo = """HloModule m
+
+ENTRY %main (a: u8[1,16]) -> u8[8,16] {
+  %ag = u8[8,16]{1,0} all-gather(%a), channel_id=1, replica_groups=mesh['sequence'=8,'ulysses'=1] {'sequence'}, dimensions={0}, use_global_device_ids=true
+  %a2a = (f32[1,64,4,16]{3,2,1,0}, f32[1,64,4,16]{3,2,1,0}) all-to-all(%x, %y), channel_id=2, replica_groups=mesh['sequence'=4,'ulysses'=2] {'ulysses'}
+  %ar = f32[4]{0} all-reduce(%z), channel_id=3, replica_groups=mesh['sequence'=4,'ulysses'=2] {'sequence','ulysses'}, to_apply=%add
+}
+"""
+  counted = traffic.hlo_bytes(hlo)
+  assert counted["all-gather"] == 128 * 7 / 8
+  assert counted["all-to-all"] == 2 * (64 * 4 * 16 * 4) / 2  # two f32 arrays, groups of 2
+  assert counted["all-reduce"] == 2 * 16 * 7 / 8
+
+
+def test_an_unknown_group_form_is_an_error_not_zero_traffic():
+  with pytest.raises(ValueError, match="unknown replica_groups form"):
+    traffic.hlo_bytes("ENTRY %main () -> f32[8] {\n"
+                      "  %ag = f32[8]{0} all-gather(%a), replica_groups=devices(0..7)\n}\n")

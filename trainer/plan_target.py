@@ -1,6 +1,6 @@
 """GPUs described to XLA's GPU compiler, so a dry run compiles for them on a machine without.
 
-The CUDA PJRT plugin (`jax-cuda12-plugin`, pinned in constraints.txt) holds XLA's GPU
+The CUDA PJRT plugin (`jax-cuda13-plugin`, pinned in constraints.txt) holds XLA's GPU
 compiler. Given a description of the GPU (a `GpuTargetConfigProto`: SM count, shared
 memory, compute capability, memory size) it compiles for devices that are not attached, with
 no GPU and no CUDA driver (ahead of time, "deviceless"). Its memory analysis is the GPU's own
@@ -73,8 +73,8 @@ def target_config(gpu: str) -> str:
                 registers_per_core_limit=65536, registers_per_block_limit=65536)
   info = "\n".join(f"  {key}: {value}" for key, value in fields.items())
   return (f"gpu_device_info {{\n{info}\n  cuda_compute_capability {{ major: {major} minor: "
-          f"{minor} }}\n}}\nruntime_version {{ major: 12 minor: 8 }}\n"
-          f"platform_name: \"CUDA\"\ndnn_version_info {{ major: 9 minor: 7 }}\n"
+          f"{minor} }}\n}}\nruntime_version {{ major: 13 minor: 0 }}\n"
+          f"platform_name: \"CUDA\"\ndnn_version_info {{ major: 9 minor: 12 }}\n"
           f"device_description_str: \"{spec['name']}\"\n")
 
 
@@ -160,10 +160,15 @@ def compiling_for(devices) -> Iterator[None]:
     yield
 
 
+# The CUDA 13 plugin, which our GPU machines run; its CUDA runtime and cuDNN (>= 9.12, the
+# plugin's own lower bound) are what `target_config` describes.
+_PLUGIN = "jax_plugins.xla_cuda13"
+
+
 def _find_plugin():
   """The CUDA plugin's module: from the environment (a GPU install), else PLUGIN_DIR."""
   try:
-    return importlib.import_module("jax_plugins.xla_cuda12")
+    return importlib.import_module(_PLUGIN)
   except ImportError:
     pass
   if not os.path.isdir(PLUGIN_DIR):
@@ -171,7 +176,7 @@ def _find_plugin():
   if PLUGIN_DIR not in sys.path:
     sys.path.append(PLUGIN_DIR)
   try:
-    return importlib.import_module("jax_plugins.xla_cuda12")
+    return importlib.import_module(_PLUGIN)
   except ImportError:
     return None
 
