@@ -1,13 +1,16 @@
 """Grouped-query self-attention and its dispatch by `ModelConfig.attention`.
 
 Every layout shares one rule: query i may see key j iff `token_index[j] <= token_index[i]`
-(original positions) and their segment ids match. `dense` applies it to the whole row from
-the batch's `token_index`; `ring`, `striped` and `zigzag` hand q, k, v and the segment ids to
+(original positions) and their segment ids match. `dense` applies it to the whole row: on a
+CUDA GPU by cuDNN's flash attention, elsewhere from the batch's `token_index`; `ring`, `striped` and `zigzag` hand q, k, v and the segment ids to
 `parallelism.ring_attention` with the layout's name, whose static schedule knows every
 token's original position without reading an index.
 """
 
 from __future__ import annotations
+
+import functools
+import math
 
 import flax.linen as nn
 import jax
@@ -43,6 +46,33 @@ def dense_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
   out_BSKGD = jnp.einsum("bkgst,btkd->bskgd", probs_BKGST.astype(v_BSKD.dtype), v_BSKD,
                          preferred_element_type=jnp.float32)
   return out_BSKGD.reshape(q_BSHD.shape).astype(q_BSHD.dtype)
+
+
+def _whole_rows(cfg: ModelConfig, q_BSHD, k_BSKD, v_BSKD, token_index_BS, segment_ids_BS):
+  """`dense` attention: cuDNN's flash attention on a CUDA GPU (each packed document apart;
+  a row of more documents than its packed layout takes runs the block kernels as a ring of
+  one), else `dense_attention`. A dense row is in its original order, so the token index
+  is its position and cuDNN's causal mask the rule."""
+  if parallelism.cudnn_dense_reason(q_BSHD.shape, q_BSHD.dtype):
+    return dense_attention(q_BSHD, k_BSKD, v_BSKD, token_index_BS, segment_ids_BS)
+  fallback = functools.partial(
+      parallelism.ring_attention, layout="ring", rules=nn.get_logical_axis_rules(),
+      tile_size=math.gcd(q_BSHD.shape[1], cfg.attention_tile))
+  return parallelism.cudnn_dense_attention(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, fallback)
+
+
+def dense_kernel(cfg: ModelConfig) -> str:
+  """What computes a run's `dense` attention: 'cudnn', or 'xla' (`dense_attention`)."""
+  reason = parallelism.cudnn_dense_reason((1, 1, cfg.num_heads, cfg.head_size),
+                                          jnp.dtype(cfg.dtype))
+  return "xla" if reason else "cudnn"
+
+
+def dense_line(cfg: ModelConfig) -> str:
+  """How a run's `dense` attention is computed, as its start says it."""
+  if dense_kernel(cfg) == "cudnn":
+    return "attention: dense, cuDNN flash attention (packed documents kept apart)"
+  return "attention: dense, the plain masked softmax over whole rows"
 
 
 class Attention(nn.Module):
@@ -83,7 +113,7 @@ class Attention(nn.Module):
           rules=nn.get_logical_axis_rules())
       k_BSKD, v_BSKD = key_cache, value_cache
     elif cfg.attention == "dense":
-      out_BSHD = dense_attention(q_BSHD, k_BSKD, v_BSKD, token_index_BS, segment_ids_BS)
+      out_BSHD = _whole_rows(cfg, q_BSHD, k_BSKD, v_BSKD, token_index_BS, segment_ids_BS)
     else:
       # The ring's shardings come from the rules table the activations above are pinned by;
       # its schedule from the layout the data pipeline permuted the batch into.

@@ -2,6 +2,8 @@
 attention (ring, all-gather, Ulysses, hybrid) and the sampler's decode attention over a
 sharded KV cache (see DESIGN.md)."""
 
+from parallelism.kernel_cudnn import (dense_attention as cudnn_dense_attention,
+                                      dense_reason as cudnn_dense_reason)
 from parallelism.decoding import CACHE_NAMES, cache_positions, decode_attention, decode_rules
 from parallelism.kernels import (AUTO as AUTO_KERNEL, KERNELS, describe as describe_kernel,
                                  resolve as resolve_kernel)

@@ -1,12 +1,12 @@
 """The `cudnn` block kernel: cuDNN's fused flash attention for the block pairs whose mask it
-can express, the Pallas kernel for the rest. CUDA GPUs only.
+can express, the Pallas kernel for the rest; and cuDNN attention of whole rows, what
+`model.attention='dense'` runs on a CUDA GPU. CUDA GPUs only.
 
-NOT YET RUN ON A GPU (issue #16). It calls JAX's private cuDNN attention API, read in the
-source of the JAX versions in `CHECKED_JAX` (identical there) and checked on the CPU only
-as far as the names and parameters it uses (tests/test_kernel_cudnn.py). `auto` does not
-pick it; `model.kernel=cudnn` does. Its first GPU run is `scripts/bench_kernel.py --parts
-cudnn_kernel`: against the Pallas kernel and the xla reference on causal and strictly causal
-blocks.
+It calls JAX's private cuDNN attention API, read in the source of the JAX versions in
+`CHECKED_JAX`; on the CPU the tests check the names, parameters and result shapes it uses
+and, with that API computed in jnp as cuDNN documents it, that the decomposition below is
+exact (tests/test_kernel_cudnn.py). `auto` does not pick it; `model.kernel=cudnn` does.
+`make gpu_check` times and checks it on a GPU.
 
 Each distinct block pair of the static schedule has a mask shape (`schedule.shapes`); a
 call branches once on it (`lax.switch` on the traced pair):
@@ -17,19 +17,18 @@ call branches once on it (`lax.switch` on the traced pair):
   (zero dK, dV);
 - empty: out 0, lse -inf, zero gradients;
 - general: the Pallas kernel.
-Packed documents (segment ids), float32 operands or a head size cuDNN cannot take send the
-whole call to the Pallas kernel (`pallas_reason`; `kernels.get` routes it and says so once).
-The trainer's batches always carry segment ids (`data/packing.py`, padding included), so in
-`python -m trainer` this kernel is Pallas until it uses cuDNN's packed layout
-(`q_offsets`/`kv_offsets`); without segment ids (benchmarks, direct `ring_attention`
-callers) it is cuDNN.
+With segment ids each document's piece of the pair is a sequence of cuDNN's packed layout
+(`parallelism.cudnn_packing`); a call whose packing cannot express its mask (more documents
+than the layout's static count, say) runs the Pallas kernel instead, decided at run time.
+Float32 operands or a head size cuDNN cannot take send the whole call to the Pallas kernel
+(`pallas_reason`; `kernels.get` routes it and says so once).
 
-Forward: `dot_product_attention(..., return_residual=True)` also returns cuDNN's softmax
-statistics, the natural-log log-sum-exp of the scaled scores, [B, H, T]. Backward: cuDNN's
-backward primitive takes those statistics and the forward output as inputs, so handing it
-the ring's merged (global) lse and out makes it return this block's share of the global
-gradient, as Transformer Engine's context parallelism does. cuDNN returns dq, dk, dv in the
-operands' dtype; they are widened to float32 for the ring's sums.
+Forward: cuDNN's forward with `return_residual=True` also returns its softmax statistics,
+the natural-log log-sum-exp of the scaled scores ([B, H, T]; per sequence when packed).
+Backward: cuDNN's backward primitive takes those statistics and the forward output as
+inputs, so handing it the ring's merged (global) lse and out makes it return this block's
+share of the global gradient, as Transformer Engine's context parallelism does. cuDNN
+returns dq, dk, dv in the operands' dtype; they are widened to float32 for the ring's sums.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from parallelism import kernel_pallas, target
+from parallelism import cudnn_packing, kernel_pallas, target
 from parallelism.schedule import RingSchedule
 
 # JAX versions whose jax/_src/cudnn/fused_attention_stablehlo.py this module was read
@@ -76,10 +75,8 @@ def unusable(backend: str | None = None) -> str | None:
   return None
 
 
-def pallas_reason(q_shape, dtype, segments: bool) -> str | None:
+def pallas_reason(q_shape, dtype) -> str | None:
   """Why a call goes to the Pallas kernel whole, or None."""
-  if segments:
-    return "packed documents (segment ids): cuDNN's causal and no-mask kernels cannot mask them"
   if dtype not in (jnp.bfloat16, jnp.float16):
     return f"{jnp.dtype(dtype)} operands: cuDNN's flash attention takes bf16 or fp16"
   head_dim = q_shape[3]
@@ -88,36 +85,81 @@ def pallas_reason(q_shape, dtype, segments: bool) -> str | None:
   return None
 
 
+def dense_reason(q_shape, dtype) -> str | None:
+  """Why attention of whole rows (`model.attention='dense'`) cannot be cuDNN's here, or None."""
+  return unusable() or pallas_reason(q_shape, dtype)
+
+
+def dense_attention(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, fallback) -> jax.Array:
+  """Causal attention of whole rows by cuDNN, each packed document apart (cuDNN's packed
+  layout); differentiable through JAX's own rule. A row of more documents than the packing
+  takes runs `fallback(q, k, v, segment_ids)` instead."""
+  cudnn = api()
+  packing = cudnn_packing.whole_rows(segment_ids_BS, cudnn_packing.DOCUMENTS_PER_CALL)
+
+  def by_cudnn(q, k, v):
+    return cudnn.dot_product_attention(
+        q, k, v, None, None, packing.q_lengths, packing.kv_lengths, packing.q_offsets,
+        packing.kv_offsets, scale=q.shape[3] ** -0.5, mask_type=cudnn.MaskType.PADDING_CAUSAL,
+        qkv_layout="BTNH")
+
+  return lax.cond(packing.exact, by_cudnn, lambda q, k, v: fallback(q, k, v, segment_ids_BS),
+                  q_BSHD, k_BSKD, v_BSKD)
+
+
 def _nothing_seen(q_BTHD):
   return (jnp.zeros(q_BTHD.shape, _F32), jnp.full(q_BTHD.shape[:3], -jnp.inf, _F32))
 
 
-def _attend(q_BTHD, k_BTKD, v_BTKD, causal: bool):
+def _mask_type(causal: bool, packing):
+  names = {(False, False): "NO_MASK", (True, False): "CAUSAL", (False, True): "PADDING",
+           (True, True): "PADDING_CAUSAL"}
+  return api().MaskType[names[causal, packing is not None]]
+
+
+def _packed_args(q_BTHD, packing):
+  """cuDNN's sequence lengths and offsets (packed documents), or its unused placeholders."""
+  if packing is None:
+    return (jnp.zeros(0, q_BTHD.dtype),) * 4
+  return packing.q_lengths, packing.kv_lengths, packing.q_offsets, packing.kv_offsets
+
+
+def _attend(q_BTHD, k_BTKD, v_BTKD, causal: bool, packing=None):
   """cuDNN's (out, lse [B, T, H]), both float32."""
   cudnn = api()
   out_BTHD, stats = cudnn.dot_product_attention(
-      q_BTHD, k_BTKD, v_BTKD, scale=q_BTHD.shape[3] ** -0.5, qkv_layout="BTNH",
-      mask_type=cudnn.MaskType.CAUSAL if causal else cudnn.MaskType.NO_MASK,
+      q_BTHD, k_BTKD, v_BTKD, None, None, *_packed_args(q_BTHD, packing),
+      scale=q_BTHD.shape[3] ** -0.5, qkv_layout="BTNH", mask_type=_mask_type(causal, packing),
       return_residual=True)
   batch, length, heads = q_BTHD.shape[:3]
-  if stats.shape != (batch, heads, length):
-    raise RuntimeError(f"cuDNN's softmax statistics came back {stats.shape}, not [B, H, T] = "
-                       f"{(batch, heads, length)}: check kernel_cudnn against this JAX")
-  return out_BTHD.astype(_F32), jnp.swapaxes(stats, 1, 2).astype(_F32)
+  runs = 1 if packing is None else packing.q_lengths.shape[1]
+  if stats.shape != (batch * runs, heads, length):
+    raise RuntimeError(f"cuDNN's softmax statistics came back {stats.shape}, not [B x M, H, T]"
+                       f" = {(batch * runs, heads, length)}: check kernel_cudnn against this JAX")
+  if packing is None:
+    return out_BTHD.astype(_F32), jnp.swapaxes(stats, 1, 2).astype(_F32)
+  # Queries outside every sequence hold whatever cuDNN left there.
+  out_BTHD = jnp.where(packing.q_covered[..., None, None], out_BTHD.astype(_F32), 0.0)
+  return out_BTHD, cudnn_packing.lse_of_tokens(stats, packing)
 
 
-def _grads(q_BTHD, k_BTKD, v_BTKD, out_BTHD, dout_BTHD, lse_BTH, causal: bool):
+def _grads(q_BTHD, k_BTKD, v_BTKD, out_BTHD, dout_BTHD, lse_BTH, causal: bool, packing=None):
   """cuDNN's backward from the global out and lse: this block's (dq, dk, dv), float32."""
   cudnn = api()
-  unused = jnp.zeros(0, q_BTHD.dtype)  # bias, sequence lengths, offsets, page tables
+  unused = jnp.zeros(0, q_BTHD.dtype)  # bias, page tables
+  stats = (jnp.swapaxes(lse_BTH, 1, 2) if packing is None
+           else cudnn_packing.stats_of_tokens(lse_BTH, packing))
   dq, dk, dv = cudnn._dot_product_attention_bwd_p_wrapper.bind(  # pylint: disable=protected-access
-      q_BTHD, k_BTKD, v_BTKD, unused, unused, unused, unused, unused, unused, unused,
-      jnp.swapaxes(lse_BTH, 1, 2).astype(_F32), out_BTHD.astype(q_BTHD.dtype),
-      dout_BTHD.astype(q_BTHD.dtype), scale=q_BTHD.shape[3] ** -0.5, seed=42,
-      dropout_rate=0.0, variadic_args=(False, False),
-      mask_type=cudnn.MaskType.CAUSAL if causal else cudnn.MaskType.NO_MASK,
-      layout=cudnn.AttentionLayout.BTNH.value, sliding_window_length=None)
-  return dq.astype(_F32), dk.astype(_F32), dv.astype(_F32)
+      q_BTHD, k_BTKD, v_BTKD, unused, *_packed_args(q_BTHD, packing), unused, unused,
+      stats.astype(_F32), out_BTHD.astype(q_BTHD.dtype), dout_BTHD.astype(q_BTHD.dtype),
+      scale=q_BTHD.shape[3] ** -0.5, seed=42, dropout_rate=0.0, variadic_args=(False, False),
+      mask_type=_mask_type(causal, packing), layout=cudnn.AttentionLayout.BTNH.value,
+      sliding_window_length=None)
+  dq, dk, dv = dq.astype(_F32), dk.astype(_F32), dv.astype(_F32)
+  if packing is None:
+    return dq, dk, dv
+  q_in, k_in = packing.q_covered[..., None, None], packing.k_covered[..., None, None]
+  return jnp.where(q_in, dq, 0.0), jnp.where(k_in, dk, 0.0), jnp.where(k_in, dv, 0.0)
 
 
 def _by_shape(schedule: RingSchedule, pair, branch):
@@ -126,24 +168,49 @@ def _by_shape(schedule: RingSchedule, pair, branch):
   return branches[0]() if len(branches) == 1 else lax.switch(pair, branches)
 
 
+def _shifted(x_BT, first: bool):
+  """A strictly causal pair as a causal one: queries from row 1, keys up to row T-2."""
+  if x_BT is None:
+    return None
+  return x_BT[:, 1:] if first else x_BT[:, :-1]
+
+
+def _by_cudnn_or_pallas(q_seg_BT, k_seg_BT, causal: bool, by_cudnn, by_pallas, nothing):
+  """`by_cudnn(packing)` where cuDNN can take the call, else `by_pallas()`; with segment ids
+  decided at run time by their packing, and `nothing()` where no document meets itself."""
+  if q_seg_BT is None:
+    return by_cudnn(None)
+  packing = cudnn_packing.block_pair(q_seg_BT, k_seg_BT, causal,
+                                     cudnn_packing.DOCUMENTS_PER_CALL)
+  route = jnp.where(packing.exact, jnp.where(packing.any_pair, 1, 2), 0)
+  return lax.switch(route, [by_pallas, lambda: by_cudnn(packing), nothing])
+
+
 def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSchedule, pair,
               tile: int) -> tuple[jax.Array, jax.Array]:
-  """Attention of a query block on a key block: (out [B,Tq,Hq,D] f32, lse [B,Tq,Hq] f32).
-  Segment ids are never given here (`pallas_reason`)."""
-  del q_seg_BT, k_seg_BT
+  """Attention of a query block on a key block: (out [B,Tq,Hq,D] f32, lse [B,Tq,Hq] f32)."""
+
+  nothing = functools.partial(_nothing_seen, q_BTHD)
 
   def branch(shape: str, p: int):
     if shape == "empty":
-      return _nothing_seen(q_BTHD)
+      return nothing()
+    by_pallas = functools.partial(kernel_pallas.block_fwd, q_BTHD, k_BTKD, v_BTKD, q_seg_BT,
+                                  k_seg_BT, schedule=schedule, pair=jnp.int32(p), tile=tile)
     if shape == "general":
-      return kernel_pallas.block_fwd(q_BTHD, k_BTKD, v_BTKD, None, None, schedule=schedule,
-                                     pair=jnp.int32(p), tile=tile)
+      return by_pallas()
     if shape == "strictly_causal":
-      out, lse = _attend(q_BTHD[:, 1:], k_BTKD[:, :-1], v_BTKD[:, :-1], causal=True)
-      row0_out, row0_lse = _nothing_seen(q_BTHD[:, :1])
-      return (jnp.concatenate([row0_out, out], axis=1),
-              jnp.concatenate([row0_lse, lse], axis=1))
-    return _attend(q_BTHD, k_BTKD, v_BTKD, causal=shape == "causal")
+      def by_cudnn(packing):
+        out, lse = _attend(q_BTHD[:, 1:], k_BTKD[:, :-1], v_BTKD[:, :-1], True, packing)
+        row0_out, row0_lse = _nothing_seen(q_BTHD[:, :1])
+        return (jnp.concatenate([row0_out, out], axis=1),
+                jnp.concatenate([row0_lse, lse], axis=1))
+      return _by_cudnn_or_pallas(_shifted(q_seg_BT, True), _shifted(k_seg_BT, False), True,
+                                 by_cudnn, by_pallas, nothing)
+    causal = shape == "causal"
+    return _by_cudnn_or_pallas(
+        q_seg_BT, k_seg_BT, causal,
+        lambda packing: _attend(q_BTHD, k_BTKD, v_BTKD, causal, packing), by_pallas, nothing)
 
   return _by_shape(schedule, pair, branch)
 
@@ -153,23 +220,32 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
               ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Gradient contributions (dq, dk, dv, float32) of one query block x key block, from the
   GLOBAL lse and out (`out_BTHD`; cuDNN forms delta from it itself)."""
-  del q_seg_BT, k_seg_BT  # never given (`pallas_reason`)
   if out_BTHD is None:
     raise ValueError("the cudnn kernel's backward needs the global output (out_BTHD)")
 
+  def nothing():
+    return tuple(jnp.zeros(x.shape, _F32) for x in (q_BTHD, k_BTKD, v_BTKD))
+
   def branch(shape: str, p: int):
     if shape == "empty":
-      return tuple(jnp.zeros(x.shape, _F32) for x in (q_BTHD, k_BTKD, v_BTKD))
+      return nothing()
+    by_pallas = functools.partial(kernel_pallas.block_bwd, q_BTHD, k_BTKD, v_BTKD, dout_BTHD,
+                                  lse_BTH, delta_BTH, q_seg_BT, k_seg_BT, schedule=schedule,
+                                  pair=jnp.int32(p), tile=tile)
     if shape == "general":
-      return kernel_pallas.block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH,
-                                     None, None, schedule=schedule, pair=jnp.int32(p),
-                                     tile=tile)
+      return by_pallas()
     if shape == "strictly_causal":
-      dq, dk, dv = _grads(q_BTHD[:, 1:], k_BTKD[:, :-1], v_BTKD[:, :-1], out_BTHD[:, 1:],
-                          dout_BTHD[:, 1:], lse_BTH[:, 1:], causal=True)
-      first_row, last_key = ((0, 0), (1, 0), (0, 0), (0, 0)), ((0, 0), (0, 1), (0, 0), (0, 0))
-      return jnp.pad(dq, first_row), jnp.pad(dk, last_key), jnp.pad(dv, last_key)
-    return _grads(q_BTHD, k_BTKD, v_BTKD, out_BTHD, dout_BTHD, lse_BTH,
-                  causal=shape == "causal")
+      def by_cudnn(packing):
+        dq, dk, dv = _grads(q_BTHD[:, 1:], k_BTKD[:, :-1], v_BTKD[:, :-1], out_BTHD[:, 1:],
+                            dout_BTHD[:, 1:], lse_BTH[:, 1:], True, packing)
+        first_row, last_key = ((0, 0), (1, 0), (0, 0), (0, 0)), ((0, 0), (0, 1), (0, 0), (0, 0))
+        return jnp.pad(dq, first_row), jnp.pad(dk, last_key), jnp.pad(dv, last_key)
+      return _by_cudnn_or_pallas(_shifted(q_seg_BT, True), _shifted(k_seg_BT, False), True,
+                                 by_cudnn, by_pallas, nothing)
+    causal = shape == "causal"
+    return _by_cudnn_or_pallas(
+        q_seg_BT, k_seg_BT, causal,
+        lambda packing: _grads(q_BTHD, k_BTKD, v_BTKD, out_BTHD, dout_BTHD, lse_BTH, causal,
+                               packing), by_pallas, nothing)
 
   return _by_shape(schedule, pair, branch)

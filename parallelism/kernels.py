@@ -32,8 +32,8 @@ The ring (`parallelism.ring_attention`) merges the partial results and drives th
   (cuDNN's backward takes the output, not delta); `xla` and `pallas` ignore it.
 
 `xla` is the reference, in plain JAX on any backend; `pallas` is fused (Triton on GPUs,
-interpret mode on CPU for tests); `cudnn` (CUDA GPUs only, not yet run on one) is cuDNN's
-flash attention for the pairs whose mask it can express and `pallas` for the rest. A new
+interpret mode on CPU for tests); `cudnn` (CUDA GPUs only) is cuDNN's flash attention for
+the pairs whose mask it can express and `pallas` for the rest. A new
 kernel is one module with these two functions and one line below. `auto` (the default of
 `model.kernel`) is the fastest exact one of the backend for each block, chosen while
 tracing (`resolve`, `_for_blocks`).
@@ -95,8 +95,7 @@ def _they_run_on(kernel: str) -> str:
 FALLBACK_SAID = _they_run_on("xla")
 
 
-def _for_blocks(q_shape, k_shape, tile: int, dtype, name: str = AUTO,
-                segments: bool = False) -> BlockKernel:
+def _for_blocks(q_shape, k_shape, tile: int, dtype, name: str = AUTO) -> BlockKernel:
   """The kernel that runs `name` on these operands, chosen while tracing: `auto` resolved
   for the backend, then the fallback for calls a kernel cannot take (`pallas` under `auto`:
   shapes Triton cannot take, to `xla`; `cudnn`: operands and masks cuDNN cannot take, to
@@ -106,7 +105,7 @@ def _for_blocks(q_shape, k_shape, tile: int, dtype, name: str = AUTO,
   if name == AUTO and chosen == "pallas":
     reason, instead = kernel_pallas.gpu_unsupported(q_shape, k_shape, tile, dtype), "xla"
   elif chosen == "cudnn":
-    reason, instead = kernel_cudnn.pallas_reason(q_shape, dtype, segments), "pallas"
+    reason, instead = kernel_cudnn.pallas_reason(q_shape, dtype), "pallas"
   if not reason:
     return KERNELS[chosen]
   if reason not in _SAID and jax.process_index() == 0:
@@ -117,8 +116,8 @@ def _for_blocks(q_shape, k_shape, tile: int, dtype, name: str = AUTO,
 
 
 def _chosen_per_call(name: str, which: str) -> Callable:
-  def call(q, k, *args, **kwargs):  # Both halves take q and k first, (q_seg, k_seg) last.
-    kernel = _for_blocks(q.shape, k.shape, kwargs["tile"], q.dtype, name, args[-2] is not None)
+  def call(q, k, *args, **kwargs):  # Both halves take q and k first.
+    kernel = _for_blocks(q.shape, k.shape, kwargs["tile"], q.dtype, name)
     return getattr(kernel, which)(q, k, *args, **kwargs)
   return call
 

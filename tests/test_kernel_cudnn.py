@@ -1,17 +1,20 @@
-"""The `cudnn` block kernel, as far as a CPU can check it (it has not run on a GPU yet).
+"""The `cudnn` block kernel and dense cuDNN attention, as far as a CPU can check them.
 
-- The private JAX API it calls has, in this JAX, the names, parameters and result shapes
+- The private JAX API they call has, in this JAX, the names, parameters and result shapes
   the kernel uses: the backward primitive is bound for real, under `jax.eval_shape`.
 - On a CPU backend `model.kernel=cudnn` is a one-line config error, not a failed compile.
-- Its decomposition of a block pair by mask shape (strictly causal as a causal pair shifted
-  by a row, empty pairs, `general` pairs to the fallback kernel, the global out handed to
-  the backward) is exact: the ring with `cudnn` matches dense attention in every layout,
-  with cuDNN's two calls computed by `_ReferenceCudnn` below, the math cuDNN documents
+- Their own code around cuDNN is exact: the decomposition of a block pair by mask shape
+  (strictly causal as a causal pair shifted by a row, empty pairs, `general` pairs to the
+  fallback kernel, the global out handed to the backward) and packed documents as cuDNN's
+  packed layout (`parallelism.cudnn_packing`), with the fallback where a call's packing
+  cannot express its mask. The ring with `cudnn` matches dense attention in every layout,
+  with cuDNN's calls computed by `_ReferenceCudnn` below: the math cuDNN documents
   (FlashAttention-2's log-sum-exp; the backward from the given statistics and output) in
-  float32 jnp. This checks the kernel's own code around cuDNN, not cuDNN.
+  float32 jnp. This checks the code around cuDNN, not cuDNN; `make gpu_check` checks cuDNN.
 """
 
 import enum
+import functools
 import inspect
 import types
 
@@ -20,8 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from parallelism import kernel_cudnn, kernel_xla
+import parallelism
+from parallelism import cudnn_packing, kernel_cudnn, kernel_xla
 from parallelism.layouts import LAYOUTS
+from parallelism.ring_attention import ring_attention
+from parallelism.schedule import ring_schedule
 from tests.test_ring_attention import (_F32_TOL, assert_close, make_inputs, reference,
                                        ring_in_layout, seq_mesh)
 
@@ -66,42 +72,101 @@ def test_on_the_cpu_cudnn_is_a_config_error(tiny_config):
 
 def test_what_goes_to_pallas_whole():
   shape, reason = (1, 64, 4, 128), kernel_cudnn.pallas_reason
-  assert reason(shape, jnp.bfloat16, False) is None
-  assert "segment ids" in reason(shape, jnp.bfloat16, True)
-  assert "float32" in reason(shape, jnp.float32, False)
-  assert "head size 256" in reason((1, 64, 4, 256), jnp.bfloat16, False)
+  assert reason(shape, jnp.bfloat16) is None
+  assert "float32" in reason(shape, jnp.float32)
+  assert "head size 256" in reason((1, 64, 4, 256), jnp.bfloat16)
 
 
 class _ReferenceCudnn:
-  """cuDNN's two calls as the kernel uses them, in float32 jnp (BTNH, GQA, causal or none)."""
+  """cuDNN's two calls as the kernels use them, in float32 jnp: BTNH, GQA, no mask or causal,
+  and the packed layout (sequences by offsets and lengths [B, M(+1)], -1 past a row's last;
+  each query sees only its own sequence's keys, causally within it; statistics per sequence,
+  [B*M, H, T], sequence s the s-th valid entry in row-major order). What cuDNN leaves
+  outside every sequence (outputs, statistics, gradients) is NaN here, so a caller that
+  reads it fails."""
 
-  MaskType = enum.Enum("MaskType", "NO_MASK CAUSAL")
+  MaskType = enum.Enum("MaskType", "NO_MASK PADDING CAUSAL PADDING_CAUSAL")
   AttentionLayout = enum.Enum("AttentionLayout", [("BTNH", 0)])
 
   @staticmethod
-  def _scores(q, k, scale, mask_type):
-    group = q.shape[2] // k.shape[2]
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, jnp.repeat(k, group, 2), precision="highest") * scale
-    if mask_type.name == "CAUSAL":
-      s = jnp.where(jnp.tril(jnp.ones(s.shape[2:], bool)), s, -jnp.inf)
-    return s, group
+  def _tokens(length, lengths, offsets):
+    """Each token's sequence s (-1 outside all) and index within it."""
+    valid = lengths >= 0
+    s_BM = (jnp.cumsum(valid.reshape(-1)) - 1).reshape(valid.shape)
+    at = jnp.arange(length)
+    inside = valid[..., None] & (at >= offsets[:, :-1, None]) & (
+        at < (offsets[:, :-1] + lengths)[..., None])
+    run = jnp.argmax(inside, axis=1)
+    seq = jnp.where(inside.any(1), jnp.take_along_axis(s_BM, run, 1), -1)
+    return seq, at - jnp.take_along_axis(offsets[:, :-1], run, 1)
 
   @classmethod
-  def dot_product_attention(cls, q, k, v, *, scale, qkv_layout, mask_type, return_residual):
-    assert qkv_layout == "BTNH" and return_residual
-    s, group = cls._scores(q, k, scale, mask_type)
+  def _visible(cls, q_len, k_len, mask_type, packed):
+    causal = "CAUSAL" in mask_type.name
+    if packed is None:
+      visible = jnp.ones((1, q_len, k_len), bool)
+      return visible & jnp.tril(visible) if causal else visible, None
+    q_seqlen, kv_seqlen, q_offsets, kv_offsets = packed
+    assert "PADDING" in mask_type.name and q_offsets.shape[1] == q_seqlen.shape[1] + 1
+    q_seq, q_local = cls._tokens(q_len, q_seqlen, q_offsets)
+    k_seq, k_local = cls._tokens(k_len, kv_seqlen, kv_offsets)
+    visible = (q_seq[:, :, None] == k_seq[:, None, :]) & (q_seq >= 0)[:, :, None]
+    if causal:
+      visible &= k_local[:, None, :] <= q_local[:, :, None]
+    return visible, (q_seq, q_local, k_seq >= 0, q_seqlen.size)
+
+  @staticmethod
+  def _packed(q_seqlen, kv_seqlen, q_offsets, kv_offsets):
+    return None if q_seqlen is None or q_seqlen.size == 0 else (
+        q_seqlen, kv_seqlen, q_offsets, kv_offsets)
+
+  @staticmethod
+  def _scores(q, k, scale, visible):
+    group = q.shape[2] // k.shape[2]
+    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32),
+                   jnp.repeat(k.astype(jnp.float32), group, 2), precision="highest") * scale
+    return jnp.where(visible[:, None], s, -jnp.inf), group
+
+  @classmethod
+  def dot_product_attention(cls, q, k, v, bias=None, mask=None, q_seqlen=None, kv_seqlen=None,
+                            q_offsets=None, kv_offsets=None, *, scale, qkv_layout, mask_type,
+                            return_residual=False):
+    assert qkv_layout == "BTNH" and bias is None and mask is None
+    packed = cls._packed(q_seqlen, kv_seqlen, q_offsets, kv_offsets)
+    visible, tokens = cls._visible(q.shape[1], k.shape[1], mask_type, packed)
+    s, group = cls._scores(q, k, scale, visible)
     lse_BHT = jax.nn.logsumexp(s, axis=-1)
     p = jnp.exp(s - lse_BHT[..., None])
-    out = jnp.einsum("bhqk,bkhd->bqhd", p, jnp.repeat(v, group, 2), precision="highest")
-    return out.astype(q.dtype), lse_BHT
+    out = jnp.einsum("bhqk,bkhd->bqhd", p, jnp.repeat(v.astype(jnp.float32), group, 2),
+                     precision="highest")
+    stats = lse_BHT
+    if tokens is not None:
+      q_seq, q_local, _, sequences = tokens
+      out = jnp.where((q_seq >= 0)[..., None, None], out, jnp.nan)
+      lse_BTH = jnp.swapaxes(lse_BHT, 1, 2)
+      at = jnp.where(q_seq >= 0, q_seq, sequences)  # out of range: dropped
+      stats = jnp.full((sequences, q.shape[2], q.shape[1]), jnp.nan).at[
+          at[..., None], jnp.arange(q.shape[2]), q_local[..., None]].set(lse_BTH, mode="drop")
+    out = out.astype(q.dtype)
+    return (out, stats) if return_residual else out
 
   @classmethod
-  def _backward(cls, q, k, v, *unused_and_rest, scale, seed, dropout_rate, variadic_args,
-                mask_type, layout, sliding_window_length):
-    *unused, lse_BHT, out, dout = unused_and_rest
-    assert len(unused) == 7 and variadic_args == (False, False) and layout == 0
-    s, group = cls._scores(q, k, scale, mask_type)
-    p = jnp.exp(s - lse_BHT[..., None])  # the GLOBAL softmax, from the given statistics
+  def _backward(cls, q, k, v, bias, q_seqlen, kv_seqlen, q_offsets, kv_offsets, page_k, page_v,
+                stats, out, dout, *, scale, seed, dropout_rate, variadic_args, mask_type, layout,
+                sliding_window_length):
+    assert bias.size == page_k.size == page_v.size == 0
+    assert variadic_args == (False, False) and layout == 0
+    packed = cls._packed(q_seqlen, kv_seqlen, q_offsets, kv_offsets)
+    visible, tokens = cls._visible(q.shape[1], k.shape[1], mask_type, packed)
+    s, group = cls._scores(q, k, scale, visible)
+    if tokens is None:
+      lse_BHT = stats
+    else:  # the GLOBAL lse, read where the kernel put it for each query
+      q_seq, q_local, k_in, _ = tokens
+      lse_BHT = jnp.swapaxes(stats[jnp.maximum(q_seq, 0)[..., None], jnp.arange(q.shape[2]),
+                                   q_local[..., None]], 1, 2)
+    p = jnp.where(visible[:, None], jnp.exp(s - lse_BHT[..., None]), 0.0)
+    q, k, v, out, dout = (x.astype(jnp.float32) for x in (q, k, v, out, dout))
     v_full = jnp.repeat(v, group, 2)
     dp = jnp.einsum("bqhd,bkhd->bhqk", dout, v_full, precision="highest")
     delta = jnp.einsum("bqhd,bqhd->bhq", dout, out, precision="highest")  # from the given out
@@ -110,21 +175,137 @@ class _ReferenceCudnn:
     by_kv = lambda x: x.reshape(*x.shape[:2], k.shape[2], group, x.shape[3]).sum(3)
     dk = by_kv(jnp.einsum("bhqk,bqhd->bkhd", ds, q, precision="highest"))
     dv = by_kv(jnp.einsum("bhqk,bqhd->bkhd", p, dout, precision="highest"))
+    if tokens is not None:
+      dq = jnp.where((q_seq >= 0)[..., None, None], dq, jnp.nan)
+      dk, dv = (jnp.where(k_in[..., None, None], x, jnp.nan) for x in (dk, dv))
     return dq, dk, dv
 
   def __init__(self):
     self._dot_product_attention_bwd_p_wrapper = types.SimpleNamespace(bind=self._backward)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_the_decomposition_by_mask_shape_is_exact(layout, monkeypatch):
-  """N=4, GQA, one document per row: ring has full, causal and empty pairs, striped causal
-  and strictly causal ones, zigzag general ones (the fallback kernel, here `xla`)."""
+@pytest.fixture
+def reference_cudnn(monkeypatch):
+  """The kernels' cuDNN calls computed by `_ReferenceCudnn`, on float32 operands, with the
+  Pallas fallback computed by the xla kernel (the CPU has no Triton)."""
   reference_api = _ReferenceCudnn()
   monkeypatch.setattr(kernel_cudnn, "api", lambda: reference_api)
+  monkeypatch.setattr(kernel_cudnn, "unusable", lambda *_: None)
   monkeypatch.setattr(kernel_cudnn, "pallas_reason", lambda *_: None)  # float32 in
-  monkeypatch.setattr(kernel_cudnn, "kernel_pallas", kernel_xla)  # CPU: no interpret mode
+  monkeypatch.setattr(kernel_cudnn, "kernel_pallas", kernel_xla)
+  return reference_api
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_decomposition_by_mask_shape_is_exact(layout, reference_cudnn):
+  """N=4, GQA, one document per row: ring has full, causal and empty pairs, striped causal
+  and strictly causal ones, zigzag general ones (the fallback kernel, here `xla`)."""
   inputs = make_inputs(seq_len=128, seed=3)
   got = ring_in_layout(layout, seq_mesh(4), *inputs, packed=False, tile_size=8,
                        kernel="cudnn")
   assert_close(got, reference(*inputs), **_F32_TOL)
+
+
+def _packed_rows(batch_rows=((37, 90), (5, 6, 7, 8, 9, 64, 100, 120)), length=128):
+  """Rows of documents starting at the given tokens (the first at 0), the last 8 tokens
+  padding (id 0) in the first row."""
+  seg = np.zeros((len(batch_rows), length), np.int32)
+  for row, starts in enumerate(batch_rows):
+    for start in starts:
+      seg[row, start:] += 1
+    seg[row] += 1
+  seg[0, -8:] = 0
+  return seg
+
+
+@pytest.mark.parametrize("layout, documents_per_call", [
+    ("ring", 16), ("zigzag", 16), ("striped", 16), ("striped", 3)])
+def test_packed_documents_are_exact_in_every_layout(layout, documents_per_call,
+                                                    reference_cudnn, monkeypatch):
+  """Packed rows, GQA, N=4: each document a sequence of cuDNN's packed layout per block pair;
+  with 3 documents per call (striped: every pair shape but `general`) the busy row's pairs
+  run the fallback kernel and the other row's cuDNN, in one call."""
+  monkeypatch.setattr(kernel_cudnn.cudnn_packing, "DOCUMENTS_PER_CALL", documents_per_call)
+  inputs = make_inputs(batch=2, seq_len=128, segments=_packed_rows(), seed=4)
+  got = ring_in_layout(layout, seq_mesh(4), *inputs, tile_size=8, kernel="cudnn")
+  assert_close(got, reference(*inputs), **_F32_TOL)
+
+
+@pytest.mark.parametrize("documents_per_call", [16, 3])
+def test_dense_attention_is_cudnn_with_documents_apart(documents_per_call, reference_cudnn,
+                                                       monkeypatch):
+  """`model.attention='dense'` on a CUDA GPU: cuDNN over whole rows, differentiated by its
+  own rule; rows of more documents than a call takes run the fallback."""
+  monkeypatch.setattr(kernel_cudnn.cudnn_packing, "DOCUMENTS_PER_CALL", documents_per_call)
+  q, k, v, dout, index, seg = make_inputs(batch=2, seq_len=128, segments=_packed_rows(), seed=5)
+  fallback = functools.partial(ring_attention, layout="ring", tile_size=8, kernel="xla")
+
+  @jax.jit
+  def run(q, k, v, dout):
+    out, vjp = jax.vjp(lambda q, k, v: parallelism.cudnn_dense_attention(
+        q, k, v, jnp.asarray(seg), fallback), q, k, v)
+    return (out, *vjp(dout))
+
+  assert_close(run(q, k, v, dout), reference(q, k, v, dout, index, seg), **_F32_TOL)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_each_pairs_packing_is_its_mask(layout):
+  """For every block pair of a packed row at N=4, cuDNN's view of the packing (same sequence,
+  and causal within it where the pair is) is the pair's own mask, token for token, and the
+  packing says so (`exact`): the order argument of `cudnn_packing`'s docstring, checked."""
+  seg = _packed_rows()
+  n, length = 4, seg.shape[1]
+  schedule = ring_schedule(layout, length, n)
+  blocks = [np.tile(schedule.order[d], (seg.shape[0], 1)) for d in range(n)]  # positions
+  checked = set()
+  for q_dev in range(n):
+    for k_dev in range(n):
+      shape = schedule.shapes[schedule.pair[q_dev, (q_dev - k_dev) % n]]
+      if shape not in ("full", "causal", "strictly_causal"):
+        continue
+      q_index, k_index = blocks[q_dev], blocks[k_dev]
+      q_seg, k_seg = (np.take_along_axis(seg, x, 1) for x in (q_index, k_index))
+      rule = ((k_index[:, None, :] <= q_index[:, :, None]) if shape != "strictly_causal" else
+              (k_index[:, None, :] < q_index[:, :, None])) & (
+                  k_seg[:, None, :] == q_seg[:, :, None])
+      if shape == "strictly_causal":  # queries from row 1 on keys up to row T-2
+        q_seg, k_seg, rule = q_seg[:, 1:], k_seg[:, :-1], rule[:, 1:, :-1]
+      packing = cudnn_packing.block_pair(jnp.asarray(q_seg), jnp.asarray(k_seg),
+                                         shape != "full", 16)
+      visible, _ = _ReferenceCudnn._visible(
+          q_seg.shape[1], k_seg.shape[1], _ReferenceCudnn.MaskType[
+              "PADDING" if shape == "full" else "PADDING_CAUSAL"],
+          (packing.q_lengths, packing.kv_lengths, packing.q_offsets, packing.kv_offsets))
+      assert bool(packing.exact), (layout, q_dev, k_dev)
+      assert bool(packing.any_pair) == rule.any(), (layout, q_dev, k_dev)
+      np.testing.assert_array_equal(np.asarray(visible), rule, err_msg=f"{layout} {q_dev} {k_dev}")
+      checked.add(shape)
+  assert checked == {"full", "causal"} if layout == "ring" else checked >= {"causal"}
+
+
+def test_the_statistics_round_trip_and_uncovered_queries_see_nothing():
+  seg = jnp.asarray(_packed_rows())
+  packing = cudnn_packing.block_pair(seg, seg, True, 16)
+  lse = jax.random.normal(jax.random.key(0), (*seg.shape, 4))
+  stats = cudnn_packing.stats_of_tokens(lse, packing)
+  assert stats.shape == (2 * 16, 4, seg.shape[1])
+  np.testing.assert_array_equal(cudnn_packing.lse_of_tokens(stats, packing), lse)
+  # A pair where document 2 starts one token later among the keys: its first query sees none.
+  q_seg = jnp.asarray([[1, 1, 2, 2, 2, 2]])
+  k_seg = jnp.asarray([[1, 1, 1, 2, 2, 2]])
+  packing = cudnn_packing.block_pair(q_seg, k_seg, True, 16)
+  assert bool(packing.exact)
+  np.testing.assert_array_equal(packing.q_covered, [[1, 1, 0, 1, 1, 1]])
+  np.testing.assert_array_equal(packing.q_offsets, [[0, 3] + [-1] * 15])
+  np.testing.assert_array_equal(packing.q_lengths, [[2, 3] + [-1] * 14])
+
+
+def test_what_the_packing_cannot_express_is_not_exact():
+  runs = jnp.asarray([[1, 2, 3, 4, 5, 5]])
+  assert not bool(cudnn_packing.whole_rows(runs, 4).exact)  # 5 documents, 4 per call
+  assert bool(cudnn_packing.whole_rows(runs, 5).exact)
+  split = jnp.asarray([[1, 1, 2, 2, 1, 1]])  # document 1 in two runs: no layout does this
+  assert not bool(cudnn_packing.whole_rows(split, 16).exact)
+  apart = cudnn_packing.block_pair(runs, jnp.asarray([[7] * 6]), False, 16)
+  assert bool(apart.exact) and not bool(apart.any_pair)  # no document meets itself

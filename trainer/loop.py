@@ -20,7 +20,7 @@ from jax.experimental import multihost_utils
 
 import data
 import parallelism
-from model import ModelConfig
+from model import ModelConfig, dense_line
 from trainer import distributed, flops, host_memory, stages
 from trainer.checkpointing import CheckpointError, Checkpointer
 from trainer.config_check import ConfigError
@@ -133,7 +133,7 @@ def _train(config, workdir: str, start_over: bool, signals: StopSignals,
             data_state = None  # Each stage reads the data afresh, with a seed of its own.
           if stage.name and step < stage.last_step:
             log(_stage_line(stage, step))
-          if stage_model_cfg.attention != "dense" and step < stage.last_step:
+          if step < stage.last_step:
             log(_kernel_line(stage_model_cfg))
           iterator = _make_iterator(stage.config, stage_model_cfg, mesh, data_cfg.train_split,
                                     stages.data_seed(config.seed, stage.index))
@@ -174,6 +174,8 @@ def _train(config, workdir: str, start_over: bool, signals: StopSignals,
 
 
 def _kernel_line(model_cfg: ModelConfig) -> str:
+  if model_cfg.attention == "dense":
+    return dense_line(model_cfg)
   return (f"attention: {model_cfg.attention}, block kernel "
           f"{parallelism.describe_kernel(model_cfg.kernel)}")
 

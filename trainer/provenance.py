@@ -21,7 +21,9 @@ import jax
 import ml_collections
 
 import parallelism
+from model import dense_kernel
 from trainer.tracking import REDACTED, is_secret_field, scrub
+from trainer.training import model_config
 
 RUN_RECORDS = ("provenance", "resolved")  # Beside the config in config.json.
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,14 +59,16 @@ def run_provenance(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def run_resolved(config: ml_collections.ConfigDict) -> dict[str, Any]:
-  """Devices, the mesh with its -1 filled, and the block kernel `model.kernel` names (None
-  for dense attention, which runs none; a stage may name another)."""
+  """Devices, the mesh with its -1 filled, and the attention kernel: the block kernel
+  `model.kernel` names (a stage may name another), or for dense attention `cudnn` where
+  cuDNN computes it, else `xla` (the plain masked softmax)."""
+  model_cfg = model_config(config)
   shape = parallelism.resolve_mesh_shape(config.mesh.to_dict(), jax.device_count())
   return {"num_devices": jax.device_count(), "num_processes": jax.process_count(),
           "device_kind": jax.devices()[0].device_kind, "backend": jax.default_backend(),
           "mesh": dict(zip(parallelism.MESH_AXES, shape)),
-          "attention_kernel": None if config.model.attention == "dense"
-                              else parallelism.resolve_kernel(config.model.kernel)}
+          "attention_kernel": (dense_kernel(model_cfg) if model_cfg.attention == "dense"
+                               else parallelism.resolve_kernel(model_cfg.kernel))}
 
 
 def run_records(config: ml_collections.ConfigDict) -> dict[str, dict[str, Any]]:
