@@ -15,7 +15,7 @@ ARGS ?=
 PLAN_GPU := .plan_gpu
 PLAN_GPU_STAMP := $(PLAN_GPU)/.installed-cuda13
 
-.PHONY: train test bench compare plan_gpu
+.PHONY: train test bench compare plan_gpu gpu_check
 
 train: $(STAMP)
 	$(VENV)/bin/python -m trainer --config configs/tiny_cpu.py $(ARGS)
@@ -33,6 +33,17 @@ compare: $(STAMP)
 	$(VENV)/bin/python scripts/compare_demo.py $(ARGS)
 
 plan_gpu: $(PLAN_GPU_STAMP)
+
+# Every GPU figure in one call (scripts/gpu_check.py): on a GPU machine with the image's
+# Python and the wheels of scripts/gpu_wheels.sh in .gpu_wheels/; SMOKE=1 runs the same
+# script here on the CPU at tiny shapes (tests/test_gpu_check.py runs it too).
+ifeq ($(SMOKE),1)
+gpu_check: $(STAMP)
+	JAX_PLATFORMS=cpu $(VENV)/bin/python scripts/gpu_check.py --smoke $(ARGS)
+else
+gpu_check:
+	scripts/gpu_check.sh $(ARGS)
+endif
 
 $(PLAN_GPU_STAMP): constraints.txt $(STAMP)
 	rm -rf $(PLAN_GPU)

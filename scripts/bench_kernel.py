@@ -1,7 +1,9 @@
 """The Pallas block kernel on one GPU: vs cuDNN, and the ring / striped / zigzag schedule.
 
   PYTHONPATH=. python3 scripts/bench_kernel.py                    # check, sweep, cudnn, ring
-  PYTHONPATH=. python3 scripts/bench_kernel.py --parts e2e        # python -m trainer, 1B, 1 GPU
+
+`make gpu_check` (scripts/gpu_check.py) runs the kernel, ring and `python -m trainer`
+figures in one call; this script is for deeper kernel work (tile sweeps, the Triton check).
 
 Parts (each appends JSON lines to results/bench_kernel.jsonl):
 - check: the Pallas kernel (Triton, float32 inputs) against the `xla` kernel on ring,
@@ -30,13 +32,6 @@ Parts (each appends JSON lines to results/bench_kernel.jsonl):
   bytes/s per direction. Critical path = sum over steps. Reported as ideal / critical path
   with ideal = N x t(causal block); ring should be near N/(2N-1). The log-sum-exp merges
   and delta are left out (elementwise, the same for every layout).
-- e2e: `python -m trainer` itself (scripts/bench_kernel_e2e.py), one run per sequence length and kernel
-  (`--e2e_kernels`, default auto and xla): the config's model (default the 1B of
-  configs/1b_32k_striped.py) on one device, batch 1, the synthetic corpus and the real
-  pipeline, loss and optimizer; tokens/s, MFU and the loss from the run's metrics.jsonl,
-  the kernel from its config.json. remat 'none' at 8k, 'full' above (by estimate
-  no-remat activations at 32k exceed 80 GB). The trainer needs the project's packages
-  (ml_collections, tensorflow_datasets, grain, sentencepiece...) where it runs.
 Timing: warm-up calls, then the median of repeats, each call synchronised with
 block_until_ready (perf_counter around it); every input random normal, never zeros.
 """
@@ -57,7 +52,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import bench_kernel_e2e  # noqa: E402  (scripts/, first on the path)
 from parallelism import kernel_pallas, kernel_xla  # noqa: E402
 from parallelism.kernels import get as get_kernel  # noqa: E402
 from parallelism.layouts import LAYOUTS  # noqa: E402
@@ -106,10 +100,10 @@ def normals(key, shapes, dtype):
   return [jax.random.normal(k, s, F32).astype(dtype) for k, s in zip(keys, shapes)]
 
 
-def fwd_bwd(block_fwd, block_bwd, schedule):
+def fwd_bwd(block_fwd, block_bwd, schedule, tile: int = TILE):
   """Forward then backward of one block pair, as ring_attention's custom_vjp runs them."""
   def run(q, k, v, dout, pair, qs=None, ks=None):
-    at = dict(schedule=schedule, pair=pair, tile=TILE)
+    at = dict(schedule=schedule, pair=pair, tile=tile)
     out, lse = block_fwd(q, k, v, qs, ks, **at)
     delta = jnp.sum(out * dout.astype(F32), axis=-1)
     # The global out is the block's own here (one block); cuDNN's backward takes it.
@@ -318,7 +312,8 @@ def _class_key(schedule, pair: int, config) -> bytes:
                    for bq, bk in sizes)
 
 
-def part_ring(config, blocks, num_shards: int, heads: int, bandwidth: float) -> None:
+def part_ring(config, blocks, num_shards: int, heads: int, bandwidth: float,
+              record=record) -> None:
   fwd, bwd = _ours(config)
   print(f"\nring emulation: N={num_shards}, {heads} heads (= kv heads), head_dim 128, bf16, "
         f"link {bandwidth / 1e9:.0f} GB/s per direction; fraction = N x t(causal) / critical")
@@ -386,16 +381,6 @@ def main() -> None:
   parser.add_argument("--parts", default="check,sweep,cudnn,ring")
   parser.add_argument("--seq_lens", default="8192,16384,32768")
   parser.add_argument("--sweep_seq_len", type=int, default=16384)
-  parser.add_argument("--e2e_config", default="configs/1b_32k_striped.py",
-                      help="e2e: the config `python -m trainer` runs")
-  parser.add_argument("--e2e_seq_lens", default="8192,32768")
-  parser.add_argument("--e2e_kernels", default="auto,xla",
-                      help="e2e: model.kernel values, one run each (auto: pallas on a GPU)")
-  parser.add_argument("--e2e_steps", type=int, default=12)
-  parser.add_argument("--e2e_remat", default="auto",
-                      help="remat policy of the e2e part; auto: none at 8k, full above")
-  parser.add_argument("--e2e_overrides", default="",
-                      help="e2e: more trainer flags, space-separated (--config.x.y=z ...)")
   parser.add_argument("--blocks", default="8192,16384,32768", help="ring: per-device block")
   parser.add_argument("--num_shards", type=int, default=8)
   parser.add_argument("--ring_heads", type=int, default=32)
@@ -404,12 +389,7 @@ def main() -> None:
   args = parser.parse_args()
   parts = args.parts.split(",")
   ints = lambda s: [int(x) for x in s.split(",")]
-  if "e2e" in parts:  # First: the trainer's runs need the device before this process holds it.
-    bench_kernel_e2e.part_e2e(args.e2e_config, ints(args.e2e_seq_lens),
-                              args.e2e_kernels.split(","), args.e2e_steps, args.e2e_remat,
-                              args.e2e_overrides.split(), record)
-  if parts != ["e2e"]:
-    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
+  print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
   config = dataclasses.replace(kernel_pallas.DEFAULT_CONFIG, **json.loads(args.config))
   if "check" in parts:
     part_check()

@@ -1,7 +1,6 @@
-"""bench_kernel's e2e part: `python -m trainer` itself on one device, per sequence length
-and kernel (its own module: it runs the trainer in subprocesses, no kernel of its own).
-
-  PYTHONPATH=. python3 scripts/bench_kernel.py --parts e2e        # 1B of configs/1b_32k_striped.py
+"""`python -m trainer` itself on one device, per sequence length and attention: the e2e part
+of `make gpu_check` (scripts/gpu_check.py). Nothing of JAX runs in this process, so each
+trainer run has the whole device.
 """
 
 import json
@@ -11,6 +10,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 import bench_results
 from parallelism.kernels import FALLBACK_SAID
@@ -19,60 +19,76 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _COMMIT = bench_results.commit()  # Before this run appends to the results file.
 
 
-def part_e2e(config_file: str, seq_lens, kernels, steps: int, remat_policy: str,
-             overrides: list[str], record) -> None:
-  """`python -m trainer` itself, one run per (sequence length, kernel), on one device: the
-  config's model, mesh 1x1x1x1, batch 1, the synthetic corpus (no download), the real data
-  pipeline, loss and optimizer. Tokens/s and MFU are the trainer's own, read from its
-  metrics.jsonl (median over the steps after the first two); the kernel is the one the run
-  resolved (config.json); the loss must fall. Nothing of JAX runs in this process, so the
-  trainer has the whole device."""
-  print(f"\ne2e: python -m trainer --config {config_file}, one device, {steps} steps")
-  print(f"{'S':>7} {'kernel':>12} {'remat':>6} {'step ms':>9} {'tokens/s':>10} {'MFU':>6} "
-        f"{'loss':>15}")
-  for seq_len in seq_lens:
-    remat = remat_policy if remat_policy != "auto" else "none" if seq_len <= 8192 else "full"
-    for kernel in kernels:
-      workdir = tempfile.mkdtemp(prefix="bench_e2e_")
-      command = [sys.executable, "-m", "trainer", "--config", config_file, "--workdir", workdir,
-                 "--config.mesh.data=1", "--config.mesh.fsdp=1", "--config.mesh.sequence=1",
-                 "--config.mesh.tensor=1", "--config.train.batch_size=1",
-                 f"--config.data.seq_len={seq_len}", f"--config.train.steps={steps}",
-                 "--config.train.warmup_steps=1", "--config.train.log_every=1",
-                 "--config.train.eval_every=0", f"--config.checkpoint.every_steps={steps + 1}",
-                 "--config.data.dataset=synthetic_longrange",
-                 "--config.data.tokenizer_vocab_size=512", "--config.wandb.mode=disabled",
-                 f"--config.model.kernel={kernel}", f"--config.train.remat={remat}", *overrides]
-      try:  # The run ends with a checkpoint (13 GB at 1B); the workdir goes either way.
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
-        if done.returncode:
-          print(f"  S={seq_len} kernel={kernel}: the run failed (exit {done.returncode}):\n"
-                + (done.stdout + done.stderr)[-2000:])
-          continue
-        with open(os.path.join(workdir, "config.json")) as f:
-          written = json.load(f)
-        with open(os.path.join(workdir, "metrics.jsonl")) as f:
-          rows = [r for r in map(json.loads, f) if "loss" in r]
-      finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-      timed = rows[2:] or rows[-1:]
-      step_s = statistics.median(r["step_time_s"] for r in timed)
-      tokens_per_sec = statistics.median(r["tokens_per_sec"] for r in timed)
-      mfus = [r["mfu"] for r in timed if r["mfu"] is not None]
-      mfu = statistics.median(mfus) if mfus else None
-      losses = (rows[0]["loss"], rows[-1]["loss"])
-      resolved = written["resolved"]
-      if FALLBACK_SAID in done.stdout:  # auto fell back for some blocks (said once).
-        resolved["attention_kernel"] += "+xla"
-      name = resolved["attention_kernel"]
-      name = name if kernel == name else f"{kernel}={name}"
-      print(f"{seq_len:>7} {name:>12} {remat:>6} {step_s * 1e3:>9.1f} "
-            f"{tokens_per_sec:>10,.0f} {'-' if mfu is None else f'{mfu:.3f}':>6} "
-            f"{losses[0]:>7.3f}->{losses[1]:<7.3f}"
-            + ("" if losses[1] < losses[0] else "  (the loss did not fall)"))
-      record(part="e2e", device=resolved["device_kind"], commit=_COMMIT,
-             config_file=config_file, attention=written["model"]["attention"],
-             kernel_requested=kernel, kernel=resolved["attention_kernel"], seq_len=seq_len,
-             remat=remat, steps=steps, step_s=step_s, tokens_per_sec=tokens_per_sec, mfu=mfu,
-             first_loss=losses[0], last_loss=losses[1], loss_falls=losses[1] < losses[0],
-             command=" ".join(command[1:]).replace(workdir, "WORKDIR"))
+def remat_for(seq_len: int, policy: str) -> str:
+  """`auto`: none at 8k, full above (by estimate no-remat activations of the 1B at 32k
+  exceed 80 GB)."""
+  return policy if policy != "auto" else "none" if seq_len <= 8192 else "full"
+
+
+def command(config_file: str, workdir: str, seq_len: int, attention: str, kernel: str,
+            steps: int, remat: str, data_dir: str, overrides=()) -> list[str]:
+  """The trainer's command line for one run: the config's model, mesh 1x1x1x1x1, batch 1,
+  the synthetic corpus (no download) with documents up to a row long (a few per row, so
+  dense attention packs them for cuDNN), no checkpoint, no eval, W&B off."""
+  return [sys.executable, "-m", "trainer", "--config", config_file, "--workdir", workdir,
+          *(f"--config.mesh.{axis}=1" for axis in ("data", "fsdp", "sequence", "ulysses",
+                                                   "tensor")),
+          "--config.train.batch_size=1", f"--config.data.seq_len={seq_len}",
+          f"--config.train.steps={steps}", "--config.train.warmup_steps=1",
+          "--config.train.log_every=1", "--config.train.eval_every=0",
+          "--config.checkpoint.every_steps=0", "--config.wandb.mode=disabled",
+          "--config.data.dataset=synthetic_longrange", f"--config.data.data_dir={data_dir}",
+          "--config.data.tokenizer_vocab_size=512", "--config.data.num_documents=200",
+          "--config.data.num_eval_documents=20",
+          f"--config.data.max_document_tokens={seq_len}",
+          f"--config.model.attention={attention}", f"--config.model.kernel={kernel}",
+          f"--config.train.remat={remat}", *overrides]
+
+
+def run(config_file: str, seq_len: int, attention: str, kernel: str, steps: int,
+        remat_policy: str, data_dir: str, deadline_s: float, record, overrides=(),
+        profile_to: str | None = None) -> None:
+  """One trainer run, recorded: tokens/s and MFU from its metrics.jsonl (median over the
+  steps after the first two), the kernel it resolved (config.json), the losses (they must
+  fall). `profile_to`: trace the last step and copy its Perfetto trace there."""
+  remat = remat_for(seq_len, remat_policy)
+  workdir = tempfile.mkdtemp(prefix="gpu_check_e2e_")
+  args = command(config_file, workdir, seq_len, attention, kernel, steps, remat, data_dir,
+                 overrides)
+  if profile_to:
+    args.append(f"--profile_steps={steps}")
+  where = dict(part="e2e", seq_len=seq_len, attention=attention, kernel_requested=kernel,
+               remat=remat, steps=steps, commit=_COMMIT, config_file=config_file,
+               command=" ".join(args[1:]).replace(workdir, "WORKDIR"))
+  started = time.monotonic()
+  try:
+    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, check=False,
+                          timeout=deadline_s)
+    print(done.stdout[-3000:] + done.stderr[-3000:], flush=True)
+    if done.returncode:
+      lines = [l for l in (done.stdout + done.stderr).splitlines() if l.strip()]
+      record(**where, status="failed", error=(lines or ["(no output)"])[-1][:300])
+      return
+    with open(os.path.join(workdir, "config.json")) as f:
+      resolved = json.load(f)["resolved"]
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+      rows = [r for r in map(json.loads, f) if "loss" in r]
+    if profile_to:
+      traces = sorted(os.path.join(d, f) for d, _, files in os.walk(workdir) for f in files
+                      if f == "perfetto_trace.json.gz")
+      if traces:
+        shutil.copy(traces[-1], profile_to)
+  except subprocess.TimeoutExpired:
+    record(**where, status="failed", error=f"past its deadline of {deadline_s:.0f} s")
+    return
+  finally:
+    shutil.rmtree(workdir, ignore_errors=True)
+  timed = rows[2:] or rows[-1:]
+  mfus = [r["mfu"] for r in timed if r["mfu"] is not None]
+  name = resolved["attention_kernel"] + ("+xla" if FALLBACK_SAID in done.stdout else "")
+  first, last = rows[0]["loss"], rows[-1]["loss"]
+  record(**where, status="ok", device=resolved["device_kind"], kernel=name,
+         step_s=statistics.median(r["step_time_s"] for r in timed),
+         tokens_per_sec=statistics.median(r["tokens_per_sec"] for r in timed),
+         mfu=statistics.median(mfus) if mfus else None, first_loss=first, last_loss=last,
+         loss_falls=last < first, seconds=time.monotonic() - started)

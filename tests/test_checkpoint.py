@@ -53,6 +53,14 @@ def test_incompatible_change_is_refused(tmp_path, tiny_config):
     train(_config(tiny_config, **{"train.steps": 4, "model.d_ff": 128}), str(tmp_path))
 
 
+def test_no_checkpoints_when_every_steps_is_zero(tmp_path, tiny_config, capsys):
+  """Benchmarks (`make gpu_check`) train without writing a 13 GB final checkpoint per run."""
+  train(_config(tiny_config, **{"train.steps": 2, "checkpoint.every_steps": 0}), str(tmp_path))
+  assert not os.listdir(tmp_path / "checkpoints")
+  assert "checkpoint.every_steps=0: this run saves no checkpoint" in capsys.readouterr().out
+  assert sorted(_losses(tmp_path)) == [1, 2]
+
+
 def _checkpoint_values(workdir, config, mesh_sizes, step=None):
   """Restores the newest checkpoint onto a mesh of the given sizes; returns host arrays."""
   (config.mesh.data, config.mesh.fsdp, config.mesh.sequence, config.mesh.ulysses,

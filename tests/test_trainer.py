@@ -46,6 +46,10 @@ def test_run_writes_config_metrics_and_profile(tmp_path, tiny_config, monkeypatc
   traces = list(tmp_path.glob("profile/process_0/plugins/profile/*/perfetto_trace.json.gz"))
   assert len(traces) == 1 and str(traces[0]) in said[0]
   assert b"train_step" in gzip.decompress(traces[0].read_bytes())
+  shares = profiling.summarise(str(traces[0]))
+  assert set(shares) == {"attention", "matmuls", "collectives", "other", "idle"}
+  assert sum(shares.values()) == pytest.approx(1.0) and shares["matmuls"] > 0
+  assert said[0].endswith(", ".join(f"{k} {v:.0%}" for k, v in shares.items()))
   # Training gets what it needs; only eval batches carry the retrieval evaluator's field.
   assert sent == [set(data.TRAIN_FIELDS)] * 4 + [{*data.TRAIN_FIELDS, "answer_distance"}]
   written = json.loads((tmp_path / "config.json").read_text())
@@ -134,3 +138,20 @@ def test_offload_remat_trains_as_full_on_the_cpu_and_says_so_once(tmp_path, tiny
     losses[remat] = _losses(tmp_path / remat)
   assert losses["offload"] == losses["full"]  # Naming the block input changes no value.
   assert capsys.readouterr().out.count("train.remat='offload' on the CPU") == 1
+
+
+def test_a_profile_says_where_the_gpu_time_went(tmp_path):
+  """A GPU trace's kernels by kind, nested ops counted once, the host's events left out."""
+  def op(ts, dur, name, hlo_op, pid=2, tid=7):
+    return {"ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": dur, "name": name,
+            "args": {"hlo_op": hlo_op}}
+  events = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+            {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+            op(0, 40, "block_fwd", "custom-call.3"), op(40, 30, "nvjet_tst_128x256", "dot.1"),
+            op(70, 20, "while", "while.2"), op(72, 10, "ncclDevKernel_AllGather", "all-gather.1"),
+            op(95, 5, "loop_add_fusion", "fusion.4"), op(0, 500, "host thing", "x", pid=1)]
+  trace = tmp_path / "perfetto_trace.json.gz"
+  trace.write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))
+  shares = profiling.summarise(str(trace))
+  assert shares == pytest.approx({"attention": 0.40, "matmuls": 0.30, "collectives": 0.10,
+                                  "other": 0.15, "idle": 0.05})

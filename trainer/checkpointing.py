@@ -128,8 +128,8 @@ def _fingerprint_table(state) -> tuple[dict[str, int], bool]:
 
 
 class Checkpointer:
-  """Saves every `every_steps` (and when forced), keeps the newest `keep`, restores the newest
-  good one."""
+  """Saves every `every_steps` (and when forced; never with 0), keeps the newest `keep`,
+  restores the newest good one."""
 
   def __init__(self, workdir: str, every_steps: int, keep: int, use_async: bool,
                read_only: bool = False):
@@ -150,8 +150,13 @@ class Checkpointer:
                        "data": ocp.JsonCheckpointHandler(),  # item_metadata reads shapes
                        "meta": ocp.JsonCheckpointHandler()})  # without a restore.
 
+  @property
+  def saves(self) -> bool:
+    """Whether this run keeps checkpoints (`checkpoint.every_steps=0` keeps none)."""
+    return self.every_steps > 0
+
   def due(self, step: int) -> bool:
-    return step % self.every_steps == 0
+    return self.saves and step % self.every_steps == 0
 
   def save(self, step: int, state, data_state: dict, meta: dict) -> None:
     """Starts a save (async when configured); raises if an earlier async save failed."""

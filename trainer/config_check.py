@@ -84,8 +84,9 @@ def _check_one(config: ml_collections.ConfigDict, num_devices: int) -> None:
       raise ConfigError(f"train.eval_needle_*: {error}") from None
     _require(t.eval_needle_trials >= 1,
              f"train.eval_needle_trials={t.eval_needle_trials} must be at least 1")
-  _require(config.checkpoint.every_steps > 0,
-           f"checkpoint.every_steps={config.checkpoint.every_steps} must be positive")
+  _require(config.checkpoint.every_steps >= 0,
+           f"checkpoint.every_steps={config.checkpoint.every_steps} must be positive, or 0 "
+           f"for no checkpoints")
   _require(config.checkpoint.keep >= 1, f"checkpoint.keep={config.checkpoint.keep} must be >= 1")
   _require(config.wandb.mode in WANDB_MODES,
            f"wandb.mode='{config.wandb.mode}' must be one of {WANDB_MODES}")

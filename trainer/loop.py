@@ -120,6 +120,8 @@ def _train(config, workdir: str, start_over: bool, signals: StopSignals,
       warning = start_warning(workdir, step if restored else None, start_over)
       if warning:
         log(warning)
+      if not checkpointer.saves:
+        log("note: checkpoint.every_steps=0: this run saves no checkpoint (nothing to resume)")
       summaries = []
       try:
         for stage in plan[stages.next_to_run(plan, step).index:]:
@@ -280,7 +282,7 @@ class _Run:
         profiler.close()
         self._restart_clock(step)  # Writing the trace out is not step time.
       stop = signals.received or self.checkpointer.reached_preemption(step)
-      if self.checkpointer.due(step) or step == steps or stop:
+      if self.checkpointer.due(step) or (self.checkpointer.saves and (step == steps or stop)):
         self._read_pending()  # Know the step was finite before its state is saved.
         self.checkpointer.save(step, state, data.gather_state(self.iterator.get_state()),
                                self.meta)
@@ -291,8 +293,10 @@ class _Run:
         self._evaluate(state, step)
         self._restart_clock(step)
       if stop:
-        print(f"stopping at step {step} on {signals.received or 'preemption'}: saved a "
-              f"checkpoint; re-run with the same --workdir to resume", flush=True)
+        print(f"stopping at step {step} on {signals.received or 'preemption'}: "
+              + ("saved a checkpoint; re-run with the same --workdir to resume"
+                 if self.checkpointer.saves else "checkpoint.every_steps=0 keeps no "
+                 "checkpoint, so a re-run starts over"), flush=True)
         break
     self._read_pending()
     return state, self._summarise(stopped=bool(stop))

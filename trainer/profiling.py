@@ -7,13 +7,17 @@ and each stage's first), so start the window after it to see steady steps. Each 
 traces its own devices into `<workdir>/profile/process_<i>/`; open a
 `perfetto_trace.json.gz` there at https://ui.perfetto.dev, or run `tensorboard --logdir
 <workdir>/profile` with the profile plugin. Writing the trace out is left out of the
-logged step times.
+logged step times. The closing line also says where the devices' time went (`summarise`).
 """
 
 from __future__ import annotations
 
+import collections
 import glob
+import gzip
+import json
 import os
+import re
 from typing import Callable
 
 import jax
@@ -92,6 +96,63 @@ class StepProfiler:
     traces = sorted(glob.glob(os.path.join(self._directory, "plugins", "profile", "*",
                                            "perfetto_trace.json.gz")), key=os.path.getmtime)
     where = traces[-1] if traces else self._directory
+    shares = ""
+    if traces:
+      shares = "; " + ", ".join(f"{name} {share:.0%}"
+                                for name, share in summarise(traces[-1]).items())
     self._log(f"profile of steps {self._first}-{self._last}: {where} (open at "
               f"https://ui.perfetto.dev, or tensorboard --logdir "
-              f"{os.path.dirname(self._directory)})")
+              f"{os.path.dirname(self._directory)}){shares}")
+
+
+# What a device op is, by its kernel or HLO name (first match wins): our Pallas kernels
+# (`parallelism.kernel_pallas`), cuDNN's and XLA's attention kernels; cuBLAS/cuBLASLt,
+# CUTLASS and XLA's own matmuls (on the CPU, dots and XNNPACK/YNNPACK fusions); NCCL and
+# XLA's collectives (on the CPU, their rendezvous).
+CATEGORIES = (
+    ("attention", re.compile(r"block_fwd|block_bwd|fmha|flash|cudnn|sdpa|attention", re.I)),
+    ("matmuls", re.compile(r"gemm|cublas|nvjet|xmma|cutlass|matmul|\bdot|[xy]nn_fusion"
+                           r"|convolution", re.I)),
+    ("collectives", re.compile(r"nccl|all-gather|all-reduce|all-to-all|reduce-scatter"
+                               r"|collective|permute|rendezvous", re.I)),
+)
+
+
+def summarise(trace_path: str) -> dict[str, float]:
+  """Where the devices' time went in a `perfetto_trace.json.gz`: the share of each device's
+  time (from its first op to its last, summed over devices) in attention, matmuls,
+  collectives, other ops, and idle. A device op is an event with an `hlo_op` argument, on
+  the GPU's streams when the trace has a GPU; a device is a GPU stream, or on the CPU a
+  `device_ordinal`. An op counts its own time, less the ops nested in it (a loop's body).
+  Overlapping streams of one GPU can make the busy shares exceed 1."""
+  with gzip.open(trace_path, "rt") as f:
+    events = json.load(f)["traceEvents"]
+  process = {e["pid"]: e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+  gpus = {pid for pid, name in process.items() if name.startswith("/device:GPU")}
+  ops = collections.defaultdict(list)
+  for e in events:
+    args = e.get("args") or {}
+    if e.get("ph") == "X" and "hlo_op" in args and (not gpus or e["pid"] in gpus):
+      device = (e["pid"], e["tid"]) if gpus else args.get("device_ordinal", "0")
+      ops[device].append((e["ts"], e["dur"], f"{e['name']} {args['hlo_op']}"))
+  busy, total = collections.defaultdict(float), 0.0
+  for device_ops in ops.values():
+    device_ops.sort(key=lambda op: (op[0], -op[1]))
+    total += max(ts + dur for ts, dur, _ in device_ops) - device_ops[0][0]
+    open_ops: list = []  # [end, category, own time] of the ops enclosing the current one
+    for ts, dur, text in device_ops:
+      while open_ops and open_ops[-1][0] <= ts:
+        _, kind, own = open_ops.pop()
+        busy[kind] += own
+      if open_ops:
+        open_ops[-1][2] -= min(dur, open_ops[-1][0] - ts)  # nested: not its parent's time
+      kind = next((name for name, pattern in CATEGORIES if pattern.search(text)), "other")
+      open_ops.append([ts + dur, kind, dur])
+    for _, kind, own in open_ops:
+      busy[kind] += own
+  if not total:
+    return {}
+  shares = {name: busy[name] / total for name, _ in (*CATEGORIES, ("other", None))}
+  shares["idle"] = max(0.0, 1.0 - sum(shares.values()))
+  return shares

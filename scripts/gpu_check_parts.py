@@ -1,0 +1,228 @@
+"""The parts of `make gpu_check` (scripts/gpu_check.py), each run in a process of its own:
+`python scripts/gpu_check_parts.py PART --out DIR [--smoke] [--deadline S]`.
+
+Every measurement is one JSON line appended at once to DIR/gpu_check.jsonl (a part that
+fails or runs out of time keeps what it measured). `--smoke` runs the same code on the CPU
+at tiny shapes: Pallas in interpret mode, the `xla` kernel in the `cudnn` kernel's place,
+JAX's XLA attention in cuDNN's, the tiny config in the 1B's.
+"""
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import bench_kernel  # noqa: E402  (scripts/, first on the path)
+import bench_kernel_e2e  # noqa: E402
+import parallelism  # noqa: E402
+from parallelism import kernel_pallas, kernel_xla  # noqa: E402
+from parallelism.kernels import get as get_kernel  # noqa: E402
+from parallelism.ring_attention import ring_attention  # noqa: E402
+
+F32 = jnp.float32
+ERROR_OK = 2e-2  # bf16 operands against a float32 reference: rounding, not a wrong mask.
+PROFILE_TRACE = "profile_32k.perfetto_trace.json.gz"
+
+
+class Recorder:
+  """Appends one JSON line per measurement to DIR/gpu_check.jsonl, at once, tagged with the
+  part, the check's run id and the device (where this process holds it)."""
+
+  def __init__(self, out: str, part: str, run: str, device: str | None):
+    self.path = os.path.join(out, "gpu_check.jsonl")
+    self.tags = {"part": part, "run": run, **({"device": device} if device else {})}
+
+  def __call__(self, **row) -> None:
+    row = {**row, **self.tags}
+    with open(self.path, "a") as f:
+      f.write(json.dumps(row, default=float) + "\n")
+
+
+def _flops(seq_len: int, heads: int, head_dim: int) -> float:
+  """Forward FLOPs of causal attention, B=1 (QK^T and PV, half of them); a forward and
+  backward is 3.5x (FlashAttention's count), the same for every kernel compared."""
+  return 4 * heads * seq_len ** 2 * head_dim / 2
+
+
+def _documents(seq_len: int, count: int = 5) -> np.ndarray:
+  """Segment ids of one packed row: `count` documents of unequal lengths, then padding."""
+  cuts = (np.array([0.0, 0.1, 0.35, 0.4, 0.75, 0.97]) * seq_len).astype(int)[:count + 1]
+  seg = np.zeros((1, seq_len), np.int32)
+  for i, (start, end) in enumerate(zip(cuts[:-1], cuts[1:])):
+    seg[0, start:end] = i + 1
+  return seg
+
+
+def part_kernels(record, smoke: bool) -> None:
+  """Block kernels against cuDNN flash attention (JAX's, `implementation='cudnn'`) on the
+  same inputs: bf16, B=1, 32 heads, head_dim 128, causal and strictly causal blocks, plus a
+  packed row of 5 documents for the kernels and for dense cuDNN attention; forward and
+  forward+backward TFLOP/s, each checked against the xla kernel in float32."""
+  seq_lens, heads, head_dim = ([128], 2, 32) if smoke else ([8192, 16384, 32768], 32, 128)
+  kernels = {"pallas": "pallas", "cudnn": "xla" if smoke else "cudnn", "auto": "auto"}
+  baseline = functools.partial(jax.nn.dot_product_attention, is_causal=True,
+                               implementation="xla" if smoke else "cudnn")
+  for seq_len in seq_lens:
+    q, k, v, dout = bench_kernel.normals(jax.random.key(seq_len), [(1, seq_len, heads,
+                                                                   head_dim)] * 4, jnp.bfloat16)
+    flops = _flops(seq_len, heads, head_dim)
+    base_f = jax.jit(baseline)
+    base_fb = jax.jit(lambda q, k, v, dout: jax.vjp(baseline, q, k, v)[1](dout))
+    cudnn = dict(cudnn_fwd_tflops=flops / bench_kernel.median_time(base_f, q, k, v) / 1e12,
+                 cudnn_fwd_bwd_tflops=3.5 * flops / bench_kernel.median_time(
+                     base_fb, q, k, v, dout) / 1e12)
+    shapes = [("causal", bench_kernel.causal_block(seq_len)),
+              ("strictly_causal", bench_kernel.strictly_causal_block(seq_len))]
+    for shape, (schedule, pair) in shapes:
+      _block_rows(record, schedule, pair, (q, k, v, dout), None, kernels, flops,
+                  dict(seq_len=seq_len, shape=shape, **cudnn))
+    if seq_len == seq_lens[0]:  # packed documents: exactness first, at the shortest length
+      segments = jnp.asarray(_documents(seq_len))
+      schedule, pair = bench_kernel.causal_block(seq_len)
+      _block_rows(record, schedule, pair, (q, k, v, dout), segments, kernels, flops,
+                  dict(seq_len=seq_len, shape="causal_packed", **cudnn))
+      _dense_row(record, (q, k, v, dout), segments, smoke, flops, dict(seq_len=seq_len,
+                                                                       **cudnn))
+
+
+def _errors(got, want) -> dict:
+  names = ("out", "dq", "dk", "dv")
+  return {f"rel_err_{n}": bench_kernel.rel_err(g, w) for n, g, w in zip(names, got, want)}
+
+
+def _block_rows(record, schedule, pair, inputs, segments, kernels, flops, where) -> None:
+  q, k, v, dout = inputs
+  tile = min(bench_kernel.TILE, q.shape[1])
+  reference = jax.jit(bench_kernel.fwd_bwd(kernel_xla.block_fwd, kernel_xla.block_bwd,
+                                           schedule, tile))
+  with jax.default_matmul_precision("highest"):
+    (g_ref, o_ref, _) = reference(*(x.astype(F32) for x in inputs), pair, segments, segments)
+  for label, name in kernels.items():
+    fwd, bwd = get_kernel(name)
+    at = dict(schedule=schedule, tile=tile)
+    run_f = jax.jit(lambda q, k, v, pair, fwd=fwd: fwd(q, k, v, segments, segments, pair=pair,
+                                                       **at))
+    run_fb = jax.jit(bench_kernel.fwd_bwd(fwd, bwd, schedule, tile))
+    try:
+      (dq, dk, dv), out, _ = run_fb(q, k, v, dout, pair, segments, segments)
+      errors = _errors((out, dq, dk, dv), (o_ref, *g_ref))
+      t_f = bench_kernel.median_time(run_f, q, k, v, pair)
+      t_fb = bench_kernel.median_time(run_fb, q, k, v, dout, pair, segments, segments)
+    except Exception as error:  # noqa: BLE001  (one kernel failing must not hide the rest)
+      record(**where, kernel=label, status="failed", error=f"{type(error).__name__}: "
+             f"{str(error).splitlines()[0][:300] if str(error) else ''}")
+      continue
+    fwd_bwd_tflops = 3.5 * flops / t_fb / 1e12
+    record(**where, kernel=label, runs=name, status="ok", fwd_tflops=flops / t_f / 1e12,
+           fwd_bwd_tflops=fwd_bwd_tflops,
+           over_cudnn_fwd_bwd=fwd_bwd_tflops / where["cudnn_fwd_bwd_tflops"],
+           exact=max(errors.values()) < ERROR_OK, **errors)
+
+
+def _dense_row(record, inputs, segments, smoke: bool, flops, where) -> None:
+  """`model.attention='dense'` on a GPU: cuDNN over the packed row (the fallback, Pallas as
+  a ring of one, for rows of more documents), against the xla kernel in float32."""
+  q, k, v, dout = inputs
+  index = jnp.arange(q.shape[1])[None]
+  if smoke:  # no cuDNN: the model's plain masked softmax in its place
+    from model.attention import dense_attention  # pylint: disable=g-import-not-at-top
+    attend = lambda q, k, v: dense_attention(q, k, v, index, segments)
+  else:
+    fallback = functools.partial(ring_attention, layout="ring",
+                                 tile_size=min(bench_kernel.TILE, q.shape[1]))
+    attend = lambda q, k, v: parallelism.cudnn_dense_attention(q, k, v, segments, fallback)
+  schedule, pair = bench_kernel.causal_block(q.shape[1])
+  reference = jax.jit(bench_kernel.fwd_bwd(kernel_xla.block_fwd, kernel_xla.block_bwd,
+                                           schedule, min(bench_kernel.TILE, q.shape[1])))
+  with jax.default_matmul_precision("highest"):
+    (g_ref, o_ref, _) = reference(*(x.astype(F32) for x in inputs), pair, segments, segments)
+  run_f = jax.jit(attend)
+  run_fb = jax.jit(lambda q, k, v, dout: (jax.vjp(attend, q, k, v)[1](dout), attend(q, k, v)))
+  try:
+    (dq, dk, dv), out = run_fb(q, k, v, dout)
+    errors = _errors((out, dq, dk, dv), (o_ref, *g_ref))
+    t_f, t_fb = (bench_kernel.median_time(run_f, q, k, v),
+                 bench_kernel.median_time(run_fb, q, k, v, dout))
+  except Exception as error:  # noqa: BLE001
+    record(**where, shape="dense_packed", kernel="dense", status="failed",
+           error=f"{type(error).__name__}: {str(error).splitlines()[0][:300]}")
+    return
+  record(**where, shape="dense_packed", kernel="dense", status="ok",
+         fwd_tflops=flops / t_f / 1e12, fwd_bwd_tflops=3.5 * flops / t_fb / 1e12,
+         exact=max(errors.values()) < ERROR_OK, **errors)
+
+
+def part_ring(record, smoke: bool) -> None:
+  """The N=8 ring emulated on one GPU (bench_kernel's ring part): striped against ring."""
+  config = kernel_pallas.DEFAULT_CONFIG
+  if smoke:
+    bench_kernel.part_ring(config, [128], 4, 2, 50e9, record=record)
+  else:
+    bench_kernel.part_ring(config, [16384, 32768], 8, 32, 50e9, record=record)
+
+
+def part_e2e(record, smoke: bool, out: str, deadline: float) -> None:
+  """`python -m trainer` on the 1B config, one device, 8k and 32k: striped/auto against
+  dense (cuDNN); the 32k striped run traces its last step for the profile part."""
+  config = "configs/tiny_cpu.py" if smoke else "configs/1b_32k_striped.py"
+  seq_lens, steps = ([256], 4) if smoke else ([8192, 32768], 8)
+  extra = ["--config.cpu_devices=1"] if smoke else []
+  data_dir = tempfile.mkdtemp(prefix="gpu_check_data_")  # not in DIR: only results go back
+  runs = [(s, attention) for s in seq_lens for attention in ("striped", "dense")]
+  ends = time.monotonic() + deadline
+  try:
+    for i, (seq_len, attention) in enumerate(runs):
+      left = (ends - time.monotonic()) / (len(runs) - i)
+      profile = os.path.join(out, PROFILE_TRACE) if (
+          seq_len == seq_lens[-1] and attention == "striped") else None
+      bench_kernel_e2e.run(config, seq_len, attention, "auto", steps, "auto", data_dir, left,
+                           record, extra, profile_to=profile)
+  finally:
+    shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def part_profile(record, out: str) -> None:
+  """Where one 32k striped step's device time goes (the e2e part's trace)."""
+  from trainer import profiling  # pylint: disable=g-import-not-at-top
+  trace = os.path.join(out, PROFILE_TRACE)
+  if not os.path.exists(trace):
+    raise RuntimeError("no trace: the e2e part's 32k striped run wrote none")
+  record(status="ok", trace=PROFILE_TRACE, **profiling.summarise(trace))
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("part", choices=("kernels", "ring", "e2e", "profile"))
+  parser.add_argument("--out", required=True)
+  parser.add_argument("--smoke", action="store_true")
+  parser.add_argument("--deadline", type=float, default=300.0)
+  parser.add_argument("--run", default="", help="the check's run id, on every line")
+  args = parser.parse_args()
+  device = None
+  if args.part in ("kernels", "ring"):  # the e2e part's trainer runs need the device alone
+    device = jax.devices()[0].device_kind
+    print(f"jax {jax.__version__} on {device}", flush=True)
+  record = Recorder(args.out, args.part, args.run, device)
+  if args.part == "kernels":
+    part_kernels(record, args.smoke)
+  elif args.part == "ring":
+    part_ring(record, args.smoke)
+  elif args.part == "e2e":
+    part_e2e(record, args.smoke, args.out, args.deadline)
+  else:
+    part_profile(record, args.out)
+
+
+if __name__ == "__main__":
+  main()
