@@ -1,35 +1,26 @@
 """Packed documents in cuDNN's packed (ragged) layout, for the `cudnn` kernel and dense
 attention on GPUs.
 
-cuDNN's flash attention takes a row as up to M sequences, each given by an offset and a
-length in the query and in the key array (JAX's `q_offsets`/`q_seqlen` and
-`kv_offsets`/`kv_seqlen`, [B, M + 1] and [B, M], -1 past a row's last); a query sees only
-the keys of its own sequence, under the call's mask (none, or causal within the sequence).
-That is Transformer Engine's THD format. Here a sequence is one document's piece of a block
-pair, found at run time from the segment ids:
+cuDNN's flash attention takes a row as up to M sequences, each an offset and a length in
+the query and in the key array (JAX's `q_offsets`/`q_seqlen`, `kv_offsets`/`kv_seqlen`;
+Transformer Engine's THD); a query sees only its own sequence's keys, under the call's mask.
+Here a sequence is one document's piece of a block pair, found at run time:
 
-- A *run* is a stretch of equal segment ids in a block. Every layout keeps a block's tokens
-  in their original order and a packed document is a stretch of the original row, so each
-  document (and the row's trailing padding) is one run of each block it reaches.
-- A `full` pair (every key before every query) pairs each query run with the key run of the
-  same id: no mask.
-- A `causal` pair (key j visible to query i iff j <= i; a `strictly_causal` pair becomes
-  one when the queries are shifted by a row) has pos_k(j) <= pos_q(j) for every j, so a
-  document starts at the same index or later among the keys (c >= a) and ends at the same
-  index or later (e >= b). Its queries [a, c) see none of its keys, and keys [b, e) no
-  query; queries and keys [c, b) pair with equal lengths, where cuDNN's causal mask is the
-  block's rule whatever its diagonal alignment.
-- Queries and keys outside every pair see nothing: output 0 and lse -inf, zero gradients.
+- A *run* is a stretch of equal segment ids. Every layout keeps a block's tokens in their
+  original order, so each packed document (and the trailing padding) is one run per block.
+- A `full` pair pairs each query run with the key run of the same id, without a mask.
+- A `causal` pair (j visible to i iff j <= i; a `strictly_causal` pair shifted by a row)
+  has pos_k(j) <= pos_q(j) for every j, so a document starts among the keys at the same
+  index or later (c >= a) and ends there at the same index or later (e >= b): queries
+  [a, c) see none of its keys, keys [b, e) no query, and queries and keys [c, b) pair with
+  equal lengths, where cuDNN's causal mask is the rule whatever its diagonal alignment.
+- Queries and keys outside every pair see nothing: output 0, lse -inf, zero gradients.
 
-The static M caps the sequences of a call. A row whose block has more runs, or an id in
-more than one run (segment ids no layout of a packed row produces), is not `exact`; the
-caller then runs the Pallas kernel for the whole call, and for a call without `any_pair`
-nothing at all (both decided at run time).
-
-cuDNN's softmax statistics come back per sequence, [B * M, H, T]: sequence s (the s-th
-valid pair of the flattened rows; JAX moves the -1 entries to the end) holds its queries'
-log-sum-exps at [s, h, 0:length]. `lse_of_tokens` and `stats_of_tokens` map them to and
-from per-token [B, T, H].
+A call with more runs than the static M, or an id in two runs of a block, is not `exact`:
+the caller runs Pallas instead, and nothing for a call without `any_pair` (both decided at
+run time). cuDNN's statistics are per sequence, [B * M, H, T]: sequence s (the s-th valid
+pair, row-major; JAX moves the -1 entries to the end) holds its queries' log-sum-exps at
+[s, h, 0:length]; `lse_of_tokens` and `stats_of_tokens` map them to and from [B, T, H].
 """
 
 from __future__ import annotations

@@ -3,32 +3,26 @@ can express, the Pallas kernel for the rest; and cuDNN attention of whole rows, 
 `model.attention='dense'` runs on a CUDA GPU. CUDA GPUs only.
 
 It calls JAX's private cuDNN attention API, read in the source of the JAX versions in
-`CHECKED_JAX`; on the CPU the tests check the names, parameters and result shapes it uses
-and, with that API computed in jnp as cuDNN documents it, that the decomposition below is
-exact (tests/test_kernel_cudnn.py). `auto` does not pick it; `model.kernel=cudnn` does.
-`make gpu_check` times and checks it on a GPU.
+`CHECKED_JAX` (tests/test_kernel_cudnn.py checks it on the CPU as far as a CPU can).
+`auto` does not pick it; `model.kernel=cudnn` does.
 
 Each distinct block pair of the static schedule has a mask shape (`schedule.shapes`); a
 call branches once on it (`lax.switch` on the traced pair):
 - full: cuDNN without a mask;
 - causal (key j visible to query i iff j <= i, equal lengths): cuDNN's causal mask;
-- strictly_causal (j < i): the causal (T-1) x (T-1) pair shifted by a row: queries 1..T-1
-  on keys 0..T-2. Query 0 sees no key of the block (out 0, lse -inf) and key T-1 no query
-  (zero dK, dV);
-- empty: out 0, lse -inf, zero gradients;
-- general: the Pallas kernel.
+- strictly_causal (j < i): the causal (T-1) x (T-1) pair shifted by a row, queries 1..T-1
+  on keys 0..T-2 (query 0 sees no key of the block, key T-1 no query);
+- empty: out 0, lse -inf, zero gradients; general: the Pallas kernel.
 With segment ids each document's piece of the pair is a sequence of cuDNN's packed layout
 (`parallelism.cudnn_packing`); a call whose packing cannot express its mask (more documents
-than the layout's static count, say) runs the Pallas kernel instead, decided at run time.
+than its static count, say) runs the Pallas kernel instead, decided at run time.
 Float32 operands or a head size cuDNN cannot take send the whole call to the Pallas kernel
 (`pallas_reason`; `kernels.get` routes it and says so once).
 
-Forward: cuDNN's forward with `return_residual=True` also returns its softmax statistics,
-the natural-log log-sum-exp of the scaled scores ([B, H, T]; per sequence when packed).
-Backward: cuDNN's backward primitive takes those statistics and the forward output as
-inputs, so handing it the ring's merged (global) lse and out makes it return this block's
-share of the global gradient, as Transformer Engine's context parallelism does. cuDNN
-returns dq, dk, dv in the operands' dtype; they are widened to float32 for the ring's sums.
+Forward: cuDNN also returns its softmax statistics, the natural-log log-sum-exp ([B, H, T];
+per sequence when packed). Its backward takes statistics and output as inputs, so given the
+ring's merged (global) lse and out it returns this block's share of the global gradient,
+as Transformer Engine's context parallelism does; widened to float32 for the ring's sums.
 """
 
 from __future__ import annotations
@@ -117,10 +111,11 @@ def _mask_type(causal: bool, packing):
   return api().MaskType[names[causal, packing is not None]]
 
 
-def _packed_args(q_BTHD, packing):
-  """cuDNN's sequence lengths and offsets (packed documents), or its unused placeholders."""
+def _packed_args(packing, unused):
+  """cuDNN's sequence lengths and offsets (packed documents), else 4 x `unused` (what the
+  public forward takes for none, None; the backward primitive, an empty array)."""
   if packing is None:
-    return (jnp.zeros(0, q_BTHD.dtype),) * 4
+    return (unused,) * 4
   return packing.q_lengths, packing.kv_lengths, packing.q_offsets, packing.kv_offsets
 
 
@@ -128,7 +123,7 @@ def _attend(q_BTHD, k_BTKD, v_BTKD, causal: bool, packing=None):
   """cuDNN's (out, lse [B, T, H]), both float32."""
   cudnn = api()
   out_BTHD, stats = cudnn.dot_product_attention(
-      q_BTHD, k_BTKD, v_BTKD, None, None, *_packed_args(q_BTHD, packing),
+      q_BTHD, k_BTKD, v_BTKD, None, None, *_packed_args(packing, None),
       scale=q_BTHD.shape[3] ** -0.5, qkv_layout="BTNH", mask_type=_mask_type(causal, packing),
       return_residual=True)
   batch, length, heads = q_BTHD.shape[:3]
@@ -150,7 +145,7 @@ def _grads(q_BTHD, k_BTKD, v_BTKD, out_BTHD, dout_BTHD, lse_BTH, causal: bool, p
   stats = (jnp.swapaxes(lse_BTH, 1, 2) if packing is None
            else cudnn_packing.stats_of_tokens(lse_BTH, packing))
   dq, dk, dv = cudnn._dot_product_attention_bwd_p_wrapper.bind(  # pylint: disable=protected-access
-      q_BTHD, k_BTKD, v_BTKD, unused, *_packed_args(q_BTHD, packing), unused, unused,
+      q_BTHD, k_BTKD, v_BTKD, unused, *_packed_args(packing, unused), unused, unused,
       stats.astype(_F32), out_BTHD.astype(q_BTHD.dtype), dout_BTHD.astype(q_BTHD.dtype),
       scale=q_BTHD.shape[3] ** -0.5, seed=42, dropout_rate=0.0, variadic_args=(False, False),
       mask_type=_mask_type(causal, packing), layout=cudnn.AttentionLayout.BTNH.value,

@@ -56,6 +56,50 @@ def test_the_private_api_it_calls_is_there_on_this_jax():
       (q.shape, jnp.float32), (kv.shape, jnp.float32), (kv.shape, jnp.float32)]
 
 
+@pytest.fixture
+def real_api_without_a_gpu(monkeypatch):
+  """JAX's own cuDNN attention module, its device checks answered as an H100 with cuDNN
+  9.12 would: argument checks, custom VJPs and abstract evaluation run for real (under
+  `jax.eval_shape`; nothing can lower for the CPU)."""
+  api = kernel_cudnn.api()
+  monkeypatch.setattr(api, "check_cudnn_version", lambda: 91200)
+  monkeypatch.setattr(api, "check_compute_capability", lambda capability: True)
+  monkeypatch.setattr(api, "is_cuda_compute_capability_equal", lambda capability: False)
+  return api
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_kernel_calls_the_real_api_as_it_takes_them(real_api_without_a_gpu, causal, packed):
+  """Forward and backward of a block pair, unpacked and packed, as JAX's API checks and
+  shapes them (the CPU emulation below cannot catch an argument JAX rejects)."""
+  q = jax.ShapeDtypeStruct((2, 128, 4, 64), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 128, 2, 64), jnp.bfloat16)
+  seg = jnp.asarray(_packed_rows())
+
+  def forward_and_backward(q, k, v):
+    packing = cudnn_packing.block_pair(seg, seg, causal, 16) if packed else None
+    out, lse = kernel_cudnn._attend(q, k, v, causal, packing)
+    return out, lse, kernel_cudnn._grads(q, k, v, out, out, lse, causal, packing)
+
+  out, lse, grads = jax.eval_shape(forward_and_backward, q, kv, kv)
+  assert (out.shape, out.dtype, lse.shape) == (q.shape, jnp.float32, q.shape[:3])
+  assert [g.shape for g in grads] == [q.shape, kv.shape, kv.shape]
+
+
+def test_dense_attention_takes_the_real_api_forward_and_backward(real_api_without_a_gpu):
+  q = jax.ShapeDtypeStruct((2, 128, 4, 64), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 128, 2, 64), jnp.bfloat16)
+  fallback = functools.partial(ring_attention, layout="ring", tile_size=64, kernel="xla")
+
+  def loss(q, k, v):
+    out = parallelism.cudnn_dense_attention(q, k, v, jnp.asarray(_packed_rows()), fallback)
+    return out.astype(jnp.float32).sum()
+
+  grads = jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)
+  assert [g.shape for g in grads] == [q.shape, kv.shape, kv.shape]
+
+
 def test_another_jax_version_stops_with_a_message(monkeypatch):
   monkeypatch.setattr(jax, "__version__", "0.0.1")
   with pytest.raises(RuntimeError, match=r"checked against JAX .*this is JAX 0\.0\.1"):
