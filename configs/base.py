@@ -46,8 +46,8 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
   # (Ulysses over mesh.ulysses inside a ring over mesh.sequence). Every layout works with each.
   config.model.sequence_parallel = "ring"
   # Block kernel of ring layouts (parallelism/kernels.py): auto (pallas on GPUs, else xla),
-  # xla, pallas, or cudnn (CUDA GPUs; not yet run on one). The loop prints the one it runs;
-  # config.json records it.
+  # xla, pallas, or cudnn (CUDA GPUs). Dense attention is cuDNN's on CUDA GPUs, else plain.
+  # The loop prints the one it runs; config.json records it.
   config.model.kernel = "auto"
   config.model.attention_tile = 512  # Query/key tile of the blockwise kernels (tile skipping).
   config.model.dtype = "bfloat16"  # Compute dtype of activations and matmuls.

@@ -10,9 +10,9 @@ Parts (each appends JSON lines to results/bench_kernel.jsonl):
   striped and zigzag block pairs with GQA and packed segments: max relative errors.
 - sweep: a few tile / warp / stage settings on one causal block (S=--sweep_seq_len); the
   fastest forward and backward settings are used below.
-- cudnn_kernel: the `cudnn` block kernel (parallelism/kernel_cudnn.py; this part is its
-  first GPU run) against the Pallas one on the same causal and strictly causal blocks
-  (a ring of one; striped's cross-device block at N=2), bf16, B=1, 32 heads, head_dim 128:
+- cudnn_kernel: the `cudnn` block kernel (parallelism/kernel_cudnn.py) against the Pallas
+  one on the same causal and strictly causal blocks (a ring of one; striped's cross-device
+  block at N=2), bf16, B=1, 32 heads, head_dim 128:
   TFLOP/s forward and forward+backward, and each kernel's relative error against the xla
   reference on the same inputs.
 - cudnn: one causal block (a ring of one device, no segment ids), bf16, B=1, 32 heads,
