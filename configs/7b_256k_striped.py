@@ -1,6 +1,7 @@
-"""The paper's 7B model at 256k tokens with Striped Attention on 8 devices (one ring).
+"""The paper's 7B model at 256k tokens on 8 devices (one ring); the layout is the argument.
 
     python -m trainer --config configs/7b_256k_striped.py --workdir runs/7b_256k_striped
+    python -m trainer --config configs/7b_256k_striped.py:ring --workdir runs/7b_256k_ring
     python -m trainer --config configs/7b_256k_striped.py --dry_run
 
 Parameters and optimizer state are sharded over all 8 devices (ZeRO-3 over the ring, see
@@ -14,7 +15,6 @@ from configs import base
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  del arg
   config = base.get_config()
   config.model.num_layers = 32
   config.model.d_model = 4096
@@ -23,7 +23,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.model.d_ff = 11008
   config.model.vocab_size = 32000
   config.model.rope_theta = 10_000_000.0  # Raised base for 256k positions.
-  config.model.attention = "striped"
+  config.model.attention = arg or "striped"
   config.model.attention_tile = 512
   config.mesh.data = 1
   config.mesh.fsdp = 1

@@ -135,7 +135,7 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
   config.train.eval_needle_depths = "0,0.5,1"  # Where the fact sits: 0 starts the filler.
   config.train.eval_needle_trials = 1  # Needles per (length, depth) cell.
 
-  # Staged context extension (trainer/stages.py): a tuple of trainer.stages.stage(...), each
+  # Staged context extension (trainer/stages.py): a tuple of configs.stages.stage(...), each
   # setting its own sequence length, RoPE, steps and learning rate, trained in order in one
   # workdir, each from the previous stage's final weights. () trains the config as one stage.
   # With stages, train.steps is unused: each stage's own steps count. Override one on the

@@ -30,7 +30,7 @@ import importlib
 
 import ml_collections
 
-from trainer.stages import stage
+from configs.stages import stage
 
 PRETRAINED_LEN = 32768
 _YARN = {"type": "yarn", "original_max_len": PRETRAINED_LEN}

@@ -12,7 +12,7 @@ the same recipe at full size from a Hugging Face checkpoint.
 import ml_collections
 
 from configs import tiny_cpu
-from trainer.stages import stage
+from configs.stages import stage
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

@@ -11,8 +11,7 @@ import pytest
 from trainer.config_check import ConfigError, check_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = ["base", "tiny_cpu", "1b_32k_ring", "1b_32k_striped", "7b_256k_ring",
-           "7b_256k_striped"]
+CONFIGS = ["base", "tiny_cpu", "1b_32k_striped", "7b_256k_striped", "7b_1m_striped"]
 
 
 def _load(name, arg=None):
@@ -37,8 +36,11 @@ def test_paper_models_have_the_paper_shapes():
   assert (seven_b.d_model, seven_b.d_ff, seven_b.num_layers, seven_b.num_heads) == (
       4096, 11008, 32, 32)
   assert one_b.vocab_size == seven_b.vocab_size == 32000
-  assert _load("7b_256k_ring").model.attention == "ring"
-  assert _load("7b_256k_ring").data.seq_len == 262144
+  # One file per model, the layout its argument (striped by default).
+  for name in ("1b_32k_striped", "7b_256k_striped", "7b_1m_striped"):
+    assert _load(name).model.attention == "striped"
+    assert _load(name, "ring").model.attention == "ring"
+  assert _load("7b_256k_striped", "ring").data.seq_len == 262144
 
 
 @pytest.mark.parametrize("overrides, field", [
@@ -131,3 +133,30 @@ def test_ulysses_says_when_it_repeats_kv_heads(capsys):
   config.mesh.fsdp, config.mesh.ulysses = 4, 2
   check_config(config, num_devices=8)
   assert capsys.readouterr().out == ""
+
+
+def test_config_files_import_no_trainer_and_no_jax():
+  """Configs are data: every configs/*.py loads with ml_collections and other configs only."""
+  import glob
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  names = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(root, "configs", "*.py"))
+                 if not p.endswith("__init__.py"))
+  code = ("import importlib, sys\n"
+          f"for name in {names!r}:\n"
+          "  module = importlib.import_module('configs.' + name)\n"
+          "  if hasattr(module, 'get_config'):  # configs.stages is a helper of configs\n"
+          "    module.get_config()\n"
+          "print(sorted(m for m in ('jax', 'optax', 'flax', 'trainer', 'model', 'data',\n"
+          "                         'parallelism') if m in sys.modules))\n")
+  done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+  assert done.returncode == 0, done.stderr
+  assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_a_layouts_old_config_file_names_its_new_place():
+  done = subprocess.run([sys.executable, "-m", "trainer", "--config", "configs/7b_256k_ring.py"],
+                        cwd=ROOT, capture_output=True, text=True)
+  assert done.returncode == 1
+  assert done.stderr.strip().splitlines()[-1] == (
+      "error: config file configs/7b_256k_ring.py does not exist (--config); the layout is "
+      "the model config's argument now: --config configs/7b_256k_striped.py:ring")

@@ -30,6 +30,7 @@ import ml_collections
 from ml_collections import config_flags
 
 import data
+import parallelism
 from trainer import (distributed, fields, flops, hf_import, plan_target, profiling,
                      run_flags, stages, wandb_tracker)
 from trainer.config_check import ConfigError, check_config
@@ -97,12 +98,21 @@ def _config_file(argv: list[str]) -> str:
   return ""
 
 
+def _moved(path: str) -> str:
+  """Where a config of one layout went: each model has one file, its layout the argument."""
+  stem, _, layout = os.path.basename(path)[:-3].rpartition("_")
+  model = os.path.join(os.path.dirname(path), f"{stem}_striped.py")
+  if layout in parallelism.LAYOUTS and os.path.isfile(model):
+    return f"; the layout is the model config's argument now: --config {model}:{layout}"
+  return ""
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
   # One line naming the bad flag or field, instead of absl's usage dump.
   # Checked before parsing: ml_collections defers a missing file's error to its first use.
   path = _config_file(argv)
   if path and not os.path.isfile(path):
-    sys.exit(f"error: config file {path} does not exist (--config)")
+    sys.exit(f"error: config file {path} does not exist (--config){_moved(path)}")
   try:
     remaining = flags.FLAGS(argv)
   except flags.Error as error:

@@ -4,7 +4,7 @@
                      stage("256k", steps=100, seq_len=262144, lr=1e-5,
                            rope_scaling=dict(type="yarn", factor=8.0, original_max_len=32768)))
 
-A stage is a partial config: a `name`, the fields of STAGE_FIELDS it sets (every other field
+A stage is a partial config (written with `configs.stages.stage`): a `name`, the fields of STAGE_FIELDS it sets (every other field
 comes from the run's config), and `keep_optimizer`. Step numbers run on across stages: a
 stage of 200 steps after one ending at step 100 trains steps 101-300, and its checkpoints,
 metrics and W&B points carry those numbers and the stage. Each stage:
@@ -68,25 +68,6 @@ class Stage:
     return {"stage": {**self.record(), "first_step": self.first_step}}
 
 
-def stage(name: str, steps: int, seq_len: int | None = None, keep_optimizer: bool = False,
-          **settings) -> ml_collections.ConfigDict:
-  """A stage for `config.stages`, written as in the module docstring.
-
-  `settings` are the stage's other fields by their last name: `lr`, `warmup_steps` and every
-  other `train.*` field, `rope_theta`, `rope_scaling` (a dict of `model.rope_scaling.*`),
-  `attention`, `sequence_parallel`, `kernel`, `attention_tile`.
-  """
-  spec = {"name": name, "keep_optimizer": keep_optimizer, "train": {"steps": steps}}
-  if seq_len is not None:
-    spec["data"] = {"seq_len": seq_len}
-  model_fields = ("rope_theta", "rope_scaling", "attention", "sequence_parallel", "kernel",
-                  "attention_tile")
-  for key, value in settings.items():
-    group = "model" if key in model_fields else "train"
-    spec.setdefault(group, {})[key] = value
-  return ml_collections.ConfigDict(spec)
-
-
 def _has_field(config: ml_collections.ConfigDict, name: str) -> bool:
   node = config
   for part in name.split("."):
@@ -99,12 +80,12 @@ def _has_field(config: ml_collections.ConfigDict, name: str) -> bool:
 def problem(config: ml_collections.ConfigDict) -> str | None:
   """What makes `config.stages` unusable, naming the stage and field; None if nothing."""
   if not isinstance(config.stages, (tuple, list)):
-    return "stages must be a tuple of stages (trainer.stages.stage(...)); () trains one stage"
+    return "stages must be a tuple of stages (configs.stages.stage(...)); () trains one stage"
   names = set()
   for index, spec in enumerate(config.stages):
     where = f"stages[{index}]"
     if not isinstance(spec, ml_collections.ConfigDict):
-      return f"{where} must be a ConfigDict (trainer.stages.stage(...))"
+      return f"{where} must be a ConfigDict (configs.stages.stage(...))"
     name = spec.get("name")
     if not isinstance(name, str) or not name:
       return f"{where}.name must be a non-empty string"
