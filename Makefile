@@ -8,7 +8,7 @@ VENV := .venv
 STAMP := $(VENV)/.installed-py3.12
 ARGS ?=
 
-# XLA's GPU compiler for `--dry_run` (trainer/plan_target.py): the CUDA 13 plugin our GPU
+# XLA's GPU compiler for `--dry_run` (trainer/plan/plan_target.py): the CUDA 13 plugin our GPU
 # machines run, pinned, in its own folder rather than the venv, where JAX would load it into
 # every process (and, without CUDA, say so on every run). No GPU is needed. The tests plan
 # for described H100s with it.

@@ -129,13 +129,13 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
   config.train.log_every = 10  # Steps between metric lines.
   config.train.eval_every = 50  # Steps between evals; 0 disables.
   config.train.eval_steps = 2  # Batches per eval.
-  # Needle in a haystack at every eval (trainer/needle.py, scripts/eval_needle.py): prompt
+  # Needle in a haystack at every eval (trainer/tools/needle.py, scripts/eval_needle.py): prompt
   # lengths such as "256,1k" sampled greedily through the run's attention; "" disables.
   config.train.eval_needle_lengths = ""
   config.train.eval_needle_depths = "0,0.5,1"  # Where the fact sits: 0 starts the filler.
   config.train.eval_needle_trials = 1  # Needles per (length, depth) cell.
 
-  # Staged context extension (trainer/stages.py): a tuple of configs.stages.stage(...), each
+  # Staged context extension (trainer/config/stages.py): a tuple of configs.stages.stage(...), each
   # setting its own sequence length, RoPE, steps and learning rate, trained in order in one
   # workdir, each from the previous stage's final weights. () trains the config as one stage.
   # With stages, train.steps is unused: each stage's own steps count. Override one on the

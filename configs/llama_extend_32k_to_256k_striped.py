@@ -38,7 +38,7 @@ _YARN = {"type": "yarn", "original_max_len": PRETRAINED_LEN}
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # The paper's 256k step (striped ring of 8, pg19 books, one row, full remat); the
-  # checkpoint then sets the model's fields and the tokenizer (trainer/hf_import.py).
+  # checkpoint then sets the model's fields and the tokenizer (trainer/ckpt/hf_import.py).
   config = importlib.import_module("configs.7b_256k_striped").get_config()
   config.init.from_hf = arg or "checkpoints/llama-32k"
   config.train.warmup_steps = 20

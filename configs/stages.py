@@ -1,5 +1,5 @@
 """`stage(...)`: one stage of a staged context extension, for `config.stages` (the trainer's
-trainer/stages.py trains them). Config files build stages with it; it needs nothing but
+trainer/config/stages.py trains them). Config files build stages with it; it needs nothing but
 ml_collections, so loading a config never imports the trainer."""
 
 import ml_collections

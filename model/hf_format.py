@@ -1,7 +1,7 @@
 """The Hugging Face LLaMA format: its config.json fields and tensor names, to and from ours.
 
-Pure mappings (no files, no devices), shared by the import (trainer/hf_import.py) and the
-export (trainer/export.py). No q/k permutation is needed: `transformers` rotates halves
+Pure mappings (no files, no devices), shared by the import (trainer/ckpt/hf_import.py) and the
+export (trainer/tools/export.py). No q/k permutation is needed: `transformers` rotates halves
 (x[i], x[i + D/2]) and so does model/rope.py; only Meta's original interleaved checkpoints
 differ, and `transformers`' own conversion has already permuted those.
 

@@ -1,7 +1,7 @@
 """The backend the attention kernels are traced for: JAX's own, or the GPU a plan compiles for.
 
 A dry run may compile the train step for GPUs that are described to XLA's GPU compiler but
-not attached (`trainer.plan_target`). JAX's default backend is then still the CPU, yet the
+not attached (`trainer.plan.plan_target`). JAX's default backend is then still the CPU, yet the
 kernels must be chosen and lowered as on the GPU (`auto` picks `pallas`, and Pallas lowers
 to Triton instead of interpreting).
 """

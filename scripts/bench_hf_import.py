@@ -84,10 +84,11 @@ def measure(directory: str) -> dict:
   import parallelism
   from configs import base
   from model import Decoder
-  from trainer import hf_import, host_memory
-  from trainer.training import model_config
-  from trainer.optimizer import make_optimizer
-  from trainer.state import abstract_state
+  from trainer.ckpt import hf_import
+  from trainer.run import host_memory
+  from trainer.core.training import model_config
+  from trainer.core.optimizer import make_optimizer
+  from trainer.core.state import abstract_state
 
   config = base.get_config()
   config.init.from_hf = directory

@@ -5,10 +5,10 @@
 
 The tiny model of configs/tiny_cpu.py with `striped` attention, on 8 fake CPU devices as
 one ring (mesh sequence=8, batch 1 row: the smallest that shards), compiled ahead of time
-from abstract shapes by the dry-run planner (`trainer.dry_run.compile_step`, the trainer's
+from abstract shapes by the dry-run planner (`trainer.plan.dry_run.compile_step`, the trainer's
 own jit). Peak = XLA memory analysis args + temps + outputs - aliased, per device. With
 `--gpu h100` the same step is compiled for 8 described H100s by XLA's GPU compiler instead
-(`trainer/plan_target.py`, `make plan_gpu`): the GPU's own buffer assignment.
+(`trainer/plan/plan_target.py`, `make plan_gpu`): the GPU's own buffer assignment.
 
 With ring attention nothing should grow faster than the tokens a device holds: activations
 and K/V blocks are O(S / N), attention scratch is per tile, the loss's logits per chunk.
@@ -35,8 +35,8 @@ import time  # noqa: E402
 
 import bench_results  # noqa: E402  (scripts/, first on the path)
 import parallelism  # noqa: E402
-from trainer import dry_run, plan_target  # noqa: E402
-from trainer.config_check import check_config  # noqa: E402
+from trainer.config.config_check import check_config  # noqa: E402
+from trainer.plan import dry_run, plan_target  # noqa: E402
 
 DEVICES = 8
 MAX_RATIO = 2.1
@@ -68,7 +68,7 @@ def main() -> None:
   parser.add_argument("--remat", default="full", help="comma-separated remat policies")
   parser.add_argument("--tile", type=int, default=0, help="attention tile; 0 keeps the config's")
   parser.add_argument("--gpu", default="", help="compile for described GPUs of this kind "
-                      "(trainer.plan_target.GPUS) instead of fake CPU devices")
+                      "(trainer.plan.plan_target.GPUS) instead of fake CPU devices")
   parser.add_argument("--no_save", action="store_true")
   args = parser.parse_args()
   devices = (plan_target.devices(args.gpu, DEVICES) if args.gpu

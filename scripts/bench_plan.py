@@ -3,7 +3,7 @@
   python scripts/bench_plan.py --config configs/7b_256k_striped.py \
       --seq_lens 262144,524288,1048576 [--remat full] [--sequence 16] [--memory_gib 80]
 
-Calls `trainer.dry_run.plan` (what `python -m trainer --dry_run` prints) once per length,
+Calls `trainer.plan.dry_run.plan` (what `python -m trainer --dry_run` prints) once per length,
 compiled for described GPUs of `--accelerator`'s kind (XLA's GPU compiler, `make plan_gpu`)
 or on fake CPU devices (`--plan_compiler`, as the trainer's flag), and appends one JSON line
 per plan to results/bench_plan.jsonl with the commit measured (`compiled_for` tells the
@@ -37,8 +37,8 @@ import jax  # noqa: E402
 
 import bench_results  # noqa: E402  (scripts/, first on the path)
 import parallelism  # noqa: E402
-from trainer import dry_run, plan_target  # noqa: E402
-from trainer.config_check import ConfigError, check_config  # noqa: E402
+from trainer.config.config_check import ConfigError, check_config  # noqa: E402
+from trainer.plan import dry_run, plan_target  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 2.0 ** 30
@@ -70,7 +70,8 @@ def main() -> None:
   parser.add_argument("--sequence", type=int, default=0, help="override mesh.sequence")
   parser.add_argument("--memory_gib", type=float, default=None,
                       help="default: the described GPU's memory, else 80")
-  parser.add_argument("--accelerator", default="h100", help="a key of trainer.flops.PEAK_FLOPS")
+  parser.add_argument("--accelerator", default="h100",
+                      help="a key of trainer.config.flops.PEAK_FLOPS")
   parser.add_argument("--plan_compiler", choices=plan_target.COMPILERS, default="auto")
   parser.add_argument("--no_save", action="store_true")
   parser.add_argument("--on_device", action="store_true",

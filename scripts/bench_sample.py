@@ -27,8 +27,8 @@ import numpy as np  # noqa: E402
 
 import bench_results  # noqa: E402  (scripts/, first on the path)
 import data  # noqa: E402
-from trainer import run_flags, sample  # noqa: E402
-from trainer.training import data_config  # noqa: E402
+from trainer.core.training import data_config  # noqa: E402
+from trainer.tools import run_flags, sample  # noqa: E402
 
 
 

@@ -5,7 +5,7 @@
         [--config.model.attention=striped ...]
 
 Hides a key-value fact at each depth of filler text from the run's eval split, for each
-prompt length, asks for it and scores exact retrieval of greedy answers (trainer/needle.py).
+prompt length, asks for it and scores exact retrieval of greedy answers (trainer/tools/needle.py).
 Writes `<workdir>/needle/<step>.json` (every trial, the grid, the command) and `<step>.png`
 (the length x depth heatmap), `untrained.*` with --untrained, and prints the grid. When the
 run logs to W&B and no training holds its workdir, the table and the heatmap go to its run.
@@ -22,8 +22,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import flags  # noqa: E402  (after the path fix above)
 
-from trainer import console, needle, needle_grid, run_flags, sample, wandb_tracker  # noqa: E402
-from trainer import workdir as workdir_lock  # noqa: E402
+from trainer.config import needle_grid  # noqa: E402
+from trainer.config import workdir as workdir_lock  # noqa: E402
+from trainer.tools import needle, run_flags, sample
+from trainer.track import console, wandb_tracker
 
 
 def define_flags() -> None:

@@ -201,7 +201,7 @@ def part_e2e(record, smoke: bool, out: str, deadline: float) -> None:
 
 def part_profile(record, out: str) -> None:
   """Where one 32k striped step's device time goes (the e2e part's trace)."""
-  from trainer import profiling  # pylint: disable=g-import-not-at-top
+  from trainer.track import profiling  # pylint: disable=g-import-not-at-top
   trace = os.path.join(out, PROFILE_TRACE)
   if not os.path.exists(trace):
     raise RuntimeError("no trace: the e2e part's 32k striped run wrote none")

@@ -11,7 +11,7 @@
 #   make gpu_check                   # installs them into /tmp/gpu_check_site, then runs
 #
 # `--no-deps --target`: pip resolves nothing against the image's packages (whose versions
-# we do not know), so an unknown pin there cannot stop the install; `import trainer.loop`
+# we do not know), so an unknown pin there cannot stop the install; `import trainer.run.loop`
 # then says whether the image's other packages suit our code.
 # W&B is left out: the benchmarks run with wandb.mode=disabled, which never imports it.
 set -euo pipefail

@@ -6,7 +6,7 @@
 # Extra arguments go to the trainer (e.g. --config.train.steps=2000). The config's mesh must
 # multiply to nodes x 8 devices (set one axis to -1 to fill the rest); check it first with
 #   python -m trainer --config CONFIG --dry_run.
-# Every process runs the same command; trainer/distributed.py sees SLURM_NTASKS > 1 and calls
+# Every process runs the same command; trainer/run/distributed.py sees SLURM_NTASKS > 1 and calls
 # jax.distributed.initialize(), which reads the coordinator (first node), process count and
 # id from SLURM's environment. Each process feeds only its own rows; process 0 logs.
 # Re-submitting with the same workdir resumes from its newest checkpoint.

@@ -141,7 +141,7 @@ def main() -> None:
 
   if args.kill:
     globals()[f"_patch_{args.kill}"](args.kill_step)
-  from trainer.loop import train  # pylint: disable=g-import-not-at-top
+  from trainer.run.loop import train  # pylint: disable=g-import-not-at-top
 
   config = importlib.import_module("configs.tiny_cpu").get_config()
   config.data.data_dir = args.data_dir

@@ -16,10 +16,10 @@ import tensorstore
 
 import data
 import parallelism
-from trainer import loop
-from trainer.checkpointing import CheckpointError, Checkpointer, _first_line, open_step
-from trainer.loop import NonFiniteError, train
-from trainer.optimizer import make_schedule
+from trainer.ckpt.checkpointing import CheckpointError, Checkpointer, _first_line, open_step
+from trainer.core.optimizer import make_schedule
+from trainer.run import loop
+from trainer.run.loop import NonFiniteError, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,7 +48,7 @@ def test_resume_continues_exactly(tmp_path, tiny_config):
 
 def test_incompatible_change_is_refused(tmp_path, tiny_config):
   train(_config(tiny_config, **{"train.steps": 2}), str(tmp_path))
-  from trainer.config_check import ConfigError
+  from trainer.config.config_check import ConfigError
   with pytest.raises(ConfigError, match="model.d_ff"):
     train(_config(tiny_config, **{"train.steps": 4, "model.d_ff": 128}), str(tmp_path))
 

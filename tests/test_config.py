@@ -8,7 +8,7 @@ import sys
 import jax
 import pytest
 
-from trainer.config_check import ConfigError, check_config
+from trainer.config.config_check import ConfigError, check_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = ["base", "tiny_cpu", "1b_32k_striped", "7b_256k_striped", "7b_1m_striped"]
@@ -123,7 +123,7 @@ def test_rules_the_ring_cannot_use_are_refused(rule):
 def test_ulysses_says_when_it_repeats_kv_heads(capsys):
   """GQA with fewer K/V heads than the Ulysses degree is exact, but costs memory and bytes:
   start-up says so (tiny_cpu has 2 K/V heads for 4 query heads)."""
-  from trainer import config_check
+  from trainer.config import config_check
   config_check._SAID.clear()  # pylint: disable=protected-access  (once per process)
   config = _load("tiny_cpu")
   config.model.attention, config.model.sequence_parallel = "striped", "ulysses"

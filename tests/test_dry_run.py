@@ -12,10 +12,11 @@ import pytest
 
 import data
 import parallelism
-from trainer import dry_run, flops, plan_report, plan_target
-from trainer.config_check import ConfigError
-from trainer.training import build_training
-from trainer.state import init_state
+from trainer.config import flops
+from trainer.config.config_check import ConfigError
+from trainer.core.state import init_state
+from trainer.core.training import build_training
+from trainer.plan import dry_run, plan_report, plan_target
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -174,7 +175,7 @@ def test_find_max_seq_len_doubles_then_bisects(tiny_config, monkeypatch, start, 
 def test_compare_strategies_plans_every_split_of_the_sequence_devices(tiny_config):
   """fsdp 4 x sequence 2: ring, all-gather and Ulysses over the 2 sequence devices, each
   from its own compiled step; the table names the fastest that fits."""
-  from trainer import strategy_plan
+  from trainer.plan import strategy_plan
   config = tiny_config("ring", **{"mesh.fsdp": 4, "mesh.sequence": 2})
   lines = []
   rows = strategy_plan.compare(config, log=lines.append)
@@ -195,6 +196,6 @@ def test_compare_strategies_plans_every_split_of_the_sequence_devices(tiny_confi
 
 
 def test_compare_strategies_refuses_dense(tiny_config):
-  from trainer import strategy_plan
+  from trainer.plan import strategy_plan
   with pytest.raises(ConfigError, match="dense"):
     strategy_plan.compare(tiny_config("dense"), log=lambda line: None)

@@ -18,11 +18,12 @@ import parallelism
 from configs import base
 from model import Decoder
 from model.hf_format import HFFormatError
-from trainer import export, hf_import
-from trainer.loop import train
-from trainer.training import model_config
-from trainer.optimizer import make_optimizer
-from trainer.state import abstract_state
+from trainer.ckpt import hf_import
+from trainer.core.optimizer import make_optimizer
+from trainer.core.state import abstract_state
+from trainer.core.training import model_config
+from trainer.run.loop import train
+from trainer.tools import export
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE_DIR = os.path.join(ROOT, "tests", "hf_fixtures")
@@ -200,7 +201,7 @@ def test_a_run_starts_from_the_checkpoint_and_exports_it_back_tensor_for_tensor(
   # vocabulary cannot hold (the tiny corpus's 512 pieces for 384 rows), one that is not a
   # SentencePiece model (both were written, or a traceback), an --out in no folder, no shards.
   import data  # pylint: disable=g-import-not-at-top
-  from trainer.training import data_config  # pylint: disable=g-import-not-at-top
+  from trainer.core.training import data_config  # pylint: disable=g-import-not-at-top
   garbage = tmp_path / "garbage.model"
   garbage.write_bytes(b"not a model")
   data.prepare(data_config(tiny_config()))

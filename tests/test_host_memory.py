@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from trainer import dry_run, host_memory
-from trainer.config_check import ConfigError
-from trainer.loop import train
+from trainer.config.config_check import ConfigError
+from trainer.plan import dry_run
+from trainer.run import host_memory
+from trainer.run.loop import train
 
 
 def test_state_bytes_count_every_copy_on_this_host():

@@ -107,7 +107,7 @@ def test_another_jax_version_stops_with_a_message(monkeypatch):
 
 
 def test_on_the_cpu_cudnn_is_a_config_error(tiny_config):
-  from trainer.config_check import ConfigError, check_config
+  from trainer.config.config_check import ConfigError, check_config
   config = tiny_config("striped", **{"model.kernel": "cudnn"})
   with pytest.raises(ConfigError, match=r"model.kernel='cudnn' needs a CUDA GPU; this run's "
                                         r"backend is cpu"):

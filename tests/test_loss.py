@@ -10,8 +10,8 @@ import pytest
 import parallelism
 from model import Decoder, ModelConfig
 from model.loss import chunk_length
-from trainer.optimizer import make_optimizer
-from trainer.state import abstract_state, init_state, shardings_of
+from trainer.core.optimizer import make_optimizer
+from trainer.core.state import abstract_state, init_state, shardings_of
 
 RULES = (("layers", None), ("embed", ("fsdp", "sequence")), ("vocab", "tensor"),
          ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"), ("head_dim", None),
@@ -80,7 +80,7 @@ def test_the_compiled_step_never_holds_the_whole_logits(tiny_config):
   local logits, against one chunk the size of the local sequence, in the compiled train
   step's temporaries. Unchunked, XLA (JAX 0.11) holds 1.3 copies more than the chunked step
   (0.10 held more than 2), so a chunked step that held a whole copy too would save 0.3."""
-  from trainer import dry_run
+  from trainer.plan import dry_run
   temps, logits_bytes = {}, None
   for chunk in (64, 1 << 20):
     config = tiny_config("striped", **{"model.vocab_size": 16384, "data.seq_len": 1024,

@@ -106,7 +106,7 @@ def test_packed_documents_do_not_see_each_other():
 ])
 def test_the_init_gives_the_parameters_of_the_model_that_trains(attention, remat, strategy,
                                                                   mesh_shape, ulysses):
-  """`init_state` inits a dense, remat-free model on a few tokens (trainer/state.py); the
+  """`init_state` inits a dense, remat-free model on a few tokens (trainer/core/state.py); the
   parameters equal, bit for bit and sharding for sharding, those of the model's own init
   on a whole training batch."""
   import importlib
@@ -114,9 +114,9 @@ def test_the_init_gives_the_parameters_of_the_model_that_trains(attention, remat
   import flax.linen as nn
 
   import parallelism
-  from trainer.optimizer import make_optimizer
-  from trainer.state import abstract_state, init_state, shardings_of
-  from trainer.training import model_config
+  from trainer.core.optimizer import make_optimizer
+  from trainer.core.state import abstract_state, init_state, shardings_of
+  from trainer.core.training import model_config
 
   config = importlib.import_module("configs.tiny_cpu").get_config(attention)
   config.train.remat, config.model.sequence_parallel = remat, strategy

@@ -21,10 +21,10 @@ from jax.sharding import PartitionSpec as P
 
 import parallelism
 from model import Decoder
-from trainer import loop
-from trainer.loop import train
-from trainer.optimizer import make_optimizer
-from trainer.state import abstract_state, shardings_of
+from trainer.core.optimizer import make_optimizer
+from trainer.core.state import abstract_state, shardings_of
+from trainer.run import loop
+from trainer.run.loop import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,5 +1,5 @@
 """`--dry_run` for described GPUs: the train step compiled by XLA's GPU compiler on this CPU
-machine (`trainer/plan_target.py`; `make test` installs the compiler with `make plan_gpu`)."""
+machine (`trainer/plan/plan_target.py`; `make test` installs the compiler with `make plan_gpu`)."""
 
 import importlib
 import os
@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from trainer import dry_run, plan_target
-from trainer.config_check import ConfigError
+from trainer.config.config_check import ConfigError
+from trainer.plan import dry_run, plan_target
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRITON = "__gpu$xla.gpu.triton"  # Pallas's kernels, lowered for CUDA
@@ -110,7 +110,7 @@ def test_the_plugin_load_filter_drops_two_lines_and_keeps_an_abort_message():
   """While the plugin loads, fd 2 goes through a filter process: the missing-driver lines
   are dropped, any other line kept, even when the process aborts right after writing it."""
   script = ("import os, sys\n"
-            "from trainer import plan_target\n"
+            "from trainer.plan import plan_target\n"
             "with plan_target._without_missing_driver_lines():\n"
             "  os.write(2, b'I0000 cudart_stub.cc:31] Could not find cuda drivers on your "
             "machine\\n')\n"

@@ -1,4 +1,4 @@
-"""Sampling (trainer/sample.py): a ring prefill plus decoding over a KV cache sharded along
+"""Sampling (trainer/tools/sample.py): a ring prefill plus decoding over a KV cache sharded along
 the ring gives, token for token, the greedy tokens of the dense model recomputing the whole
 row at every step; bad input stops in one line."""
 
@@ -14,8 +14,8 @@ import flax.linen as nn
 import data
 import parallelism
 from model import Decoder
-from trainer import run_flags, sample
-from trainer.training import data_config, model_config
+from trainer.core.training import data_config, model_config
+from trainer.tools import needle, run_flags, sample
 
 NEW_TOKENS = 8
 REFERENCE_LENGTH = 128  # Every reference forward pads to this: one compile for all steps.
@@ -97,7 +97,7 @@ def test_sharded_decoding_gives_the_dense_greedy_tokens(tiny_config, tokenizer, 
 def trained_run(tmp_path_factory, shared_data_dir):
   """A tiny striped run of 2 steps, trained by the trainer, with its checkpoint."""
   import importlib
-  from trainer.loop import train
+  from trainer.run.loop import train
   config = importlib.import_module("configs.tiny_cpu").get_config("striped")
   config.data.data_dir = shared_data_dir
   config.train.steps = config.checkpoint.every_steps = config.train.eval_every = 2
@@ -105,7 +105,7 @@ def trained_run(tmp_path_factory, shared_data_dir):
   config.train.eval_needle_lengths = "64"  # The periodic eval's needle grid, sampled too.
   config.train.eval_needle_depths = "0,1"
   workdir = str(tmp_path_factory.mktemp("sample_run"))
-  train(config, workdir)
+  train(config, workdir, periodic_evals=(needle.periodic_eval,))
   return workdir
 
 
@@ -121,7 +121,6 @@ def test_the_periodic_eval_scores_needles(trained_run):
 def test_a_needle_eval_that_cannot_run_says_why_once(tiny_config, monkeypatch, capsys):
   """The training loop's needle eval is optional: where it cannot run (here: more than one
   process) it warns once and gives no metrics, and the run goes on."""
-  from trainer import needle
   monkeypatch.setattr(needle.jax, "process_count", lambda: 2)
   evaluate = needle.PeriodicEval(tiny_config(**{"train.eval_needle_lengths": "64"}), mesh=None)
   assert evaluate(params=None) == {} and evaluate(params=None) == {}
@@ -129,7 +128,7 @@ def test_a_needle_eval_that_cannot_run_says_why_once(tiny_config, monkeypatch, c
   assert len(warnings) == 1 and "off for this run: it samples in one process" in warnings[0]
 
 def test_a_needle_prompt_hides_the_fact_at_its_depth(tokenizer, tiny_config):
-  from trainer import needle, needle_grid
+  from trainer.config import needle_grid
   config = tiny_config()
   fmt = needle.format_of(config.data.dataset)
   sentences = needle.filler_sentences(data_config(config), tokenizer, fmt, 600)
@@ -282,7 +281,7 @@ def test_a_hugging_face_checkpoint_samples_what_transformers_predicts():
   argmax of the logits `transformers` recorded for the same prefix (tests/hf_fixtures)."""
   import os
   from safetensors.numpy import load_file
-  from trainer import hf_import
+  from trainer.ckpt import hf_import
   directory = os.path.join(os.path.dirname(__file__), "hf_fixtures", "llama3_rope")
   config = run_flags.hf_config(directory)
   config.model.attention, config.model.dtype = "striped", "float32"
@@ -300,7 +299,7 @@ def test_the_untrained_baseline_of_an_imported_run_is_its_checkpoint():
   """eval_needle's --untrained scores the model step 0 starts from: for a run that starts
   from a Hugging Face checkpoint, that checkpoint (it was random weights from the seed)."""
   import os
-  from trainer import hf_import
+  from trainer.ckpt import hf_import
   directory = os.path.join(os.path.dirname(__file__), "hf_fixtures", "llama_gqa_sharded")
   config = run_flags.hf_config(directory)
   hf_import.apply_to_config(config)

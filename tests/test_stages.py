@@ -15,12 +15,13 @@ import numpy as np
 import optax
 import pytest
 
-from trainer import resume, stages
-from trainer.config_check import ConfigError, check_config
-from trainer.export import export
-from trainer.loop import train
-from trainer.optimizer import make_optimizer, make_schedule
-from trainer.state import TrainState
+from trainer.ckpt import resume
+from trainer.config import stages
+from trainer.config.config_check import ConfigError, check_config
+from trainer.core.optimizer import make_optimizer, make_schedule
+from trainer.core.state import TrainState, carry_over_stage
+from trainer.run.loop import train
+from trainer.tools.export import export
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -148,7 +149,7 @@ def test_carry_over_keeps_or_resets_moments_and_restarts_the_schedule(keep):
   find = lambda tree, kind: [s for s in jax.tree.leaves(
       tree, is_leaf=lambda x: isinstance(x, kind)) if isinstance(s, kind)][0]
   old_mu = np.array(find(opt_state, optax.ScaleByAdamState).mu["w"], copy=True)  # Consumed.
-  new = stages.carry_over(state, optimizer, shardings, keep)
+  new = carry_over_stage(state, optimizer, shardings, keep)
   adam = find(new.opt_state, optax.ScaleByAdamState)
   assert int(find(new.opt_state, optax.ScaleByScheduleState).count) == 0
   assert int(new.step) == 3 and np.array_equal(new.params["w"], params["w"])
@@ -229,7 +230,7 @@ def test_two_stages_train_and_resume_exactly_after_a_kill_inside_stage_2(
 
 
 def test_the_llama_extension_recipe_resolves_on_an_imported_checkpoint():
-  from trainer import hf_import
+  from trainer.ckpt import hf_import
   config = importlib.import_module("configs.llama_extend_32k_to_256k_striped").get_config(
       os.path.join(ROOT, "tests", "hf_fixtures", "llama3_rope"))
   hf_import.apply_to_config(config)

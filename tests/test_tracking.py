@@ -20,7 +20,8 @@ from matplotlib import image as mpl_image  # noqa: E402
 
 from model import ModelConfig  # noqa: E402
 import parallelism  # noqa: E402
-from trainer import flops, provenance, tracking, wandb_tracker  # noqa: E402
+from trainer.config import flops
+from trainer.track import provenance, tracking, wandb_tracker  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAKE_KEY = "f4k3" * 10  # 40 characters, like a real W&B API key.
@@ -311,7 +312,7 @@ def dense_run(tmp_path_factory, shared_data_dir):
   against a server that is not there (so it falls back to offline), then resumed to 6 steps
   in `offline` mode, then run again with nothing to do. Returns (workdir, console output of
   the first part)."""
-  from trainer.loop import train  # pylint: disable=g-import-not-at-top  # Needs `data`.
+  from trainer.run.loop import train  # pylint: disable=g-import-not-at-top  # Needs `data`.
 
   workdir = tmp_path_factory.mktemp("runs") / "dense"
   config = _config(**{"train.steps": 3, "train.log_every": 1, "train.eval_every": 0,
@@ -383,7 +384,7 @@ def test_no_secret_in_the_workdir_the_wandb_run_or_the_console(dense_run):
 @pytest.mark.slow
 def test_compare_runs_prints_a_table_and_plots_both_runs(dense_run, tmp_path, capsys,
                                                          tiny_config, monkeypatch):
-  from trainer.loop import train  # pylint: disable=g-import-not-at-top  # Needs `data`.
+  from trainer.run.loop import train  # pylint: disable=g-import-not-at-top  # Needs `data`.
 
   monkeypatch.setenv("WANDB_MODE", "disabled")
   other = tiny_config("striped", **{"train.steps": 4, "train.log_every": 1})

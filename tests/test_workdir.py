@@ -16,13 +16,15 @@ import pytest
 
 import data
 from data import sources
-from trainer import console, loop, tracking, workdir
-from trainer.checkpointing import CheckpointError
-from trainer.config_check import ConfigError
-from trainer.loop import train
-from trainer.resume import checkpoint_meta, compatibility_check, file_sha256
-from trainer.training import data_config
-from trainer.stop_signals import StoppedBeforeTraining
+from trainer.ckpt.checkpointing import CheckpointError
+from trainer.ckpt.resume import checkpoint_meta, compatibility_check, file_sha256
+from trainer.config import workdir
+from trainer.config.config_check import ConfigError
+from trainer.core.training import data_config
+from trainer.run import loop
+from trainer.run.loop import train
+from trainer.run.stop_signals import StoppedBeforeTraining
+from trainer.track import console, tracking
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -210,7 +212,7 @@ def test_a_second_run_on_a_held_workdir_stops_naming_the_holder(tmp_path):
 def test_the_lock_dies_with_its_process(tmp_path):
   run = str(tmp_path / "run")
   holder = subprocess.Popen([sys.executable, "-c", (
-      "import sys, time; sys.path.insert(0, '.'); from trainer import workdir; "
+      "import sys, time; sys.path.insert(0, '.'); from trainer.config import workdir; "
       f"workdir.claim({run!r}); print('held', flush=True); time.sleep(60)")],
       cwd=ROOT, stdout=subprocess.PIPE, text=True)
   assert holder.stdout.readline().strip() == "held"

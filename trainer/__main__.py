@@ -6,7 +6,7 @@ import signal
 import sys
 from typing import Any
 
-from trainer import console  # Light: no JAX, so installed before the slow imports below.
+from trainer.track import console  # Light: no JAX, so installed before the slow imports below.
 
 
 def _stopped_before_training(signum, frame):
@@ -31,15 +31,19 @@ from ml_collections import config_flags
 
 import data
 import parallelism
-from trainer import (distributed, fields, flops, hf_import, plan_target, profiling,
-                     run_flags, stages, wandb_tracker)
-from trainer.config_check import ConfigError, check_config
-from trainer.checkpointing import CheckpointError
 from model.hf_format import HFFormatError
-from trainer.loop import NonFiniteError, train
-from trainer.stop_signals import StoppedBeforeTraining
-from trainer.tracking import TrackingError
-from trainer.workdir import WorkdirError
+from trainer.ckpt import hf_import
+from trainer.ckpt.checkpointing import CheckpointError
+from trainer.config import fields, flops, stages
+from trainer.config.config_check import ConfigError, check_config
+from trainer.config.workdir import WorkdirError
+from trainer.plan import plan_target
+from trainer.run import distributed
+from trainer.run.loop import NonFiniteError, train
+from trainer.run.stop_signals import StoppedBeforeTraining
+from trainer.tools import needle, run_flags
+from trainer.track import profiling, wandb_tracker
+from trainer.track.tracking import TrackingError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).",
                                           lock_config=True)
@@ -66,7 +70,7 @@ _PLAN_ACCELERATOR = flags.DEFINE_enum(
     "FLOP/s the step-time estimate uses, and whose memory a plan is checked against.")
 _COMPARE = flags.DEFINE_bool(
     "compare_strategies", False, "Dry run: plan every sequence-parallel strategy and ring x "
-    "Ulysses split of the config's sequence devices (trainer/strategy_plan.py): memory from "
+    "Ulysses split of the config's sequence devices (trainer/plan/strategy_plan.py): memory from "
     "each compiled step, bytes sent, attention balance and an estimated step time.")
 _INTRA_GBPS = flags.DEFINE_float("intra_node_gbps", 450.0, "--compare_strategies: GB/s per "
                                  "device inside a node (H100 NVLink: 450).")
@@ -240,7 +244,7 @@ def main(argv: list[str]) -> None:
       print(note, flush=True)
     if _DRY_RUN.value:
       # Imported here: the planner sets up JAX's (CPU) backend before it starts.
-      from trainer import dry_run  # pylint: disable=g-import-not-at-top
+      from trainer.plan import dry_run  # pylint: disable=g-import-not-at-top
       # find/compare plan by the GPU they compile for; `plan` resolves the same from its flags.
       gpu = (plan_target.gpu_target(_PLAN_COMPILER.value, _PLAN_ACCELERATOR.value)
              if _FIND_MAX.value or _COMPARE.value else None)
@@ -251,7 +255,7 @@ def main(argv: list[str]) -> None:
           dry_run.find_max_seq_len(stage.config, _MEMORY_GIB.value, gpu=gpu,
                                    accelerator=_PLAN_ACCELERATOR.value)
         elif _COMPARE.value:
-          from trainer import strategy_plan  # pylint: disable=g-import-not-at-top
+          from trainer.plan import strategy_plan  # pylint: disable=g-import-not-at-top
           strategy_plan.compare(stage.config, _MEMORY_GIB.value, _PLAN_MFU.value,
                                 _PLAN_ACCELERATOR.value, _INTRA_GBPS.value, _INTER_GBPS.value,
                                 _NODE_SIZE.value, gpu=gpu)
@@ -277,7 +281,8 @@ def main(argv: list[str]) -> None:
     if profile_steps and profile_steps[0] > last_step:
       raise ConfigError(f"--profile_steps={_PROFILE_STEPS.value} starts after the run's last "
                         f"step, {last_step}")
-    train(config, workdir, start_over=_START_OVER.value, profile_steps=profile_steps)
+    train(config, workdir, start_over=_START_OVER.value, profile_steps=profile_steps,
+          periodic_evals=(needle.periodic_eval,))
   except StoppedBeforeTraining as stopped:
     print(stopped, flush=True)
   except (ConfigError, data.DataError, CheckpointError, NonFiniteError, WorkdirError,

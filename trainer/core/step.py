@@ -11,7 +11,7 @@ import optax
 
 import data
 from model import Decoder
-from trainer.state import TrainState
+from trainer.core.state import TrainState
 
 
 def _token_scores(model: Decoder, params, batch: dict[str, jax.Array],

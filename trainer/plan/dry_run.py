@@ -3,11 +3,11 @@
     python -m trainer --config configs/7b_256k_striped.py --dry_run [--device_memory_gib=80]
 
 The planner makes as many devices as the config's mesh has, builds the mesh, and
-ahead-of-time compiles the real train step (`trainer.step.jit_train_step`, the same jit the
+ahead-of-time compiles the real train step (`trainer.core.step.jit_train_step`, the same jit the
 loop runs) from `jax.ShapeDtypeStruct`s that carry shapes, dtypes and shardings only: no
 parameter, optimizer moment or batch is ever allocated. The devices are GPUs of the
 `--plan_accelerator`'s kind described to XLA's GPU compiler when it is installed
-(`trainer.plan_target`, `make plan_gpu`; no GPU needed), else fake CPU devices
+(`trainer.plan.plan_target`, `make plan_gpu`; no GPU needed), else fake CPU devices
 (`--plan_compiler` chooses). It then reads back:
 
 - per-device bytes of parameters and of optimizer state: for each leaf of the abstract
@@ -17,13 +17,13 @@ parameter, optimizer moment or batch is ever allocated. The devices are GPUs of 
   generated code, and the bytes of outputs aliased to donated arguments. The peak estimate
   is args + temps + outputs - aliased: the donated old state and the new state share
   buffers. The verdict compares peak + code with `device_memory_gib`;
-- FLOPs per step: analytic model FLOPs (`trainer.flops.flops_per_token`: 6 x matmul params
+- FLOPs per step: analytic model FLOPs (`trainer.config.flops.flops_per_token`: 6 x matmul params
   plus causal attention counted as half, no remat recompute) next to XLA's `cost_analysis()`
   of the per-device program, and the step time and tokens/sec they imply at `mfu` of the
   named accelerator's peak.
 
 A GPU compile's memory analysis is the GPU's own buffer assignment, and its verdict is
-"fits" or "does NOT fit"; what it leaves out is in `trainer.plan_target`. The rest of this
+"fits" or "does NOT fit"; what it leaves out is in `trainer.plan.plan_target`. The rest of this
 paragraph and the next are about the CPU compile, the fallback.
 
 The CPU compiler lacks bf16 arithmetic and keeps some bf16 buffers as float32 (e.g. the
@@ -60,12 +60,14 @@ import ml_collections
 
 import parallelism
 from data import packing
-from trainer import flops, host_memory, plan_target
+from trainer.config import flops
+from trainer.plan import plan_target
+from trainer.run import host_memory
 from model.config import layout_of
-from trainer.config_check import ConfigError, check_config
-from trainer.plan_report import GIB, print_plan
-from trainer.state import shard_bytes
-from trainer.training import build_training, model_config
+from trainer.config.config_check import ConfigError, check_config
+from trainer.core.state import shard_bytes
+from trainer.core.training import build_training, model_config
+from trainer.plan.plan_report import GIB, print_plan
 
 MAX_SEARCHED_SEQ_LEN = 1 << 27  # --find_max_seq_len doubles up to 128M tokens at most.
 # The per-token arrays of a batch and their dtypes, as the packer makes them; the batch is a

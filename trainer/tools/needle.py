@@ -25,10 +25,10 @@ import numpy as np
 
 import data
 from data import sources, synthetic
-from trainer import needle_grid
-from trainer.needle_grid import NeedleError
-from trainer.sample import SampleError, Sampler, capacity_for, prompt_ids
-from trainer.training import data_config
+from trainer.config import needle_grid
+from trainer.config.needle_grid import NeedleError
+from trainer.core.training import data_config
+from trainer.tools.sample import SampleError, Sampler, capacity_for, prompt_ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +177,11 @@ def heatmap(accuracy: np.ndarray, lengths: list[int], depths: list[float], path:
   figure.tight_layout()
   figure.savefig(path, dpi=120)
   pyplot.close(figure)
+
+
+def periodic_eval(config: ml_collections.ConfigDict, mesh) -> "PeriodicEval | None":
+  """The loop's needle eval for a stage's `config` (`train.eval_needle_lengths`), or None."""
+  return PeriodicEval(config, mesh) if config.train.eval_needle_lengths else None
 
 
 class PeriodicEval:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 import parallelism
-from trainer import flops, needle_grid, stages
+from trainer.config import flops, needle_grid, stages
 from model import ATTENTIONS, KERNELS, REMAT_POLICIES
 from model.config import layout_of
 from model.rope import RopeScaling

@@ -28,10 +28,10 @@ from urllib.parse import urlparse
 import ml_collections
 
 from model.config import named_strategy
-from trainer.config_check import WANDB_MODES
-from trainer.provenance import run_records
-from trainer.tracking import NoopTracker, Tracker, scrub, secret_values
-from trainer.workdir import write_atomically
+from trainer.config.config_check import WANDB_MODES
+from trainer.config.workdir import write_atomically
+from trainer.track.provenance import run_records
+from trainer.track.tracking import NoopTracker, Tracker, scrub, secret_values
 
 _STATE_FILE = "run.json"
 

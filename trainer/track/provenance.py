@@ -22,11 +22,11 @@ import ml_collections
 
 import parallelism
 from model import dense_kernel
-from trainer.tracking import REDACTED, is_secret_field, scrub
-from trainer.training import model_config
+from trainer.core.training import model_config
+from trainer.track.tracking import REDACTED, is_secret_field, scrub
 
 RUN_RECORDS = ("provenance", "resolved")  # Beside the config in config.json.
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _FLAG = re.compile(r"^(--?[^=]+)=(.*)$", re.DOTALL)
 
 

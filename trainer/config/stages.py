@@ -4,12 +4,13 @@
                      stage("256k", steps=100, seq_len=262144, lr=1e-5,
                            rope_scaling=dict(type="yarn", factor=8.0, original_max_len=32768)))
 
-A stage is a partial config (written with `configs.stages.stage`): a `name`, the fields of STAGE_FIELDS it sets (every other field
-comes from the run's config), and `keep_optimizer`. Step numbers run on across stages: a
-stage of 200 steps after one ending at step 100 trains steps 101-300, and its checkpoints,
-metrics and W&B points carry those numbers and the stage. Each stage:
+A stage is a partial config (written with `configs.stages.stage`): a `name`, the fields of
+STAGE_FIELDS it sets (every other field comes from the run's config), and `keep_optimizer`.
+Step numbers run on across stages: a stage of 200 steps after one ending at step 100 trains
+steps 101-300, and its checkpoints, metrics and W&B points carry those numbers and the
+stage. Each stage:
 - starts from the previous stage's final checkpoint: its weights, and its AdamW moments
-  when `keep_optimizer` is set, else fresh ones;
+  when `keep_optimizer` is set, else fresh ones (`trainer.core.state.carry_over_stage`);
 - has a learning-rate schedule of its own (warmup then cosine over the stage's
   `train.schedule_steps`, else its `train.steps`), counted from the stage's first step;
 - reads the data afresh at its length, with a shuffle of its own (`data_seed`).
@@ -25,14 +26,10 @@ import copy
 import dataclasses
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 
-from trainer import fields
-from trainer.state import TrainState, state_from_params
+from trainer.config import fields
 
 # The fields a stage may set: what grows the context and how the stage trains. The model's
 # shape, the tokenizer and the mesh stay those of the run (its weights carry over).
@@ -198,33 +195,3 @@ def data_seed(seed: int, index: int) -> int:
   if index == 0:
     return seed
   return int(np.random.SeedSequence([seed % 2**32, index]).generate_state(1)[0])
-
-
-def carry_over(state, optimizer: optax.GradientTransformation, shardings, keep_optimizer: bool):
-  """The first state of a stage from the last state of the one before: its parameters, and
-  its AdamW moments and their bias-correction count when `keep_optimizer` (the new schedule
-  still starts at 0), else fresh moments.
-
-  Consumes `state`'s optimizer state (donated or deleted), so a stage change never holds two
-  sets of moments on the devices.
-  """
-  params = jax.device_put(state.params, shardings.params)
-  step = jnp.asarray(state.step, jnp.int32)
-  if not keep_optimizer:
-    for leaf in jax.tree.leaves(state.opt_state):
-      leaf.delete()
-    return TrainState(step=step, params=params,
-                      opt_state=state_from_params(params, optimizer, shardings).opt_state)
-  is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)
-  kept = [s for s in jax.tree.leaves(state.opt_state, is_leaf=is_adam) if is_adam(s)]
-  if len(kept) != 1:
-    raise ValueError(f"expected one AdamW state in the optimizer state, found {len(kept)}")
-
-  def rebuilt(params, adam):
-    # The fresh moments are dead code here: only the schedule's count (0) and the like remain.
-    return jax.tree.map(lambda s: adam if is_adam(s) else s, optimizer.init(params),
-                        is_leaf=is_adam)
-
-  opt_state = jax.jit(rebuilt, out_shardings=shardings.opt_state, donate_argnums=1)(
-      params, kept[0])
-  return TrainState(step=step, params=params, opt_state=opt_state)

@@ -19,8 +19,8 @@ import jax
 from jax.experimental import multihost_utils
 import numpy as np
 
-from trainer.config_check import ConfigError
-from trainer.tracking import scrub
+from trainer.config.config_check import ConfigError
+from trainer.track.tracking import scrub
 
 
 def cluster_in_environment(environ: dict[str, str] | None = None) -> bool:

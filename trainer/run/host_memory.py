@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import jax
 
-from trainer.state import shard_bytes
+from trainer.core.state import shard_bytes
 
 GB = 1e9
 

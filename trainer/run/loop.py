@@ -11,7 +11,7 @@ import json
 import os
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import flax.linen as nn
 import jax
@@ -21,33 +21,44 @@ from jax.experimental import multihost_utils
 import data
 import parallelism
 from model import ModelConfig, dense_line
-from trainer import distributed, flops, host_memory, stages
-from trainer.checkpointing import CheckpointError, Checkpointer
-from trainer.config_check import ConfigError
-from trainer.profiling import StepProfiler
-from trainer.provenance import run_records
-from trainer import workdir as workdir_lock
-from trainer.resume import (checkpoint_meta, compatibility_check, config_dict, config_path,
-                            file_sha256, start_warning)
-from trainer.state import TrainState
-from trainer.stop_signals import StopSignals
-from trainer.step import eval_step
-from trainer.training import build_training, data_config, initial_state, model_config
-from trainer import wandb_tracker
-from trainer.tracking import ConsoleTracker, JsonlTracker, Tracker, device_memory_bytes
+from trainer.ckpt.checkpointing import CheckpointError, Checkpointer
+from trainer.ckpt.resume import (checkpoint_meta, compatibility_check, config_dict, config_path,
+                                 file_sha256, start_warning)
+from trainer.ckpt.start import initial_state
+from trainer.config import flops, stages
+from trainer.config import workdir as workdir_lock
+from trainer.config.config_check import ConfigError
+from trainer.core.state import TrainState, carry_over_stage
+from trainer.core.step import eval_step
+from trainer.core.training import build_training, data_config, model_config
+from trainer.run import distributed, host_memory
+from trainer.run.stop_signals import StopSignals
+from trainer.track import wandb_tracker
+from trainer.track.profiling import StepProfiler
+from trainer.track.provenance import run_records
+from trainer.track.tracking import ConsoleTracker, JsonlTracker, Tracker, device_memory_bytes
 
 
 class NonFiniteError(RuntimeError):
   """The loss or gradient of a step was NaN or Inf and the config says stop."""
 
 
+# Makes one periodic evaluation for a stage's config on the mesh (None: the config asks for
+# none); what it makes maps the parameters to metrics for the eval line.
+PeriodicEvalMaker = Callable[[ml_collections.ConfigDict, Any],
+                             Callable[[Any], dict[str, float]] | None]
+
+
 def train(config: ml_collections.ConfigDict, workdir: str, start_over: bool = False,
-          profile_steps: tuple[int, int] | None = None) -> dict[str, Any]:
+          profile_steps: tuple[int, int] | None = None,
+          periodic_evals: Sequence[PeriodicEvalMaker] = ()) -> dict[str, Any]:
   """Trains up to `config.train.steps`, resuming from `workdir` when it holds a checkpoint.
 
   Holds the workdir's lock throughout (one run per workdir). `start_over` allows a fresh
   start beside damaged checkpoints set aside in `checkpoints_unusable/`; `profile_steps`
-  (first, last) traces those steps (trainer/profiling.py). Returns a summary
+  (first, last) traces those steps (trainer/track/profiling.py); `periodic_evals` make the
+  evaluations that run beside the eval loss (the needle grid's, from the command), each
+  given a stage's config and the mesh, None where that config asks for none. Returns a summary
   (first/last loss, median speed, final step, whether a signal stopped it).
   """
   is_writer = jax.process_index() == 0
@@ -55,14 +66,16 @@ def train(config: ml_collections.ConfigDict, workdir: str, start_over: bool = Fa
     if is_writer:
       workdir_lock.claim(workdir)
     try:
-      return _train(config, workdir, start_over, signals, is_writer, profile_steps)
+      return _train(config, workdir, start_over, signals, is_writer, profile_steps,
+                    periodic_evals)
     finally:
       if is_writer:
         workdir_lock.release(workdir)
 
 
-def _train(config, workdir: str, start_over: bool, signals: StopSignals,
-           is_writer: bool, profile_steps: tuple[int, int] | None) -> dict[str, Any]:
+def _train(config, workdir: str, start_over: bool, signals: StopSignals, is_writer: bool,
+           profile_steps: tuple[int, int] | None,
+           periodic_evals: Sequence[PeriodicEvalMaker]) -> dict[str, Any]:
   mesh = parallelism.make_mesh(config.mesh)
   plan = stages.plan(config)
   # The stages share the dataset, tokenizer and model shape: only the row length differs.
@@ -130,8 +143,8 @@ def _train(config, workdir: str, start_over: bool, signals: StopSignals,
           if state is None:
             state = initial_state(stage.config, parts, log)
           elif step == stage.first_step - 1 and stage.index > 0:
-            state = stages.carry_over(state, parts.optimizer, parts.shardings,
-                                      stage.keep_optimizer)
+            state = carry_over_stage(state, parts.optimizer, parts.shardings,
+                                     stage.keep_optimizer)
             data_state = None  # Each stage reads the data afresh, with a seed of its own.
           if stage.name and step < stage.last_step:
             log(_stage_line(stage, step))
@@ -149,7 +162,7 @@ def _train(config, workdir: str, start_over: bool, signals: StopSignals,
             trackers = make_trackers(config, workdir, records, plan[-1].last_step, step)
           run = _Run(stage, stage_model_cfg, mesh, checkpointer, trackers, iterator, eval_fn,
                      evaluator, {**checkpoint_meta(config, tokenizer_sha256, corpus),
-                                 **stage.checkpoint_meta()})
+                                 **stage.checkpoint_meta()}, periodic_evals)
           state, summary = run.loop(state, parts.step_fn, step, signals, profiler)
           iterator.close()
           iterator = None
@@ -240,7 +253,7 @@ class _Run:
   """The state of one pass of the host loop: timing, pending metrics, records."""
 
   def __init__(self, stage: stages.Stage, model_cfg, mesh, checkpointer, trackers, iterator,
-               eval_fn, evaluator, meta):
+               eval_fn, evaluator, meta, periodic_evals: Sequence[PeriodicEvalMaker]):
     config = stage.config
     self.stage, self.config, self.model_cfg, self.mesh = stage, config, model_cfg, mesh
     self.meta = meta
@@ -251,7 +264,8 @@ class _Run:
     self.peak = flops.peak_flops(config, jax.devices()[0].device_kind)
     self.records: list[dict[str, Any]] = []
     self.skipped = 0
-    self.needles = None  # The needle eval (trainer/needle.py), made at the first eval.
+    self.make_periodic = periodic_evals
+    self.periodic = None  # Made at the first eval (a sampler each: not for runs that never eval).
 
   def loop(self, state, step_fn, start: int, signals: StopSignals,
            profiler: StepProfiler) -> tuple[TrainState, dict[str, Any]]:
@@ -363,11 +377,10 @@ class _Run:
               **self.stage.record()}
     if self.evaluator:
       record.update(self.evaluator.metrics(totals))
-    if cfg.train.eval_needle_lengths:
-      if self.needles is None:
-        from trainer import needle  # pylint: disable=g-import-not-at-top  # Only when asked.
-        self.needles = needle.PeriodicEval(cfg, self.mesh)
-      record.update(self.needles(state.params))
+    if self.periodic is None:
+      self.periodic = [e for e in (make(cfg, self.mesh) for make in self.make_periodic) if e]
+    for evaluate in self.periodic:
+      record.update(evaluate(state.params))
     for tracker in self.trackers:
       tracker.log(record)
 

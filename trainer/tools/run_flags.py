@@ -11,8 +11,8 @@ from typing import Callable
 import jax
 import ml_collections
 
-from trainer.provenance import config_of
-from trainer.resume import config_path
+from trainer.ckpt.resume import config_path
+from trainer.track.provenance import config_of
 
 
 class SampleError(RuntimeError):
@@ -102,7 +102,8 @@ def parse_run_flags(argv: list[str], define_flags: Callable[[], None], allow_hf:
   run exits with one line."""
   from absl import app, flags, logging  # pylint: disable=g-import-not-at-top
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
-  from trainer import console, stages  # pylint: disable=g-import-not-at-top
+  from trainer.track import console
+  from trainer.config import stages  # pylint: disable=g-import-not-at-top
 
   workdir, hf_dir = _argv_value(argv, "--workdir"), _argv_value(argv, "--from_hf")
   # Help lists the flags, so it needs none of them: its config fields are base.py's.

@@ -1,5 +1,5 @@
 """The needle grid's lengths and depths as flags and configs write them: parsed apart from
-trainer/needle.py, which samples, so that the config check can read them without importing
+trainer/tools/needle.py, which samples, so that the config check can read them without importing
 the sampler."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ loop importing it back."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import ml_collections
@@ -14,10 +14,9 @@ import optax
 import data
 import parallelism
 from model import Decoder, ModelConfig
-from trainer.optimizer import make_optimizer, make_schedule
-from trainer import hf_import
-from trainer.state import TrainState, abstract_state, init_state, shardings_of, state_from_params
-from trainer.step import jit_train_step
+from trainer.core.optimizer import make_optimizer, make_schedule
+from trainer.core.state import TrainState, abstract_state, shardings_of
+from trainer.core.step import jit_train_step
 
 
 def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
@@ -53,23 +52,3 @@ def build_training(config: ml_collections.ConfigDict, mesh) -> Training:
   step_fn = jit_train_step(model, optimizer, make_schedule(config.train),
                            config.train.micro_batches, shardings, batch_sharding)
   return Training(model, optimizer, shardings, state, batch_sharding, step_fn)
-
-
-def initial_state(config: ml_collections.ConfigDict, parts: Training,
-                  log: Callable[[str], None]) -> TrainState:
-  """Step 0's state: random weights from the seed, or a Hugging Face checkpoint's."""
-  if not config.init.from_hf:
-    return init_state(parts.model, parts.optimizer, parts.shardings, config.seed)
-  return state_from_params(initial_params(config, parts, log), parts.optimizer,
-                           parts.shardings)
-
-
-def initial_params(config: ml_collections.ConfigDict, parts: Training,
-                   log: Callable[[str], None]) -> Any:
-  """Step 0's parameters (the sampler's untrained baseline, and a Hugging Face checkpoint
-  sampled as it is): a checkpoint's are read without building an optimizer state."""
-  if not config.init.from_hf:
-    return init_state(parts.model, parts.optimizer, parts.shardings, config.seed).params
-  log(f"loading weights from {config.init.from_hf}")
-  return hf_import.load_params(config.init.from_hf, model_config(config),
-                               parts.abstract_state.params, log)

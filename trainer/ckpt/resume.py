@@ -18,10 +18,10 @@ from typing import Any, Callable
 
 import ml_collections
 
-from trainer import fields
-from trainer.config_check import ConfigError
-from trainer.provenance import config_of
-from trainer.tracking import last_logged_step, scrub
+from trainer.config import fields
+from trainer.config.config_check import ConfigError
+from trainer.track.provenance import config_of
+from trainer.track.tracking import last_logged_step, scrub
 
 # Fields (or groups, ending in '.') a resumed run may change. They decide how the same
 # computation is laid out, scheduled or logged, not which parameters or tokens it sees. The

@@ -108,3 +108,34 @@ def init_state(model: Decoder, optimizer: optax.GradientTransformation, sharding
 def shard_bytes(leaf) -> int:
   """Bytes of one device's shard (the largest) of a sharded ShapeDtypeStruct."""
   return math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+
+
+def carry_over_stage(state, optimizer: optax.GradientTransformation, shardings,
+                     keep_optimizer: bool):
+  """The first state of a stage from the last state of the one before: its parameters, and
+  its AdamW moments and their bias-correction count when `keep_optimizer` (the new schedule
+  still starts at 0), else fresh moments.
+
+  Consumes `state`'s optimizer state (donated or deleted), so a stage change never holds two
+  sets of moments on the devices.
+  """
+  params = jax.device_put(state.params, shardings.params)
+  step = jnp.asarray(state.step, jnp.int32)
+  if not keep_optimizer:
+    for leaf in jax.tree.leaves(state.opt_state):
+      leaf.delete()
+    return TrainState(step=step, params=params,
+                      opt_state=state_from_params(params, optimizer, shardings).opt_state)
+  is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)
+  kept = [s for s in jax.tree.leaves(state.opt_state, is_leaf=is_adam) if is_adam(s)]
+  if len(kept) != 1:
+    raise ValueError(f"expected one AdamW state in the optimizer state, found {len(kept)}")
+
+  def rebuilt(params, adam):
+    # The fresh moments are dead code here: only the schedule's count (0) and the like remain.
+    return jax.tree.map(lambda s: adam if is_adam(s) else s, optimizer.init(params),
+                        is_leaf=is_adam)
+
+  opt_state = jax.jit(rebuilt, out_shardings=shardings.opt_state, donate_argnums=1)(
+      params, kept[0])
+  return TrainState(step=step, params=params, opt_state=opt_state)

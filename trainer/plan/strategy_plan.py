@@ -35,9 +35,10 @@ import ml_collections
 
 import parallelism
 from parallelism import traffic
-from trainer import dry_run, flops, plan_report
-from trainer.config_check import ConfigError
-from trainer.training import model_config
+from trainer.config import flops
+from trainer.config.config_check import ConfigError
+from trainer.core.training import model_config
+from trainer.plan import dry_run, plan_report
 
 
 

@@ -35,9 +35,9 @@ from typing import Iterator
 import jax
 
 import parallelism
-from trainer.config_check import ConfigError
+from trainer.config.config_check import ConfigError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PLUGIN_DIR = os.environ.get("PLAN_GPU_DIR") or os.path.join(ROOT, ".plan_gpu")
 DEVICES_PER_HOST = 8  # HGX nodes: a topology of more devices is 8-GPU hosts.
 

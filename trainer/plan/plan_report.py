@@ -1,4 +1,4 @@
-"""How `--dry_run` prints a plan (`trainer.dry_run`): the figures, then the verdict line."""
+"""How `--dry_run` prints a plan (`trainer.plan.dry_run`): the figures, then the verdict line."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import parallelism
 from model.config import named_strategy
-from trainer import flops
+from trainer.config import flops
 
 GIB = 2.0 ** 30
 

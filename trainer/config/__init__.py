@@ -1,0 +1,2 @@
+"""The config as the trainer reads it: field checks and their errors, stages, hardware figures
+(peak FLOPs, memory), the needle grid's syntax, and the run directory (lock, atomic writes)."""

@@ -1,0 +1,1 @@
+"""The run: the train loop, several processes joining, stop signals, host memory."""

@@ -1,0 +1,1 @@
+"""The tools that read a run: the sampler, the needle eval and the Hugging Face exporter."""
