@@ -17,7 +17,7 @@ With segment ids each document's piece of the pair is a sequence of cuDNN's pack
 (`parallelism.cudnn_packing`); a call whose packing cannot express its mask (more documents
 than its static count, say) runs the Pallas kernel instead, decided at run time.
 Float32 operands or a head size cuDNN cannot take send the whole call to the Pallas kernel
-(`pallas_reason`; `kernels.get` routes it and says so once).
+(`pallas_reason`, at set-up: `kernels.choose`).
 
 Forward: cuDNN also returns its softmax statistics, the natural-log log-sum-exp ([B, H, T];
 per sequence when packed). Its backward takes statistics and output as inputs, so given the

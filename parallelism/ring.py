@@ -95,7 +95,7 @@ class RingDevice:
   the steps one by one."""
 
   def __init__(self, schedule: RingSchedule, device, kernel: str, tile: int):
-    self.schedule, self.tile, self.kernel = schedule, tile, kernels.get(kernel)
+    self.schedule, self.tile, self.kernel = schedule, tile, kernels.KERNELS[kernel]
     self.pair_S = jnp.asarray(schedule.pair)[device]
     self.empty_S = jnp.asarray(schedule.empty)[device]
 

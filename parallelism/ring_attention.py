@@ -29,14 +29,11 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from parallelism import kernels, strategies
-from parallelism.layouts import check_seq_len, required_divisor
+from parallelism import kernels
 from parallelism.mesh import Rules, as_axes, logical_to_spec, spec_on_mesh
-from parallelism.schedule import ring_schedule
-from parallelism.strategies import STRATEGIES, ULYSSES, Strategy
+from parallelism.split import KV_NAMES, Q_NAMES, local_strategy, split_attention
+from parallelism.strategies import STRATEGIES, Strategy
 
-Q_NAMES = ("activation_batch", "activation_seq", "activation_heads", None)
-KV_NAMES = ("activation_batch", "activation_seq", "activation_kv_heads", None)
 SEGMENT_NAMES = ("activation_batch", "activation_seq")
 # Without a rules table: the sequence over the `sequence` axis (the ring) and, where the mesh
 # has one, the `ulysses` axis; everything else replicated.
@@ -134,102 +131,12 @@ def _check_shapes(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS) -> None:
     raise ValueError(f"query heads ({num_heads}) must be divisible by kv heads ({num_kv})")
 
 
-def block_tile(seq_len: int, num_shards: int, tile_size: int) -> int:
-  """The tile the kernels use: `tile_size` clipped to the per-device block."""
-  return min(tile_size, seq_len // num_shards)
-
-
-def shortest_ring_length(length: int, layout: str, num_shards: int, tile_size: int,
-                         ulysses: int = 1) -> int:
-  """The smallest sequence length >= `length` that attention of `layout` takes on a ring of
-  `num_shards` devices times `ulysses` (the rule `_tile_for` checks): a multiple of the
-  layout's divisor and of every sequence shard, and of ring shards x tile once a ring
-  block is longer than one tile."""
-  unit = math.lcm(required_divisor(layout, num_shards), num_shards * ulysses)
-  seq_len = -(-length // unit) * unit
-  if seq_len // num_shards > tile_size:
-    unit = math.lcm(unit, num_shards * tile_size)
-    seq_len = -(-length // unit) * unit
-  return seq_len
-
-
-def _tile_for(seq_len: int, num_shards: int, tile_size: int, axis: str) -> int:
-  """The tile actually used (`block_tile`); S must divide into shards x tiles."""
-  if seq_len % num_shards:
-    raise ValueError(f"sequence length {seq_len} must be divisible by the '{axis}' mesh "
-                     f"axis size {num_shards}")
-  tile = block_tile(seq_len, num_shards, tile_size)
-  if seq_len % (num_shards * tile):
-    raise ValueError(f"sequence length {seq_len} must be divisible by {axis} shards x tile "
-                     f"= {num_shards} x {tile} = {num_shards * tile}")
-  return tile
-
-
-def _sequence_axes(mesh, rules: Rules, strategy: str) -> tuple[str, str | None]:
-  """The mesh axes the rules put `activation_seq` on: the ring's, then (Ulysses
-  strategies) the all-to-all's. A second axis the mesh lacks, or of size 1 under a
-  strategy without Ulysses, is no axis."""
-  seq_axes = as_axes(dict(rules).get("activation_seq"))
-  if len(seq_axes) not in (1, 2):
-    raise ValueError(f"mesh.rules must map activation_seq to the ring's mesh axis, then "
-                     f"optionally the Ulysses all-to-all's (got {seq_axes})")
-  if seq_axes[0] not in mesh.axis_names:
-    raise ValueError(f"mesh axes {tuple(mesh.axis_names)} have no sequence axis "
-                     f"'{seq_axes[0]}' (pass mesh=..., or set one with jax.set_mesh)")
-  axis, ulysses_axis = seq_axes[0], (seq_axes[1:] or (None,))[0]
-  if ulysses_axis not in mesh.axis_names:
-    ulysses_axis = None
-  if strategy in ULYSSES:
-    if ulysses_axis is None:
-      raise ValueError(f"strategy '{strategy}' all-to-alls over a second sequence axis: "
-                       f"mesh.rules must map activation_seq to (ring axis, Ulysses axis) of "
-                       f"the mesh (got {seq_axes} on mesh axes {tuple(mesh.axis_names)})")
-    if strategy == "ulysses" and mesh.shape[axis] > 1:
-      raise ValueError(f"strategy 'ulysses' splits the sequence over '{ulysses_axis}' only, "
-                       f"but mesh axis '{axis}' has size {mesh.shape[axis]}: use 'hybrid' "
-                       f"for Ulysses times a ring, or set '{axis}' to 1")
-    return axis, ulysses_axis
-  if ulysses_axis is not None and mesh.shape[ulysses_axis] > 1:
-    raise ValueError(f"strategy '{strategy}' splits the sequence over '{axis}' only, but mesh "
-                     f"axis '{ulysses_axis}' has size {mesh.shape[ulysses_axis]}: use 'ulysses' "
-                     f"or 'hybrid', or set '{ulysses_axis}' to 1")
-  return axis, None
-
-
-def _strategy(name: str, layout: str, seq_len: int, tile_size: int, kernel: str, mesh,
-              rules: Rules, q_spec: P, num_heads: int, num_kv: int) -> Strategy:
-  """Each device's side of strategy `name` on `mesh`, checked against the shapes."""
-  axis, ulysses_axis = _sequence_axes(mesh, rules, name)
-  num_shards = mesh.shape[axis]
-  ulysses = mesh.shape[ulysses_axis] if ulysses_axis else 1
-  check_seq_len(seq_len, layout, num_shards, name="sequence length")
-  if seq_len % (num_shards * ulysses):
-    raise ValueError(f"sequence length {seq_len} must be divisible by the sequence shards "
-                     f"{axis} x {ulysses_axis} = {num_shards} x {ulysses}")
-  tile = _tile_for(seq_len, num_shards, tile_size, axis)
-  repeat = 1
-  if ulysses_axis:
-    head_shards = math.prod(mesh.shape[a] for a in as_axes(q_spec[2]))
-    local_heads, local_kv = num_heads // head_shards, num_kv // head_shards
-    if local_heads % ulysses:
-      raise ValueError(f"query heads per device ({num_heads} over {head_shards} head shards "
-                       f"= {local_heads}) must be divisible by the Ulysses degree "
-                       f"('{ulysses_axis}' size {ulysses})")
-    repeat = strategies.kv_repeat(local_kv, ulysses)
-  return Strategy(name, ring_schedule(layout, seq_len, num_shards), axis, tile, kernel,
-                  ulysses_axis, repeat)
-
-
 def operand_specs(mesh, rules: Rules, q_shape, num_kv: int) -> tuple[P, P, P]:
   """PartitionSpecs of q/out, k/v and segment ids from the rules table (mesh axes the mesh
-  lacks are dropped); checks that the heads pair up and that everything divides."""
+  lacks are dropped); checks that batch and heads divide over them."""
   specs = [spec_on_mesh(logical_to_spec(names, rules), mesh)
            for names in (Q_NAMES, KV_NAMES, SEGMENT_NAMES)]
-  q_spec, kv_spec, _ = specs
-  if q_spec[2] != kv_spec[2]:
-    raise ValueError(f"mesh.rules must shard activation_heads and activation_kv_heads over the "
-                     f"same mesh axes (got {q_spec[2]} and {kv_spec[2]}): each device's query "
-                     f"heads must find their kv heads on it")
+  q_spec = specs[0]
   batch, _, num_heads, _ = q_shape
   for what, size, axes in (("batch", batch, q_spec[0]), ("query heads", num_heads, q_spec[2]),
                            ("kv heads", num_kv, q_spec[2])):
@@ -255,7 +162,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
   Without a mesh the row must be in its original order (a ring of one holds it unpermuted).
   `tile_size` is clipped to the per-device block. Returns out [B,S,Hq,D] in q's dtype.
   """
-  kernels.get(kernel)  # an unknown name fails here, before any tracing
+  kernels.check_name(kernel)  # an unknown name fails here, before any tracing
   if strategy not in STRATEGIES:
     raise ValueError(f"unknown sequence-parallel strategy '{strategy}'; choose one of "
                      f"{STRATEGIES}")
@@ -267,13 +174,12 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
   seq_len = q.shape[1]
   if context_mesh and mesh.empty:
     # No mesh anywhere (a single-device script, model.init outside a mesh): one block, local.
-    check_seq_len(seq_len, layout, 1)
-    local = Strategy("ring", ring_schedule(layout, seq_len, 1), "sequence",
-                     _tile_for(seq_len, 1, tile_size, "sequence"), kernel)
+    local = local_strategy(layout, seq_len, tile_size, kernel, q.shape, k.shape, q.dtype)
     return _attention(q, k, v, segment_ids, _Plan(local))
   specs = operand_specs(mesh, rules, q.shape, k.shape[2])
-  plan = _Plan(_strategy(strategy, layout, seq_len, tile_size, kernel, mesh, rules, specs[0],
-                         q.shape[2], k.shape[2]), None if context_mesh else mesh, specs)
+  plan = _Plan(split_attention(strategy, layout, seq_len, tile_size, kernel, mesh, rules,
+                               q.shape[2], k.shape[2], q.shape[3], q.dtype),
+               None if context_mesh else mesh, specs)
   if not any(t == AxisType.Explicit for t in mesh.axis_types):
     return _attention(q, k, v, segment_ids, plan)
   # Explicit-sharding meshes make shard_map demand inputs already laid out as in_specs;

@@ -68,9 +68,10 @@ class Strategy:
   schedule: RingSchedule  # of the ring over `axis` (of one device under `ulysses`)
   axis: str  # the ring's mesh axis (the all-gather's under `allgather`)
   tile: int
-  kernel: str
+  kernel: str  # the block kernel that runs (`parallelism.kernels.choose`)
   ulysses_axis: str | None = None
   kv_repeat: int = 1
+  kernel_fallback: str | None = None  # why `kernel` is not the one the setup named
 
   def forward(self, q_BTHD, k_BTKD, v_BTKD, seg_BT):
     """(out, lse) of this device's queries, float32; out [B,T,Hq,D], lse [B,T,Hq].

@@ -37,7 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from parallelism.ring_attention import block_tile, ring_attention
+from parallelism.ring_attention import ring_attention
+from parallelism.split import block_tile
 from parallelism.schedule import critical_path, ring_schedule
 from parallelism.strategies import ULYSSES, kv_repeat
 

@@ -53,7 +53,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from parallelism import kernel_pallas, kernel_xla  # noqa: E402
-from parallelism.kernels import get as get_kernel  # noqa: E402
+from parallelism.kernels import KERNELS  # noqa: E402
 from parallelism.layouts import LAYOUTS  # noqa: E402
 from parallelism.schedule import ring_schedule  # noqa: E402
 
@@ -256,7 +256,7 @@ def part_cudnn(config, seq_lens) -> None:
 
 def part_cudnn_kernel(config, seq_lens) -> None:
   """The cudnn block kernel vs the Pallas one, both checked against the xla reference."""
-  kernels = {"cudnn": tuple(get_kernel("cudnn")), "pallas": _ours(config)}
+  kernels = {"cudnn": tuple(KERNELS["cudnn"]), "pallas": _ours(config)}
   print("\ncudnn_kernel: B=1, 32 heads, head_dim 128, bf16; TFLOP/s, rel err vs xla "
         "(out, dq, dk, dv)")
   for seq_len in seq_lens:

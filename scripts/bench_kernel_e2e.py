@@ -13,7 +13,6 @@ import tempfile
 import time
 
 import bench_results
-from parallelism.kernels import FALLBACK_SAID
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _COMMIT = bench_results.commit()  # Before this run appends to the results file.
@@ -85,9 +84,8 @@ def run(config_file: str, seq_len: int, attention: str, kernel: str, steps: int,
     shutil.rmtree(workdir, ignore_errors=True)
   timed = rows[2:] or rows[-1:]
   mfus = [r["mfu"] for r in timed if r["mfu"] is not None]
-  name = resolved["attention_kernel"] + ("+xla" if FALLBACK_SAID in done.stdout else "")
   first, last = rows[0]["loss"], rows[-1]["loss"]
-  record(**where, status="ok", device=resolved["device_kind"], kernel=name,
+  record(**where, status="ok", device=resolved["device_kind"], kernel=resolved["attention_kernel"],
          step_s=statistics.median(r["step_time_s"] for r in timed),
          tokens_per_sec=statistics.median(r["tokens_per_sec"] for r in timed),
          mfu=statistics.median(mfus) if mfus else None, first_loss=first, last_loss=last,

@@ -27,7 +27,7 @@ import bench_kernel  # noqa: E402  (scripts/, first on the path)
 import bench_kernel_e2e  # noqa: E402
 import parallelism  # noqa: E402
 from parallelism import kernel_pallas, kernel_xla  # noqa: E402
-from parallelism.kernels import get as get_kernel  # noqa: E402
+from parallelism import kernels  # noqa: E402
 from parallelism.ring_attention import ring_attention  # noqa: E402
 
 F32 = jnp.float32
@@ -71,7 +71,7 @@ def part_kernels(record, smoke: bool) -> None:
   forward+backward TFLOP/s, each checked against the xla kernel in float32."""
   seq_lens, heads, head_dim = ([128], 2, 32) if smoke else ([8192, 16384, 32768], 32, 128)
   # Labels and the kernels they run; `auto` is timed once, as the kernel it resolves to.
-  kernels = {"pallas": "pallas", "cudnn": "xla" if smoke else "cudnn", "auto": "auto"}
+  names = {"pallas": "pallas", "cudnn": "xla" if smoke else "cudnn", "auto": "auto"}
   baseline = functools.partial(jax.nn.dot_product_attention, is_causal=True,
                                implementation="xla" if smoke else "cudnn")
   for seq_len in seq_lens:
@@ -86,12 +86,12 @@ def part_kernels(record, smoke: bool) -> None:
     shapes = [("causal", bench_kernel.causal_block(seq_len)),
               ("strictly_causal", bench_kernel.strictly_causal_block(seq_len))]
     for shape, (schedule, pair) in shapes:
-      _block_rows(record, schedule, pair, (q, k, v, dout), None, kernels, flops,
+      _block_rows(record, schedule, pair, (q, k, v, dout), None, names, flops,
                   dict(seq_len=seq_len, shape=shape, **cudnn))
     if seq_len == seq_lens[0]:  # packed documents: exactness first, at the shortest length
       segments = jnp.asarray(_documents(seq_len))
       schedule, pair = bench_kernel.causal_block(seq_len)
-      _block_rows(record, schedule, pair, (q, k, v, dout), segments, kernels, flops,
+      _block_rows(record, schedule, pair, (q, k, v, dout), segments, names, flops,
                   dict(seq_len=seq_len, shape="causal_packed", **cudnn))
       _dense_row(record, (q, k, v, dout), segments, smoke, flops, dict(seq_len=seq_len,
                                                                        **cudnn))
@@ -102,7 +102,7 @@ def _errors(got, want) -> dict:
   return {f"rel_err_{n}": bench_kernel.rel_err(g, w) for n, g, w in zip(names, got, want)}
 
 
-def _block_rows(record, schedule, pair, inputs, segments, kernels, flops, where) -> None:
+def _block_rows(record, schedule, pair, inputs, segments, kernel_names, flops, where) -> None:
   q, k, v, dout = inputs
   tile = min(bench_kernel.TILE, q.shape[1])
   reference = jax.jit(bench_kernel.fwd_bwd(kernel_xla.block_fwd, kernel_xla.block_bwd,
@@ -110,12 +110,12 @@ def _block_rows(record, schedule, pair, inputs, segments, kernels, flops, where)
   with jax.default_matmul_precision("highest"):
     (g_ref, o_ref, _) = reference(*(x.astype(F32) for x in inputs), pair, segments, segments)
   measured = {}  # kernel run -> its row: `auto` is one of the others (pallas on a GPU)
-  for label, name in kernels.items():
-    runs = parallelism.resolve_kernel(name)
+  for label, name in kernel_names.items():
+    runs, _ = kernels.choose(name, q.shape, k.shape, tile, q.dtype)
     if runs in measured:
       record(**{**measured[runs], "kernel": label, "runs": runs, "same_run_as": runs})
       continue
-    fwd, bwd = get_kernel(name)
+    fwd, bwd = kernels.KERNELS[runs]
     at = dict(schedule=schedule, tile=tile)
     run_f = jax.jit(lambda q, k, v, pair, fwd=fwd: fwd(q, k, v, segments, segments, pair=pair,
                                                        **at))

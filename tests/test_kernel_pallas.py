@@ -212,11 +212,10 @@ def test_ring_attention_pallas_matches_dense(layout):
     (100, 4, 64, 100),  # a block of 100: the ring clips the tile to it
     (192, 4, 64, 192),  # a block of 192: not a whole number of 128-token tiles
 ])
-def test_auto_runs_pallas_on_gpus_where_triton_lowers_it(monkeypatch, capsys, q_len, heads,
-                                                         head_dim, tile):
+def test_auto_runs_pallas_on_gpus_where_triton_lowers_it(monkeypatch, q_len, heads, head_dim,
+                                                         tile):
   """`kernel_pallas.gpu_unsupported` says no exactly where the CUDA cross-lowering of the
-  forward and backward fails, and `auto` on a GPU then runs xla for the block, saying why
-  once."""
+  forward and backward fails, and `auto` on a GPU then runs xla for the blocks, and why."""
   from parallelism import kernels
   schedule = ring_schedule("striped", 4 * q_len, 4)
   q = jax.ShapeDtypeStruct((1, q_len, heads, head_dim), jnp.bfloat16)
@@ -237,12 +236,7 @@ def test_auto_runs_pallas_on_gpus_where_triton_lowers_it(monkeypatch, capsys, q_
     assert "power of 2" in str(error) or "not divisible by the kernel tile" in str(error)
     lowered = False
   assert lowered == (reason is None), reason
-  monkeypatch.setattr(kernels.jax, "default_backend", lambda: "gpu")
-  monkeypatch.setattr(kernels, "_SAID", set())
-  for _ in range(2):
-    chosen = kernels._for_blocks(q.shape, kv.shape, tile, q.dtype)
-  assert chosen == kernels.KERNELS["pallas" if lowered else "xla"]
-  said = capsys.readouterr().out.splitlines()
-  assert said == ([] if lowered else [
-      f"model.kernel='auto': the pallas kernel cannot take these attention blocks ({reason}); "
-      f"they run on xla"])
+  monkeypatch.setattr(kernels.target, "backend", lambda: "gpu")
+  assert kernels.choose("auto", q.shape, kv.shape, tile, q.dtype) == (
+      ("pallas", None) if lowered else
+      ("xla", f"the pallas kernel cannot take these attention blocks ({reason})"))

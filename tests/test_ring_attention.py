@@ -303,10 +303,10 @@ def test_errors_are_clear():
   with pytest.raises(ValueError, match=r"kv heads \(1\) must be divisible by the mesh axes"):
     attend(q, k[:, :, :1], v[:, :, :1], rules=tensor_rules,
            mesh=jax.make_mesh((2, 2), ("sequence", "tensor"), devices=jax.devices()[:4]))
-  with pytest.raises(ValueError, match="activation_heads and activation_kv_heads over the same"):
+  with pytest.raises(ValueError, match="they must shard over the same mesh axes"):
     attend(q, k, v, rules=tensor_rules[:2],
            mesh=jax.make_mesh((2, 2), ("sequence", "tensor"), devices=jax.devices()[:4]))
-  with pytest.raises(ValueError, match="splits the sequence over 'sequence' only"):
+  with pytest.raises(ValueError, match="splits the sequence over mesh axis 'sequence' only"):
     attend(q, k, v, rules=(("activation_seq", ("sequence", "tensor")),),
            mesh=jax.make_mesh((2, 2), ("sequence", "tensor"), devices=jax.devices()[:4]))
   with pytest.raises(ValueError, match="must map activation_seq to the ring's mesh axis"):

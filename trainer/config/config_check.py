@@ -133,63 +133,53 @@ def _check_mesh(config: ml_collections.ConfigDict, num_devices: int, head_size: 
   strategy = m.sequence_parallel
   _require(strategy in parallelism.STRATEGIES,
            f"model.sequence_parallel='{strategy}' must be one of {parallelism.STRATEGIES}")
-  uses_ulysses = strategy in parallelism.ULYSSES and m.attention != "dense"
-  _require(ulysses == 1 or uses_ulysses,
-           f"mesh.ulysses={ulysses} splits the sequence for Ulysses attention, which "
-           f"model.attention='{m.attention}' with model.sequence_parallel='{strategy}' does not "
-           f"run: set mesh.ulysses=1, or model.sequence_parallel to ulysses or hybrid")
-  _require(strategy != "ulysses" or not uses_ulysses or sequence == 1,
-           f"model.sequence_parallel='ulysses' splits the sequence over mesh.ulysses only, but "
-           f"mesh.sequence={sequence}: use 'hybrid' for Ulysses times a ring over mesh.sequence, "
-           f"or set mesh.sequence=1")
+  if m.attention == "dense":  # No ring: the sequence axes only shard its activations.
+    _require(ulysses == 1, f"mesh.ulysses={ulysses} splits the sequence for Ulysses attention, "
+                           f"which model.attention='dense' does not run: set mesh.ulysses=1")
+    _require(seq_len % sequence == 0,
+             f"data.seq_len={seq_len} must be divisible by mesh.sequence={sequence}")
+    return
+  # The data pipeline permutes each batch for mesh.sequence shards: the ring runs there.
+  seq_axes = parallelism.mesh.as_axes(dict(config.mesh.rules).get("activation_seq"))
+  _require(seq_axes in (("sequence",), ("sequence", "ulysses")),
+           f"mesh.rules maps activation_seq to {seq_axes or 'nothing'}; model.attention="
+           f"'{m.attention}' needs it on ('sequence',), optionally then 'ulysses': the ring "
+           f"the data is laid out for, then the Ulysses axis")
+  split = attention_split(config, num_devices, head_size)
+  if split.kv_repeat > 1:
+    _say_once(f"note: the key/value heads (model.num_kv_heads={m.num_kv_heads}) do not split "
+              f"over mesh.ulysses={ulysses}; Ulysses repeats each {split.kv_repeat} times "
+              f"(GQA: exact, with {split.kv_repeat}x the key/value all-to-all bytes)")
+
+
+# How the trainer's users know what `parallelism.split_attention` names: config fields.
+CONFIG_NAMES = parallelism.Names(seq_len="data.seq_len", tile="model.attention_tile",
+                                 strategy="model.sequence_parallel", heads="model.num_heads",
+                                 rules="mesh.rules", axis="mesh.{}")
+
+
+def attention_split(config: ml_collections.ConfigDict, num_devices: int,
+                    head_size: int | None = None):
+  """Each device's side of the config's (non-dense) attention on its mesh:
+  `parallelism.split_attention`, its errors a ConfigError naming config fields."""
+  m = config.model
+  shape = dict(zip(parallelism.MESH_AXES,
+                   parallelism.resolve_mesh_shape(config.mesh, num_devices)))
+  mesh = jax.sharding.AbstractMesh(tuple(shape.values()), tuple(shape))
   try:
-    parallelism.layouts.check_seq_len(seq_len, layout, sequence, name="data.seq_len")
-  except ValueError as e:
-    raise ConfigError(str(e)) from None
-  _require(seq_len % (sequence * ulysses) == 0,
-           f"data.seq_len={seq_len} must be divisible by mesh.sequence x mesh.ulysses = "
-           f"{sequence} x {ulysses}")
-  if m.attention != "dense":
-    rules = dict(config.mesh.rules)
-    seq_axes = parallelism.mesh.as_axes(rules.get("activation_seq"))
-    want = ("sequence", "ulysses") if uses_ulysses else ("sequence",)
-    _require(seq_axes == want or seq_axes == ("sequence", "ulysses"),
-             f"mesh.rules maps activation_seq to {seq_axes or 'nothing'}; model.attention="
-             f"'{m.attention}' with model.sequence_parallel='{strategy}' needs it on {want}"
-             f"{'' if uses_ulysses else ' (optionally then ulysses)'}: the ring the data is "
-             f"laid out for{', then the Ulysses axis' if uses_ulysses else ''}")
-    heads = parallelism.mesh.as_axes(rules.get("activation_heads"))
-    kv_heads = parallelism.mesh.as_axes(rules.get("activation_kv_heads"))
-    _require(heads == kv_heads,
-             f"mesh.rules maps activation_heads to {heads} but activation_kv_heads to "
-             f"{kv_heads}; ring attention needs both on the same mesh axes")
-    # The kernels' own clipping, so a config that passes here cannot fail in the ring.
-    tile = parallelism.block_tile(seq_len, sequence, m.attention_tile)
-    _require(seq_len % (sequence * tile) == 0,
-             f"data.seq_len={seq_len} must be divisible by mesh.sequence x model.attention_tile"
-             f" = {sequence} x {tile}")
-    if uses_ulysses:
-      _check_ulysses(m, shape, heads)
+    return parallelism.split_attention(
+        m.sequence_parallel, layout_of(m.attention), config.data.seq_len, m.attention_tile,
+        m.kernel, mesh, config.mesh.rules, m.num_heads, m.num_kv_heads,
+        head_size or m.head_dim or m.d_model // m.num_heads, jnp.dtype(m.dtype), CONFIG_NAMES)
+  except ValueError as error:
+    raise ConfigError(str(error)) from None
 
 
 _SAID: set[str] = set()  # Notes already printed by this process.
 
 
-def _check_ulysses(m: ml_collections.ConfigDict, shape: dict[str, int], head_axes) -> None:
-  """Heads split over the Ulysses degree after the axes the rules put them on; K/V heads
-  that do not are repeated (said once per process: it costs memory and all-to-all bytes)."""
-  ulysses = shape["ulysses"]
-  shards = math.prod(shape.get(axis, 1) for axis in head_axes)
-  local_heads, local_kv = m.num_heads // shards, m.num_kv_heads // shards
-  _require(local_heads % ulysses == 0,
-           f"model.num_heads={m.num_heads} over {shards} head shard(s) (mesh.rules' "
-           f"activation_heads) leaves {local_heads} heads per device, which mesh.ulysses="
-           f"{ulysses} must divide (Ulysses splits the heads)")
-  repeat = parallelism.kv_repeat(local_kv, ulysses)
-  note = (f"note: {local_kv} key/value heads per device do not split over mesh.ulysses="
-          f"{ulysses}; Ulysses repeats each {repeat} times (GQA: exact, with {repeat}x the "
-          f"key/value all-to-all bytes)")
-  if repeat > 1 and note not in _SAID:
+def _say_once(note: str) -> None:
+  if note not in _SAID:
     _SAID.add(note)
     print(note, flush=True)
 

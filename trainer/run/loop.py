@@ -27,7 +27,7 @@ from trainer.ckpt.resume import (checkpoint_meta, compatibility_check, config_di
 from trainer.ckpt.start import initial_state
 from trainer.config import flops, stages
 from trainer.config import workdir as workdir_lock
-from trainer.config.config_check import ConfigError
+from trainer.config.config_check import ConfigError, attention_split
 from trainer.core.state import TrainState, carry_over_stage
 from trainer.core.step import eval_step
 from trainer.core.training import build_training, data_config, model_config
@@ -149,7 +149,7 @@ def _train(config, workdir: str, start_over: bool, signals: StopSignals, is_writ
           if stage.name and step < stage.last_step:
             log(_stage_line(stage, step))
           if step < stage.last_step:
-            log(_kernel_line(stage_model_cfg))
+            log(_kernel_line(stage.config, stage_model_cfg))
           iterator = _make_iterator(stage.config, stage_model_cfg, mesh, data_cfg.train_split,
                                     stages.data_seed(config.seed, stage.index))
           if data_state is not None:
@@ -188,11 +188,15 @@ def _train(config, workdir: str, start_over: bool, signals: StopSignals, is_writ
   return _combined(summaries)
 
 
-def _kernel_line(model_cfg: ModelConfig) -> str:
+def _kernel_line(config: ml_collections.ConfigDict, model_cfg: ModelConfig) -> str:
+  """What computes the attention, as the run starts (a stage may change it)."""
   if model_cfg.attention == "dense":
     return dense_line(model_cfg)
-  return (f"attention: {model_cfg.attention}, block kernel "
-          f"{parallelism.describe_kernel(model_cfg.kernel)}")
+  split = attention_split(config, jax.device_count())
+  described = parallelism.describe_kernel(model_cfg.kernel)
+  if split.kernel_fallback:  # e.g. 'auto on gpu: xla (the pallas kernel cannot take ...)'
+    described = f"{described.rsplit(':', 1)[0]}: {split.kernel} ({split.kernel_fallback})"
+  return f"attention: {model_cfg.attention}, block kernel {described}"
 
 
 def _stage_line(stage: stages.Stage, step: int) -> str:
