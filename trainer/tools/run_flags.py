@@ -12,6 +12,7 @@ import jax
 import ml_collections
 
 from trainer.ckpt.resume import config_path
+from trainer.config import cli
 from trainer.track.provenance import config_of
 
 
@@ -57,29 +58,6 @@ def hf_config(directory: str) -> ml_collections.ConfigDict:
   if trained:
     config.data.seq_len = int(trained)
   return config
-
-
-def flag_error(error: Exception) -> str:
-  """absl's message for a bad flag value, with a parser's tuple-shaped reason ("('Non-boolean
-  argument to boolean flag', 'yes')") said in words."""
-  message, reason = str(error), error.__context__
-  if isinstance(reason, (TypeError, ValueError)) and len(reason.args) > 1:
-    words = ("must be true or false" if "boolean" in str(reason.args[0])
-             else ": ".join(map(str, reason.args)))
-    message = message.replace(str(reason), words)
-  return message
-
-
-def exit_on_index_error(argv: list[str]) -> None:
-  """Called while handling an IndexError from flag parsing: ml_collections' ("tuple index out
-  of range") for an override such as `--config.stages[2].train.lr` of a config with two
-  stages exits in one line naming the flag; one from a config file's own code (no override
-  indexes) goes on, its traceback naming the line."""
-  indexed = [arg.split("=")[0] for arg in argv if arg.startswith("--config.") and "[" in arg]
-  if not indexed:
-    raise  # pylint: disable=misplaced-bare-raise  # The IndexError being handled.
-  sys.exit(f"error: {' or '.join(indexed)}: an index past the end of its list (a stage, say, "
-           f"that the config does not have; they count from 0)")
 
 
 _HELP_FLAGS = ("help", "helpshort", "helpfull", "helpxml", "?")  # absl's, with - or --.
@@ -135,9 +113,9 @@ def parse_run_flags(argv: list[str], define_flags: Callable[[], None], allow_hf:
   try:
     flags.FLAGS(argv)
   except (flags.Error, AttributeError, KeyError) as error:
-    sys.exit(f"error: {flag_error(error)}")
+    sys.exit(f"error: {cli.flag_error(error)}")
   except IndexError:
-    exit_on_index_error(argv)
+    cli.exit_on_index_error(argv)
   problem, notes = stages.replaced_overrides(
       flags.FLAGS.config, config_flags.get_override_values(flags.FLAGS["config"]))
   if problem:

@@ -1,6 +1,6 @@
 """Where metrics go: `<workdir>/metrics.jsonl`, the console and Weights & Biases.
 
-Every tracker has `log(record)` and `close()`; the loop builds them (`loop.make_trackers`,
+Every tracker has `log(record)` and `close()`; the run builds them (`run.setup.make_trackers`,
 with `wandb_tracker`, which imports this module) on process 0 only, so other processes
 write nothing. The JSONL file is appended and flushed per
 line, never rewritten, so a crash loses at most the line being written and a resumed run
