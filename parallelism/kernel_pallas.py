@@ -289,13 +289,13 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSched
   len_k, num_kv = k_BTKD.shape[1], k_BTKD.shape[2]
   block_q = _size(config.fwd_q, tile, len_q, "query")
   block_k = _size(config.fwd_k, tile, len_k, "key")
-  plan = schedule.tiles(block_q, block_k)
+  tables = schedule.tiles(block_q, block_k)
   num_q, group = len_q // block_q, num_heads // num_kv
   q_spec, stat_spec, seg_spec = _q_grid_specs(num_q, block_q, head_dim)
   kv_spec = pl.BlockSpec((None, len_k, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
   k_row_spec = pl.BlockSpec((None, len_k), lambda i, b, h: (b, 0))
   rest, rest_specs = _segments_and_tables((q_seg_BT, k_seg_BT), (seg_spec, k_row_spec),
-                                          _pair_tables(plan.by_query, plan.masks, pair))
+                                          _pair_tables(tables.by_query, tables.masks, pair))
   out_shape = [jax.ShapeDtypeStruct(q_BTHD.shape, _F32),
                jax.ShapeDtypeStruct((batch, len_q, num_heads), _F32)]
   kernel = functools.partial(_fwd_kernel, scale=head_dim ** -0.5, block_k=block_k,
@@ -325,14 +325,14 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
   # dK, dV: one program per (key tile, row, kv head), looping over the group's q heads.
   block_k = _size(config.dkv_k, tile, len_k, "key")
   block_q = _size(config.dkv_q, tile, len_q, "query")
-  plan = schedule.tiles(block_q, block_k)
+  tables = schedule.tiles(block_q, block_k)
   q_spec = pl.BlockSpec((None, len_q, group, head_dim), lambda j, b, h: (b, 0, h, 0))
   k_spec = pl.BlockSpec((None, block_k, None, head_dim), lambda j, b, h: (b, j, h, 0))
   stat_spec = pl.BlockSpec((None, len_q, group), lambda j, b, h: (b, 0, h))
   rest, rest_specs = _segments_and_tables(
       (q_seg_BT, k_seg_BT), (pl.BlockSpec((None, len_q), lambda j, b, h: (b, 0)),
                              pl.BlockSpec((None, block_k), lambda j, b, h: (b, j))),
-      _pair_tables(plan.by_key, plan.masks, pair))
+      _pair_tables(tables.by_key, tables.masks, pair))
   kernel = functools.partial(_dkv_kernel, scale=scale, block_q=block_q, group=group,
                              has_seg=has_seg)
   dk_BTKD, dv_BTKD = _call(
@@ -344,13 +344,13 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
   # dQ: one program per (query tile, row, q head), looping over key tiles.
   block_q = _size(config.dq_q, tile, len_q, "query")
   block_k = _size(config.dq_k, tile, len_k, "key")
-  plan = schedule.tiles(block_q, block_k)
+  tables = schedule.tiles(block_q, block_k)
   num_q = len_q // block_q
   q_spec, stat_spec, seg_spec = _q_grid_specs(num_q, block_q, head_dim)
   kv_spec = pl.BlockSpec((None, len_k, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
   rest, rest_specs = _segments_and_tables(
       (q_seg_BT, k_seg_BT), (seg_spec, pl.BlockSpec((None, len_k), lambda i, b, h: (b, 0))),
-      _pair_tables(plan.by_query, plan.masks, pair))
+      _pair_tables(tables.by_query, tables.masks, pair))
   kernel = functools.partial(_dq_kernel, scale=scale, block_k=block_k, has_seg=has_seg)
   dq_BTHD = _call(kernel, (num_q, batch, num_heads),
                   [q_spec, kv_spec, kv_spec, q_spec, stat_spec, stat_spec, *rest_specs], q_spec,

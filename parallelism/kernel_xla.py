@@ -7,7 +7,7 @@ static schedule (`parallelism.schedule`): for each query tile (forward) or key t
 tiles apply their precomputed elementwise mask. SKIP tiles are never visited, and nothing
 is classified at run time: the only traced inputs to the loop bounds are the block pair's
 row of the schedule's tables. A MASKED tile on a causal diagonal (every layout's; the
-schedule says so, `TilePlan.upper_right_empty`) is computed in two parts that leave out its
+schedule says so, `TileTables.upper_right_empty`) is computed in two parts that leave out its
 quarter no query sees, the first half of queries on the first half of keys and the second
 half on all keys: causal blocks 2% faster on CPU (S=8192, tile 256; four separate quarters,
 tried earlier, were no faster). Segment ids, when given, are the one run-time mask, applied
@@ -104,7 +104,7 @@ def _fwd_update(carry, q_BKGtD, k_BKtD, v_BKtD, visible, *, scale: float):
 
 def _fwd_update_in_halves(carry, q_BKGtD, k_BKtD, v_BKtD, visible, *, scale: float):
   """`_fwd_update` of a MASKED tile whose first half of queries sees none of its second half
-  of keys (`TilePlan.upper_right_empty`): that quarter is not computed. The first half of
+  of keys (`TileTables.upper_right_empty`): that quarter is not computed. The first half of
   queries meets the first half of keys, the second half all keys. Tiles are square here."""
   h = q_BKGtD.shape[_Q_AXIS] // 2
   first, second = (tuple(lax.slice_in_dim(c, start, stop, axis=_Q_AXIS) for c in carry)
@@ -121,9 +121,9 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSched
   """Attention of a query block on a key block: (out [B,Tq,Hq,D] f32, lse [B,Tq,Hq] f32)."""
   num_kv = k_BTKD.shape[2]
   scale = q_BTHD.shape[3] ** -0.5
-  plan = schedule.tiles(tile)
-  lists, masks = pair_rows(plan.by_query, pair), jnp.asarray(plan.masks)
-  halves = plan.upper_right_empty
+  tables = schedule.tiles(tile)
+  lists, masks = pair_rows(tables.by_query, pair), jnp.asarray(tables.masks)
+  halves = tables.upper_right_empty
   segments = q_seg_BT is not None
   k_BKTD, v_BKTD = (jnp.swapaxes(x, 1, 2) for x in (k_BTKD, v_BTKD))  # walked by the inner loop
 
@@ -185,7 +185,7 @@ def _bwd_update(carry, q_xs, k_xs, visible_T, *, scale: float):
 
 def _bwd_update_in_halves(carry, q_xs, k_xs, visible_T, *, scale: float):
   """`_bwd_update` of a MASKED tile whose second half of keys is seen by none of its first
-  half of queries (`TilePlan.upper_right_empty`): the first half of keys meets all queries,
+  half of queries (`TileTables.upper_right_empty`): the first half of keys meets all queries,
   the second half only the second half of queries. Tiles are square here."""
   dk_BKtD, dv_BKtD, dq_BKDGt = carry
   h = dk_BKtD.shape[2] // 2
@@ -216,11 +216,11 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
   """
   num_kv = k_BTKD.shape[2]
   scale = q_BTHD.shape[3] ** -0.5
-  plan = schedule.tiles(tile)
+  tables = schedule.tiles(tile)
   # Key-major masks, transposed on the host: a traced mask id's gather is not folded away
   # as a lone constant mask is, and transposing each gathered mask cost striped's backward 2%.
-  lists, masks_T = pair_rows(plan.by_key, pair), jnp.asarray(plan.masks.swapaxes(1, 2))
-  halves = plan.upper_right_empty
+  lists, masks_T = pair_rows(tables.by_key, pair), jnp.asarray(tables.masks.swapaxes(1, 2))
+  halves = tables.upper_right_empty
   segments = q_seg_BT is not None
   # lse -inf (a query that sees nothing) -> +inf so exp(s - lse) is 0 rather than NaN.
   lse_safe = jnp.where(jnp.isfinite(lse_BTH), lse_BTH, jnp.inf).astype(_F32)

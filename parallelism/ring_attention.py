@@ -45,7 +45,7 @@ SAVED_NAMES = ("attention_out", "attention_lse")
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class _Passes:
   """How one call runs its passes: each device's strategy and, on a mesh, the shard_map
   specs (q and out, k and v, segment ids) it runs over. Static (hashed into the trace) so
   it can be a non-differentiable argument of the custom_vjp."""
@@ -97,12 +97,12 @@ def _if(segment_ids, value) -> tuple:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attention(q_BSHD, k_BSKD, v_BSKD, seg_BS, plan: _Plan):
-  return plan.forward(q_BSHD, k_BSKD, v_BSKD, seg_BS)[0]
+def _attention(q_BSHD, k_BSKD, v_BSKD, seg_BS, passes: _Passes):
+  return passes.forward(q_BSHD, k_BSKD, v_BSKD, seg_BS)[0]
 
 
-def _attention_fwd(q_BSHD, k_BSKD, v_BSKD, seg_BS, plan: _Plan):
-  out_BSHD, lse_BSH = plan.forward(q_BSHD, k_BSKD, v_BSKD, seg_BS)
+def _attention_fwd(q_BSHD, k_BSKD, v_BSKD, seg_BS, passes: _Passes):
+  out_BSHD, lse_BSH = passes.forward(q_BSHD, k_BSKD, v_BSKD, seg_BS)
   # Named so that a remat policy can keep them (SAVED_NAMES); the output is saved in q's
   # dtype (what the caller holds anyway), lse in float32.
   out_BSHD = checkpoint_name(out_BSHD, SAVED_NAMES[0])
@@ -110,9 +110,9 @@ def _attention_fwd(q_BSHD, k_BSKD, v_BSKD, seg_BS, plan: _Plan):
   return out_BSHD, (q_BSHD, k_BSKD, v_BSKD, seg_BS, out_BSHD, lse_BSH)
 
 
-def _attention_bwd(plan: _Plan, residuals, dout_BSHD):
+def _attention_bwd(passes: _Passes, residuals, dout_BSHD):
   # Integer segment ids get no cotangent.
-  return (*plan.backward(*residuals, dout_BSHD), None)
+  return (*passes.backward(*residuals, dout_BSHD), None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -175,13 +175,13 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
   if context_mesh and mesh.empty:
     # No mesh anywhere (a single-device script, model.init outside a mesh): one block, local.
     local = local_strategy(layout, seq_len, tile_size, kernel, q.shape, k.shape, q.dtype)
-    return _attention(q, k, v, segment_ids, _Plan(local))
+    return _attention(q, k, v, segment_ids, _Passes(local))
   specs = operand_specs(mesh, rules, q.shape, k.shape[2])
-  plan = _Plan(split_attention(strategy, layout, seq_len, tile_size, kernel, mesh, rules,
-                               q.shape[2], k.shape[2], q.shape[3], q.dtype),
-               None if context_mesh else mesh, specs)
+  passes = _Passes(split_attention(strategy, layout, seq_len, tile_size, kernel, mesh, rules,
+                                   q.shape[2], k.shape[2], q.shape[3], q.dtype),
+                   None if context_mesh else mesh, specs)
   if not any(t == AxisType.Explicit for t in mesh.axis_types):
-    return _attention(q, k, v, segment_ids, plan)
+    return _attention(q, k, v, segment_ids, passes)
   # Explicit-sharding meshes make shard_map demand inputs already laid out as in_specs;
   # the output goes back to q's sharding so the caller sees the type it passed in.
   out_spec = jax.typeof(q).sharding.spec
@@ -190,7 +190,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
              for x, spec in ((q, q_spec), (k, kv_spec), (v, kv_spec)))
   if segment_ids is not None:
     segment_ids = jax.reshard(segment_ids, _sharding(mesh, seg_spec))
-  return jax.reshard(_attention(q, k, v, segment_ids, plan), _sharding(mesh, out_spec))
+  return jax.reshard(_attention(q, k, v, segment_ids, passes), _sharding(mesh, out_spec))
 
 
 def _sharding(mesh, spec: P):

@@ -50,7 +50,7 @@ class TileLists(NamedTuple):
 
   Arrays are [pairs, outer tiles, ...] int32, padded past their counts: `runs` holds
   (first, stop) of each run of consecutive UNMASKED inner tiles, `masked` the MASKED inner
-  tiles in order and `mask_id` their masks (rows of `TilePlan.masks`).
+  tiles in order and `mask_id` their masks (rows of `TileTables.masks`).
   """
   runs: np.ndarray  # [P, n, R, 2]
   num_runs: np.ndarray  # [P, n]
@@ -60,7 +60,7 @@ class TileLists(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class TilePlan:
+class TileTables:
   """The schedule at one tile granularity (query tiles of `tile_q`, key tiles of `tile_k`)."""
   tile_q: int
   tile_k: int
@@ -90,7 +90,7 @@ class RingSchedule:
   pair: np.ndarray  # [N devices, N steps] int32: the distinct block pair computed there
   pair_blocks: tuple[tuple[int, int], ...]  # a (query block, key block) of each distinct pair
   shapes: tuple[str, ...]  # the mask shape of each distinct pair, one of MASK_SHAPES
-  _plans: dict = dataclasses.field(default_factory=dict, repr=False)
+  _tables: dict = dataclasses.field(default_factory=dict, repr=False)
 
   @property
   def block_len(self) -> int:
@@ -101,12 +101,12 @@ class RingSchedule:
     """[N devices, N steps] bool: nothing to compute (the ring skips the kernel)."""
     return np.asarray([s == "empty" for s in self.shapes])[self.pair]
 
-  def tiles(self, tile_q: int, tile_k: int | None = None) -> TilePlan:
+  def tiles(self, tile_q: int, tile_k: int | None = None) -> TileTables:
     """Block-sparse metadata at these tile sizes (built on first use, then cached)."""
     key = (tile_q, tile_q if tile_k is None else tile_k)
-    if key not in self._plans:
-      self._plans[key] = _tile_plan(self.order, self.pair_blocks, *key)
-    return self._plans[key]
+    if key not in self._tables:
+      self._tables[key] = _tile_tables(self.order, self.pair_blocks, *key)
+    return self._tables[key]
 
   def computed_tiles(self, tile: int) -> np.ndarray:
     """[N steps, N devices]: tile pairs each device computes (not SKIP) at each step."""
@@ -177,7 +177,7 @@ def _mask_shape(seen_T: np.ndarray, key_order_T: np.ndarray) -> str:
   return "general"
 
 
-def _tile_plan(order_NT: np.ndarray, pair_blocks, tile_q: int, tile_k: int) -> TilePlan:
+def _tile_tables(order_NT: np.ndarray, pair_blocks, tile_q: int, tile_k: int) -> TileTables:
   block_len = order_NT.shape[1]
   for name, tile in (("query", tile_q), ("key", tile_k)):
     if tile <= 0 or block_len % tile:
@@ -198,11 +198,11 @@ def _tile_plan(order_NT: np.ndarray, pair_blocks, tile_q: int, tile_k: int) -> T
   for packed, index in masks.items():
     unique[index] = np.unpackbits(np.frombuffer(packed, np.uint8),
                                   count=tile_q * tile_k).reshape(tile_q, tile_k)
-  plan = TilePlan(tile_q, tile_k, classes_PQK, _tile_lists(classes_PQK, ids_PQK),
-                  _tile_lists(classes_PQK.swapaxes(1, 2), ids_PQK.swapaxes(1, 2)), unique)
-  for array in (plan.classes, plan.masks, *plan.by_query, *plan.by_key):
+  tables = TileTables(tile_q, tile_k, classes_PQK, _tile_lists(classes_PQK, ids_PQK),
+                      _tile_lists(classes_PQK.swapaxes(1, 2), ids_PQK.swapaxes(1, 2)), unique)
+  for array in (tables.classes, tables.masks, *tables.by_query, *tables.by_key):
     array.setflags(write=False)  # cached and shared by every compile that asks for it
-  return plan
+  return tables
 
 
 def _tile_lists(classes_PON: np.ndarray, ids_PON: np.ndarray) -> TileLists:
@@ -260,10 +260,10 @@ def describe(schedule: RingSchedule, tile: int) -> str:
            f"{schedule.block_len}, tiles of {tile} ({per_block} tile pairs per block pair)",
            "", "distinct block pairs (query block, key block), each with its mask shape and "
            "tiles computed (of them masked):"]
-  plan = schedule.tiles(tile)
+  tables = schedule.tiles(tile)
   for p, (blocks, shape) in enumerate(zip(schedule.pair_blocks, schedule.shapes)):
-    computed = int((plan.classes[p] != tiles.SKIP).sum())
-    masked = int((plan.classes[p] == tiles.MASKED).sum())
+    computed = int((tables.classes[p] != tiles.SKIP).sum())
+    masked = int((tables.classes[p] == tiles.MASKED).sum())
     lines.append(f"  {p}: {blocks} {shape:<16} {computed:>8} ({masked})")
   lines += ["", "step x device: distinct pair / tiles computed"]
   lines.append("step " + "".join(f"{f'dev {d}':>14}" for d in range(n)) + f"{'busiest':>10}")

@@ -47,7 +47,7 @@ def _extend_config(data_dir, steps=(6, 6)):
 
 
 def test_plan_numbers_steps_on_and_resolves_each_stage(shared_data_dir):
-  first, second = stages.plan(_extend_config(shared_data_dir, steps=(30, 20)))
+  first, second = stages.resolve(_extend_config(shared_data_dir, steps=(30, 20)))
   assert (first.first_step, first.last_step, second.first_step, second.last_step) == (
       1, 30, 31, 50)
   assert (first.config.data.seq_len, second.config.data.seq_len) == (64, 256)
@@ -124,12 +124,12 @@ def test_resume_may_change_stages_not_yet_begun_only(shared_data_dir):
 
 
 def test_a_checkpoint_must_sit_in_the_stage_that_wrote_it(shared_data_dir):
-  plan = stages.plan(_extend_config(shared_data_dir, steps=(6, 6)))
+  plan = stages.resolve(_extend_config(shared_data_dir, steps=(6, 6)))
   meta = plan[1].checkpoint_meta()
   assert stages.check_checkpoint(plan, 8, meta) is None
-  moved = stages.plan(_extend_config(shared_data_dir, steps=(5, 7)))
+  moved = stages.resolve(_extend_config(shared_data_dir, steps=(5, 7)))
   assert "cannot change" in stages.check_checkpoint(moved, 8, meta)
-  unstaged = stages.plan(ml_collections.ConfigDict({"stages": (), "train": {"steps": 12}}))
+  unstaged = stages.resolve(ml_collections.ConfigDict({"stages": (), "train": {"steps": 12}}))
   assert "stage '256'" in stages.check_checkpoint(unstaged, 8, meta)
   assert "without stages" in stages.check_checkpoint(plan, 8, {})
 
@@ -178,7 +178,7 @@ def test_two_stages_train_and_resume_exactly_after_a_kill_inside_stage_2(
   assert sorted(appended) == list(range(1, 13))
   assert {appended[s]["stage_name"] for s in range(1, 7)} == {"64"}
   assert {appended[s]["stage_name"] for s in range(7, 13)} == {"256"}
-  stage_2 = stages.plan(_extend_config(shared_data_dir))[1].config
+  stage_2 = stages.resolve(_extend_config(shared_data_dir))[1].config
   # Its own schedule: warmup restarts at stage 2.
   assert appended[8]["lr"] == pytest.approx(float(make_schedule(stage_2.train)(1)), rel=1e-6)
   # The final step exports with the last stage's RoPE: YaRN x4 over 64 positions.
@@ -235,7 +235,7 @@ def test_the_llama_extension_recipe_resolves_on_an_imported_checkpoint():
       os.path.join(ROOT, "tests", "hf_fixtures", "llama3_rope"))
   hf_import.apply_to_config(config)
   check_config(config, 8)
-  plan = stages.plan(config)
+  plan = stages.resolve(config)
   assert [(s.config.data.seq_len, s.config.model.rope_scaling.factor, s.last_step)
           for s in plan] == [(65536, 2.0, 300), (131072, 4.0, 500), (262144, 8.0, 600)]
   # The checkpoint's shape and tokenizer, the stages' RoPE.

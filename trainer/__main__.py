@@ -134,7 +134,7 @@ def main(argv: list[str]) -> None:
     # host has its own environment, and a process that stopped alone would leave the others
     # waiting.
     distributed.stop_together(_wandb_mode_problem(config), "its WANDB_MODE is not valid")
-    last_step = stages.plan(config)[-1].last_step
+    last_step = stages.resolve(config)[-1].last_step
     if profile_steps and profile_steps[0] > last_step:
       raise ConfigError(f"--profile_steps={_PROFILE_STEPS.value} starts after the run's last "
                         f"step, {last_step}")

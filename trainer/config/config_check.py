@@ -32,7 +32,7 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
   if not config.stages:
     _check_one(config, num_devices)
     return
-  for stage in stages.plan(config):
+  for stage in stages.resolve(config):
     try:
       _check_one(stage.config, num_devices)
     except ConfigError as error:

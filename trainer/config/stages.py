@@ -43,7 +43,7 @@ class Stage:
   index: int  # 0-based position in config.stages.
   count: int  # Stages in the run.
   name: str  # '' for a run without stages.
-  config: ml_collections.ConfigDict  # The run's config with the stage applied (see `plan`).
+  config: ml_collections.ConfigDict  # The run's config with the stage applied (see `resolve`).
   first_step: int
   last_step: int
   keep_optimizer: bool
@@ -106,7 +106,7 @@ def problem(config: ml_collections.ConfigDict) -> str | None:
   return None
 
 
-def plan(config: ml_collections.ConfigDict) -> list[Stage]:
+def resolve(config: ml_collections.ConfigDict) -> list[Stage]:
   """The run's stages in order, each with its resolved config.
 
   A stage's config is the run's with the stage's fields applied, `stages` emptied,

@@ -83,7 +83,7 @@ def run(config: ml_collections.ConfigDict) -> None:
   # find/compare plan by the GPU they compile for; `plan` resolves the same from its flags.
   gpu = (plan_target.gpu_target(_COMPILER.value, _ACCELERATOR.value)
          if _FIND_MAX.value or _COMPARE.value else None)
-  for stage in stages.plan(config):
+  for stage in stages.resolve(config):
     if stage.name:
       print(f"{stage.label}:", flush=True)
     if _FIND_MAX.value:

@@ -60,9 +60,9 @@ def _train_stages(setup: run_setup.Setup, start_over: bool, signals: StopSignals
                   periodic_evals: Sequence[PeriodicEvalMaker]) -> dict[str, Any]:
   """Resumes, then trains each stage left; `trackers` are opened at the first stage run."""
   step, state, data_state = run_setup.restore(setup, start_over)
-  plan, summaries = setup.stages, []
+  all_stages, summaries = setup.stages, []
   try:
-    for stage in plan[stages.next_to_run(plan, step).index:]:
+    for stage in all_stages[stages.next_to_run(all_stages, step).index:]:
       parts = build_training(stage.config, setup.mesh)
       model_cfg = model_config(stage.config)
       if state is None:
@@ -75,7 +75,7 @@ def _train_stages(setup: run_setup.Setup, start_over: bool, signals: StopSignals
         setup.log(line)
       if setup.records is not None and not trackers:  # Once the first step is near.
         trackers += run_setup.make_trackers(setup.config, setup.workdir, setup.records,
-                                            plan[-1].last_step, step)
+                                            all_stages[-1].last_step, step)
       run = StageRun(setup, stage, parts, model_cfg, trackers, data_state, periodic_evals)
       try:
         state, summary = run.loop(state, step, signals, profiler)

@@ -49,7 +49,7 @@ def prepare(config: ml_collections.ConfigDict, workdir: str, is_writer: bool) ->
   """Checks the host can hold the state, prepares the data and tokenizer (process 0 first),
   and opens the checkpointer (the caller closes it)."""
   mesh = parallelism.make_mesh(config.mesh)
-  plan = stages.plan(config)
+  all_stages = stages.resolve(config)
   # The stages share the dataset, tokenizer and model shape: only the row length differs.
   model_cfg, data_cfg = model_config(config), data_config(config)
   if jax.default_backend() == "cpu":  # Before anything is allocated: the OS kills silently.
@@ -65,14 +65,14 @@ def prepare(config: ml_collections.ConfigDict, workdir: str, is_writer: bool) ->
   distributed.same_everywhere(corpus, "prepared corpus")  # Else a check stops some of them.
   distributed.same_everywhere(tokenizer_sha256, "tokenizer file")
   log = (lambda line: print(line, flush=True)) if is_writer else (lambda line: None)
-  if jax.default_backend() == "cpu" and any(s.config.train.remat == "offload" for s in plan):
+  if jax.default_backend() == "cpu" and any(s.config.train.remat == "offload" for s in all_stages):
     log("train.remat='offload' on the CPU: there is no device memory apart from the host's "
         "to relieve, so the layer inputs stay put and it runs as 'full'")
   # Created after data preparation, and closed on every path: an Orbax manager left open
   # by an early error prints background-thread tracebacks at interpreter exit.
   checkpointer = Checkpointer(workdir, config.checkpoint.every_steps, config.checkpoint.keep,
                               config.checkpoint.async_save)
-  return Setup(config, workdir, mesh, plan, data_cfg, tokenizer_file,
+  return Setup(config, workdir, mesh, all_stages, data_cfg, tokenizer_file,
                checkpoint_meta(config, tokenizer_sha256, corpus),
                run_records(config) if is_writer else None, log, checkpointer)
 
@@ -81,7 +81,7 @@ def restore(setup: Setup, start_over: bool) -> tuple[int, TrainState | None, dic
   """(step, state, data position) of the newest usable checkpoint, each read as the state of
   the stage that wrote it, or (0, None, None); writes config.json and says where it starts.
   Call under the mesh and the config's axis rules."""
-  config, workdir, plan = setup.config, setup.workdir, setup.stages
+  config, workdir, all_stages = setup.config, setup.workdir, setup.stages
   changes: list[str] = []
   check = compatibility_check(config, workdir, setup.tokenizer_file,
                               setup.meta["tokenizer_sha256"], setup.meta["corpus"], changes)
@@ -89,14 +89,15 @@ def restore(setup: Setup, start_over: bool) -> tuple[int, TrainState | None, dic
   def check_with_stage(step: int, meta: dict) -> None:
     # The stage first: it names the change (stages added or removed, a begun stage's steps
     # moved) that the config comparison would report as a bare field.
-    problem = stages.check_checkpoint(plan, step, meta)
+    problem = stages.check_checkpoint(all_stages, step, meta)
     if problem:
       raise ConfigError(problem)
     check(step, meta)
 
-  restored = setup.checkpointer.restore(
-      lambda step: build_training(stages.holding(plan, step).config, setup.mesh).abstract_state,
-      check_with_stage, start_over)
+  def abstract_state(step: int):
+    return build_training(stages.holding(all_stages, step).config, setup.mesh).abstract_state
+
+  restored = setup.checkpointer.restore(abstract_state, check_with_stage, start_over)
   if setup.records is not None:  # After the restore: an older checkpoint is checked first.
     written = {**config_dict(config), **setup.records}
     workdir_lock.write_atomically(config_path(workdir),

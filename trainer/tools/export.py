@@ -78,7 +78,7 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str = "bfloat
 
     def abstract_state_of(meta):
       # A staged run's step exports with its stage's RoPE and length.
-      config = stages.holding(stages.plan(ml_collections.ConfigDict(meta["config"])), step).config
+      config = stages.holding(stages.resolve(ml_collections.ConfigDict(meta["config"])), step).config
       rules = tuple((name, tuple(axes) if isinstance(axes, list) else axes)
                     for name, axes in config.mesh.rules)
       # The tokenizer is checked before the arrays are read: minutes for a large model.

@@ -76,7 +76,7 @@ def untrained(config: ml_collections.ConfigDict,
   checkpoint it starts from): the baseline that a trained checkpoint should beat."""
   from trainer.ckpt.start import initial_params  # pylint: disable=g-import-not-at-top
   from trainer.core.training import data_config  # pylint: disable=g-import-not-at-top
-  config = stages.plan(config)[0].config
+  config = stages.resolve(config)[0].config
   mesh, parts = _on_mesh(config)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.mesh.rules):
     params = initial_params(config, parts, log)
@@ -91,7 +91,7 @@ def load(workdir: str, config: ml_collections.ConfigDict, step: int | None = Non
   from trainer.core.training import data_config  # pylint: disable=g-import-not-at-top
   checkpointer, step = open_step(workdir, step, SampleError)
   try:
-    config = stages.holding(stages.plan(config), step).config
+    config = stages.holding(stages.resolve(config), step).config
     mesh, parts = _on_mesh(config)
     log(f"reading {checkpointer.directory}/{step}")
     params, meta = checkpointer.read_params(step, lambda meta: parts.abstract_state)
