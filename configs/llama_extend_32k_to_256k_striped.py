@@ -21,9 +21,9 @@ instead raise model.rope_theta), with a small learning rate and a short warm-up 
 Each step is one row (batch_size 1): 64k-256k tokens, so the stages see about 20M, 26M and
 26M tokens. On 8 devices the sequence is striped over one ring of 8; parameters and AdamW
 state are sharded over the ring too (ZeRO-3, see mesh.rules) and activations are fully
-rematerialised. A 7B model at the 256k stage is configs/7b_256k_striped.py's step, which the
-planner puts at 54.3 GiB per device (CPU figure; floor 32.7 GiB; JAX may use 75.15 of an
-H100's). Interrupted anywhere, the same command resumes inside the stage it stopped in.
+rematerialised. A 7B model at the 256k stage is configs/7b_256k_striped.py's step
+(`--dry_run` gives each stage's memory). Interrupted anywhere, the same command resumes
+inside the stage it stopped in.
 """
 
 import importlib

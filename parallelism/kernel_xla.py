@@ -9,17 +9,15 @@ is classified at run time: the only traced inputs to the loop bounds are the blo
 row of the schedule's tables. A MASKED tile on a causal diagonal (every layout's; the
 schedule says so, `TileTables.upper_right_empty`) is computed in two parts that leave out its
 quarter no query sees, the first half of queries on the first half of keys and the second
-half on all keys: causal blocks 2% faster on CPU (S=8192, tile 256; four separate quarters,
-tried earlier, were no faster). Segment ids, when given, are the one run-time mask, applied
-to every computed tile.
+half on all keys (four separate quarters were no faster). Segment ids, when given, are the
+one run-time mask, applied to every computed tile.
 
 Shapes: q `[B, Tq, Hq, D]`, k/v `[B, Tk, Hkv, D]`, segment ids `[B, T]`; the token axis is
 axis 1 of every argument and result. Matmuls work on head-major tiles (`[B, Hkv, G, t, D]`
 for q, `[B, Hkv, t, D]` for k/v), so each is a plain batched one. The arrays the inner loop
 walks (K/V in the forward, the query side in the backward) are made head-major once per
-call and sliced per tile; slicing a tile out of a token-major array and transposing it in
-one XLA:CPU fusion, once per tile pair, measured 2.6x slower than that copy, and made the
-backward 5-10% slower. The outer loop's tile is sliced from the token-major array. GQA
+call and sliced per tile, which measured faster than transposing a token-major tile once
+per tile pair. The outer loop's tile is sliced from the token-major array. GQA
 keeps K/V un-repeated: q head h = kv_head * G + g (the pairing of `jnp.repeat(k, G, 2)`).
 Matmuls take the input dtype (bf16 ok) and accumulate in float32. Log-sum-exp is the
 natural log, float32, `[B, Tq, Hq]`; a query that sees no key gets output 0 and lse -inf.

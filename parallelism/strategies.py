@@ -19,13 +19,9 @@ order the data pipeline permuted the tokens into, the strategy how devices excha
   (across nodes): the all-to-all gathers a whole ring block of a head shard, and that
   block goes around the ring in the layout's order.
 
-Under Ulysses the query heads on a device (after `tensor`) must divide by the Ulysses
-degree. K/V heads that do not are repeated first (`kv_repeat`, the smallest factor that
-makes them divide; query head h still reads copy h // (Hq / (Hkv * repeat)) of its own kv
-head), and the backward sums the copies' gradients.
-
-Each method runs per device inside the shard_map of `parallelism.ring_attention`, returns
-float32 (out, lse) or (dq, dk, dv), and keeps the block-kernel contract (`parallelism.kernels`).
+Under Ulysses K/V heads that do not divide by the degree are repeated first (`kv_repeat`)
+and the backward sums the copies' gradients. Each method runs per device inside the
+shard_map of `parallelism.ring_attention` and returns float32 (out, lse) or (dq, dk, dv).
 """
 
 from __future__ import annotations

@@ -20,9 +20,8 @@ more; `save_attention` recomputes only q, k, v, behind remat's barrier, so nothi
 shared.
 
 Only synchronous collectives are counted exactly (what the CPU compiler emits); an async
-`-start` counts its largest array, and `async_collectives` says how many there were.
-
-`attention_balance` is the other half of comparing strategies: how evenly the static
+`-start` counts its largest array (`async_collectives` counts them). `attention_balance` is
+the other half of comparing strategies: how evenly the static
 schedule spreads the attention work over the devices.
 """
 

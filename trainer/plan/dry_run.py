@@ -2,49 +2,25 @@
 
     python -m trainer --config configs/7b_256k_striped.py --dry_run [--device_memory_gib=80]
 
-The planner makes as many devices as the config's mesh has, builds the mesh, and
-ahead-of-time compiles the real train step (`trainer.core.step.jit_train_step`, the same jit the
-loop runs) from `jax.ShapeDtypeStruct`s that carry shapes, dtypes and shardings only: no
-parameter, optimizer moment or batch is ever allocated. The devices are GPUs of the
-`--plan_accelerator`'s kind described to XLA's GPU compiler when it is installed
-(`trainer.plan.plan_target`, `make plan_gpu`; no GPU needed), else fake CPU devices
-(`--plan_compiler` chooses). It then reads back:
+The planner makes as many devices as the config's mesh has and ahead-of-time compiles the
+real train step (`trainer.core.step.jit_train_step`, the loop's own jit) from
+`jax.ShapeDtypeStruct`s: no parameter, optimizer moment or batch is ever allocated. The
+devices are GPUs of `--plan_accelerator`'s kind described to XLA's GPU compiler when it is
+installed (`trainer.plan.plan_target`, `make plan_gpu`; no GPU needed), else fake CPU
+devices (`--plan_compiler` chooses). It reads back per device: the bytes of parameters and
+optimizer state (one shard of each leaf, so ZeRO and tensor sharding show); XLA's memory
+analysis (arguments, outputs, temporaries, code, and outputs aliased to donated arguments:
+peak = args + temps + outputs - aliased, judged against `device_memory_gib`); and FLOPs
+per step (`trainer.config.flops`, causal attention as half, no remat recompute) beside
+XLA's `cost_analysis()`, with the step time and tokens/sec they imply at `mfu`.
 
-- per-device bytes of parameters and of optimizer state: for each leaf of the abstract
-  state, the bytes of ONE device's shard under its sharding (so ZeRO/tensor sharding shows);
-- XLA's memory analysis of the per-device program: arguments (state shard + batch shard),
-  outputs, temporaries (activations, gradients, attention scratch, collectives' buffers),
-  generated code, and the bytes of outputs aliased to donated arguments. The peak estimate
-  is args + temps + outputs - aliased: the donated old state and the new state share
-  buffers. The verdict compares peak + code with `device_memory_gib`;
-- FLOPs per step: analytic model FLOPs (`trainer.config.flops.flops_per_token`: 6 x matmul params
-  plus causal attention counted as half, no remat recompute) next to XLA's `cost_analysis()`
-  of the per-device program, and the step time and tokens/sec they imply at `mfu` of the
-  named accelerator's peak.
-
-A GPU compile's memory analysis is the GPU's own buffer assignment, and its verdict is
-"fits" or "does NOT fit"; what it leaves out is in `trainer.plan.plan_target`. The rest of this
-paragraph and the next are about the CPU compile, the fallback.
-
-The CPU compiler lacks bf16 arithmetic and keeps some bf16 buffers as float32 (e.g. the
-per-layer residual stream saved for the backward pass), so its temporaries err high by an
-amount it does not report. The planner bounds it: it compiles the step a second time with
-float32 compute, where every such buffer is float32; half of those temporaries is what they
-would be were every one of them bf16 (buffers that are float32 there too are halved as
-well). That "floor" is the CPU schedule's, not a bound on a GPU's: XLA's GPU compiler
-schedules and rematerialises on its own, and for 7B at 1M tokens on 8 devices it needs
-73.0 GiB (remat 'full') against a floor of 93.7. The verdict says "fits" when the CPU
-figure fits, "does NOT fit" when even the floor does not, else "may fit" with both.
-Beyond that, XLA's CPU compiler fuses and schedules differently from a GPU/TPU compile, so
-both figures are estimates. XLA's FLOP count is per device and counts each loop body once.
-
-`train.remat='offload'` keeps each layer's input in pinned host memory on accelerators; the
-CPU compile keeps it on the device (as 'full'), so the planner subtracts those inputs
-(layers x local rows x local tokens x width, in the compute dtype) from both figures and
-reports them as host memory.
-
-`--find_max_seq_len` repeats the plan over sequence lengths (multiples of what the mesh and
-tile need), doubling then bisecting, and reports the longest whose figure fits.
+A GPU compile's figure is the GPU's own buffer assignment: "fits" or "does NOT fit". A CPU
+compile may keep some bf16 buffers as float32, so its temporaries may err high; the planner
+bounds them by compiling again in float32 and halving those temporaries (the "floor", a
+bound on the CPU's schedule, not on a GPU's) and says "may fit" between the two. Remat
+'offload' keeps layer inputs in host memory on accelerators but not on the CPU, so the CPU
+figures subtract them and report them as host memory. `--find_max_seq_len` plans doubling
+then bisected lengths and reports the longest that fits.
 """
 
 from __future__ import annotations
