@@ -1,10 +1,11 @@
 """Grouped-query self-attention and its dispatch by `ModelConfig.attention`.
 
-Every layout shares one rule: query i may see key j iff `token_index[j] <= token_index[i]`
-(original positions) and their segment ids match. `dense` applies it to the whole row: on a
-CUDA GPU by cuDNN's flash attention, elsewhere from the batch's `token_index`; `ring`, `striped` and `zigzag` hand q, k, v and the segment ids to
-`parallelism.ring_attention` with the layout's name, whose static schedule knows every
-token's original position without reading an index.
+Every layout shares one rule: query i may see key j iff j's original position is not after
+i's and their segment ids match. `dense` applies it to the whole row in its original order:
+on a CUDA GPU by cuDNN's flash attention, elsewhere as a masked softmax; `ring`, `striped`
+and `zigzag` hand q, k, v and the segment ids to `parallelism.ring_attention` with the
+layout's name, whose static schedule knows every token's original position without
+reading an index.
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ from model.rope import apply_rope, frequencies
 
 
 def dense_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
-                    token_index_BS: jax.Array, segment_ids_BS: jax.Array) -> jax.Array:
-  """Masked softmax attention over the whole row; K/V heads are shared by query groups.
+                    segment_ids_BS: jax.Array) -> jax.Array:
+  """Masked softmax attention over the whole row, in its original order (a token's index
+  is its place); K/V heads are shared by query groups.
 
   Scores and softmax are float32. A query that sees no key gets zeros, not NaN.
   """
   batch, seq, num_heads, head_dim = q_BSHD.shape
+  token_index_BS = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
   num_kv_heads = k_BSKD.shape[2]
   q_BSKGD = q_BSHD.reshape(batch, seq, num_kv_heads, num_heads // num_kv_heads, head_dim)
   scores_BKGST = jnp.einsum("bskgd,btkd->bkgst", q_BSKGD, k_BSKD,
@@ -48,13 +51,13 @@ def dense_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
   return out_BSKGD.reshape(q_BSHD.shape).astype(q_BSHD.dtype)
 
 
-def _whole_rows(cfg: ModelConfig, q_BSHD, k_BSKD, v_BSKD, token_index_BS, segment_ids_BS):
+def _whole_rows(cfg: ModelConfig, q_BSHD, k_BSKD, v_BSKD, segment_ids_BS):
   """`dense` attention: cuDNN's flash attention on a CUDA GPU (each packed document apart;
   a row of more documents than its packed layout takes runs the block kernels as a ring of
   one), else `dense_attention`. A dense row is in its original order, so the token index
   is its position and cuDNN's causal mask the rule."""
   if parallelism.cudnn_dense_reason(q_BSHD.shape, q_BSHD.dtype):
-    return dense_attention(q_BSHD, k_BSKD, v_BSKD, token_index_BS, segment_ids_BS)
+    return dense_attention(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS)
   fallback = functools.partial(
       parallelism.ring_attention, layout="ring", rules=nn.get_logical_axis_rules(),
       tile_size=math.gcd(q_BSHD.shape[1], cfg.attention_tile))
@@ -89,7 +92,7 @@ class Attention(nn.Module):
   decode: bool = False
 
   @nn.compact
-  def __call__(self, x_BSE: jax.Array, positions_BS: jax.Array, token_index_BS: jax.Array,
+  def __call__(self, x_BSE: jax.Array, positions_BS: jax.Array,
                segment_ids_BS: jax.Array) -> jax.Array:
     cfg = self.cfg
 
@@ -113,7 +116,7 @@ class Attention(nn.Module):
           rules=nn.get_logical_axis_rules())
       k_BSKD, v_BSKD = key_cache, value_cache
     elif cfg.attention == "dense":
-      out_BSHD = _whole_rows(cfg, q_BSHD, k_BSKD, v_BSKD, token_index_BS, segment_ids_BS)
+      out_BSHD = _whole_rows(cfg, q_BSHD, k_BSKD, v_BSKD, segment_ids_BS)
     else:
       # The ring's shardings come from the rules table the activations above are pinned by;
       # its schedule from the layout the data pipeline permuted the batch into.

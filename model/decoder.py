@@ -24,12 +24,12 @@ class Block(nn.Module):
   decode: bool = False
 
   @nn.compact
-  def __call__(self, x_BSE, positions_BS, token_index_BS, segment_ids_BS):
+  def __call__(self, x_BSE, positions_BS, segment_ids_BS):
     cfg = self.cfg
     x_BSE = checkpoint_name(x_BSE, BLOCK_INPUT)  # What remat 'offload' keeps in host memory.
     h_BSE = RMSNorm(cfg, name="attention_norm")(x_BSE)
     x_BSE = x_BSE + Attention(cfg, self.decode, name="attention")(
-        h_BSE, positions_BS, token_index_BS, segment_ids_BS)
+        h_BSE, positions_BS, segment_ids_BS)
     h_BSE = RMSNorm(cfg, name="mlp_norm")(x_BSE)
     x_BSE = constrain(x_BSE + SwiGLU(cfg, name="mlp")(h_BSE), _ACTIVATION_BSE)
     return x_BSE, None
@@ -66,7 +66,7 @@ class _Kernel(nn.Module):
 
 
 class Decoder(nn.Module):
-  """Maps a batch's `tokens`, `positions`, `token_index`, `segment_ids` to float32 logits,
+  """Maps a batch's `tokens`, `positions`, `segment_ids` to float32 logits,
   or, given `targets`, to per-token losses (and with `predictions` whether each argmax is
   its target) computed in sequence chunks without the whole logits (model/loss.py).
 
@@ -83,8 +83,8 @@ class Decoder(nn.Module):
   decode: bool = False
 
   @nn.compact
-  def __call__(self, tokens_BS, positions_BS, token_index_BS, segment_ids_BS,
-               targets_BS=None, predictions: bool = False, logits_at_B=None):
+  def __call__(self, tokens_BS, positions_BS, segment_ids_BS, targets_BS=None,
+               predictions: bool = False, logits_at_B=None):
     cfg = self.cfg
     param_VE = self.param(
         "embedding", nn.with_logical_partitioning(
@@ -100,10 +100,10 @@ class Decoder(nn.Module):
       block = nn.remat(Block, policy=_remat_policy(cfg.remat), prevent_cse=False)
     blocks = nn.scan(
         block, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True},
-        in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.num_layers,
+        in_axes=(nn.broadcast, nn.broadcast), length=cfg.num_layers,
         metadata_params={nn.PARTITION_NAME: "layers"})
     x_BSE, _ = blocks(cfg, self.decode, name="blocks")(
-        x_BSE, positions_BS, token_index_BS, segment_ids_BS)
+        x_BSE, positions_BS, segment_ids_BS)
     x_BSE = RMSNorm(cfg, name="final_norm")(x_BSE)
 
     if cfg.tie_embeddings:

@@ -141,10 +141,9 @@ def _dense_row(record, inputs, segments, smoke: bool, flops, where) -> None:
   """`model.attention='dense'` on a GPU: cuDNN over the packed row (the fallback, Pallas as
   a ring of one, for rows of more documents), against the xla kernel in float32."""
   q, k, v, dout = inputs
-  index = jnp.arange(q.shape[1])[None]
   if smoke:  # no cuDNN: the model's plain masked softmax in its place
     from model.attention import dense_attention  # pylint: disable=g-import-not-at-top
-    attend = lambda q, k, v: dense_attention(q, k, v, index, segments)
+    attend = lambda q, k, v: dense_attention(q, k, v, segments)
   else:
     fallback = functools.partial(ring_attention, layout="ring",
                                  tile_size=min(bench_kernel.TILE, q.shape[1]))

@@ -91,8 +91,8 @@ def test_save_attention_runs_the_ring_forward_once():
                                 dtype="float32", remat=remat))
     with jax.set_mesh(mesh), nn.logical_axis_rules(_DEFAULT_RULES):
       if params is None:  # the policy does not change the parameters
-        params = jax.jit(model.init)(jax.random.key(0), tokens, index, index, segments)
-      loss = lambda p, tokens: model.apply(p, tokens, index, index, segments).sum()
+        params = jax.jit(model.init)(jax.random.key(0), tokens, index, segments)
+      loss = lambda p, tokens: model.apply(p, tokens, index, segments).sum()
       compiled = jax.jit(jax.grad(loss)).lower(params, tokens).compile()
       grads[remat] = compiled(params, tokens)
     permutes = _collectives(compiled.as_text())["collective-permute"]
@@ -125,5 +125,5 @@ def test_the_model_hands_its_rules_to_the_ring(monkeypatch):
   mesh = jax.make_mesh((1, 2, 2, 1, 2), parallelism.MESH_AXES,
                        axis_types=(AxisType.Auto,) * 5)
   with jax.set_mesh(mesh), nn.logical_axis_rules(_OTHER_RULES):
-    jax.eval_shape(model.init, jax.random.key(0), tokens, index, index, jnp.zeros_like(index))
+    jax.eval_shape(model.init, jax.random.key(0), tokens, index, jnp.zeros_like(index))
   assert seen and all(tuple(rules) == _OTHER_RULES for rules in seen)

@@ -59,7 +59,7 @@ def imported_logits(directory: str, attention: str) -> tuple[np.ndarray, np.ndar
     index = np.arange(seq_len, dtype=np.int32)[None]
     shards = mesh.shape["sequence"]
     inputs = [parallelism.permute(x, cfg.layout, shards)
-              for x in (tokens.astype(np.int32), index, index, np.ones_like(index))]
+              for x in (tokens.astype(np.int32), index, np.ones_like(index))]
     logits = jax.jit(model.apply)({"params": params}, *map(jnp.asarray, inputs))
   return parallelism.unpermute(np.asarray(logits), cfg.layout, shards)[0], expected["logits"]
 

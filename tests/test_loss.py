@@ -48,12 +48,12 @@ def test_chunked_scores_and_gradients_equal_the_full_logits(tie, mesh_shape, chu
                        shardings_of(abstract_state(model, optimizer, mesh, RULES)), 0)
 
     def full(params):
-      logits = model.apply({"params": params}, tokens, index, index, segments)
+      logits = model.apply({"params": params}, tokens, index, segments)
       losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
       return jnp.mean(losses), (losses, jnp.argmax(logits, -1) == targets)
 
     def chunked(params):
-      scores = model.apply({"params": params}, tokens, index, index, segments, targets, True)
+      scores = model.apply({"params": params}, tokens, index, segments, targets, True)
       return jnp.mean(scores["loss"]), (scores["loss"], scores["correct"])
 
     (_, (want, want_hits)), want_grads = jax.jit(jax.value_and_grad(full, has_aux=True))(

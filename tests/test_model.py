@@ -21,7 +21,7 @@ def _inputs(seed=0, offset=0):
   rng = np.random.default_rng(seed)
   tokens = jnp.asarray(rng.integers(0, 101, (B, S)), jnp.int32)
   index = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-  return tokens, index + offset, index, jnp.ones((B, S), jnp.int32)
+  return tokens, index + offset, jnp.ones((B, S), jnp.int32)
 
 
 def _init_apply(cfg, *inputs):
@@ -63,12 +63,12 @@ def test_rope_depends_only_on_relative_position():
 
 def test_changing_a_future_token_never_changes_earlier_logits():
   cfg = _config()
-  tokens, positions, index, segments = _inputs()
-  model, variables = _init_apply(cfg, tokens, positions, index, segments)
-  base = model.apply(variables, tokens, positions, index, segments)
+  tokens, positions, segments = _inputs()
+  model, variables = _init_apply(cfg, tokens, positions, segments)
+  base = model.apply(variables, tokens, positions, segments)
   t = 20
   changed = model.apply(variables, tokens.at[:, t].set((tokens[:, t] + 1) % 101),
-                        positions, index, segments)
+                        positions, segments)
   np.testing.assert_array_equal(changed[:, :t], base[:, :t])
   assert not np.allclose(changed[:, t:], base[:, t:])
 
@@ -80,22 +80,21 @@ def test_gqa_equals_multihead_with_repeated_kv(groups):
   q = jnp.asarray(rng.normal(size=(B, S, heads, dim)), jnp.float32)
   k = jnp.asarray(rng.normal(size=(B, S, kv_heads, dim)), jnp.float32)
   v = jnp.asarray(rng.normal(size=(B, S, kv_heads, dim)), jnp.float32)
-  index = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
   segments = jnp.asarray(np.repeat([[1, 2]], S // 2, axis=1), jnp.int32).repeat(B, 0)
-  gqa = dense_attention(q, k, v, index, segments)
+  gqa = dense_attention(q, k, v, segments)
   mha = dense_attention(q, jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2),
-                        index, segments)
+                        segments)
   np.testing.assert_allclose(gqa, mha, atol=1e-6, rtol=1e-6)
 
 
 def test_packed_documents_do_not_see_each_other():
   cfg = _config()
-  tokens, positions, index, _ = _inputs()
-  segments = jnp.where(index < 12, 1, 2)
-  model, variables = _init_apply(cfg, tokens, positions, index, segments)
-  base = model.apply(variables, tokens, positions, index, segments)
+  tokens, positions, _ = _inputs()
+  segments = jnp.where(positions < 12, 1, 2)
+  model, variables = _init_apply(cfg, tokens, positions, segments)
+  base = model.apply(variables, tokens, positions, segments)
   changed = model.apply(variables, tokens.at[:, 3].set((tokens[:, 3] + 1) % 101),
-                        positions, index, segments)
+                        positions, segments)
   np.testing.assert_array_equal(changed[:, 12:], base[:, 12:])
 
 
@@ -130,7 +129,7 @@ def test_the_init_gives_the_parameters_of_the_model_that_trains(attention, remat
     shardings = shardings_of(abstract_state(model, optimizer, mesh, config.mesh.rules))
     params = init_state(model, optimizer, shardings, seed=3).params
     trained_init = jax.jit(lambda rng: nn.meta.unbox(model.init(
-        rng, jnp.zeros_like(index), index, index, jnp.ones_like(index))["params"]),
+        rng, jnp.zeros_like(index), index, jnp.ones_like(index))["params"]),
                            out_shardings=shardings.params)(jax.random.key(3))
   assert jax.tree.structure(params) == jax.tree.structure(trained_init)
   for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(trained_init)):

@@ -30,7 +30,7 @@ def _random_params(config):
   model = Decoder(dataclasses.replace(model_config(config), attention="dense"))
   tokens_BS = jnp.zeros((1, 16), jnp.int32)
   positions_BS = jnp.arange(16)[None]
-  boxed = model.init(jax.random.key(1), tokens_BS, positions_BS, positions_BS,
+  boxed = model.init(jax.random.key(1), tokens_BS, positions_BS,
                      jnp.ones_like(tokens_BS))["params"]
   return nn.meta.unbox(boxed)
 
@@ -45,7 +45,7 @@ def _dense_forward(config):
     model = Decoder(model_cfg)
     positions_BS = jnp.arange(REFERENCE_LENGTH)[None]
     _DENSE_FORWARDS[repr(model_cfg)] = jax.jit(lambda params, tokens_BS: model.apply(
-        {"params": params}, tokens_BS, positions_BS, positions_BS, jnp.ones_like(tokens_BS)))
+        {"params": params}, tokens_BS, positions_BS, jnp.ones_like(tokens_BS)))
   return _DENSE_FORWARDS[repr(model_cfg)]
 
 

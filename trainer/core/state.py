@@ -41,12 +41,12 @@ def _param_model(model: Decoder) -> Decoder:
 
 
 def _param_inputs(mesh) -> tuple[jax.Array, ...]:
-  """Zero tokens and trivial indices, one row per batch shard and one token per sequence
-  shard."""
+  """Zero tokens, trivial positions and one document, one row per batch shard and one token
+  per sequence shard."""
   shape = (parallelism.batch_shards(mesh),
            int(np.prod([mesh.shape[axis] for axis in parallelism.SEQUENCE_AXES])))
   index_BS = jnp.broadcast_to(jnp.arange(shape[1], dtype=jnp.int32), shape)
-  return jnp.zeros(shape, jnp.int32), index_BS, index_BS, jnp.ones(shape, jnp.int32)
+  return jnp.zeros(shape, jnp.int32), index_BS, jnp.ones(shape, jnp.int32)
 
 
 def abstract_state(model: Decoder, optimizer: optax.GradientTransformation, mesh: Mesh,

@@ -18,8 +18,7 @@ def _token_scores(model: Decoder, params, batch: dict[str, jax.Array],
                   predictions: bool = False) -> dict[str, jax.Array]:
   """Per-token float32 losses (and argmax hits), in sequence chunks: never the whole logits."""
   return model.apply({"params": params}, batch["tokens"], batch["positions"],
-                     batch["token_index"], batch["segment_ids"], batch["targets"],
-                     predictions)
+                     batch["segment_ids"], batch["targets"], predictions)
 
 
 def _micro_batches(batch: dict[str, jax.Array], count: int) -> dict[str, jax.Array]:

@@ -233,7 +233,7 @@ class Sampler:
     def prefill(params, tokens_BC, positions_BC, segment_ids_BC, last_slot_B, key):
       with nn.logical_axis_rules(rules):
         logits_B1V, variables = prefill_model.apply(
-            {"params": params}, tokens_BC, positions_BC, positions_BC, segment_ids_BC,
+            {"params": params}, tokens_BC, positions_BC, segment_ids_BC,
             logits_at_B=last_slot_B, mutable=["cache"])
       return choice(logits_B1V[:, 0], key), variables["cache"]
 
@@ -241,7 +241,7 @@ class Sampler:
       with nn.logical_axis_rules(decode_rules):
         logits_B1V, variables = decode_model.apply(
             {"params": params, "cache": cache}, token_B[:, None], position_B[:, None],
-            position_B[:, None], jnp.ones_like(token_B[:, None]), mutable=["cache"])
+            jnp.ones_like(token_B[:, None]), mutable=["cache"])
       return choice(logits_B1V[:, 0], key), variables["cache"]
 
     with jax.set_mesh(self.mesh):
