@@ -58,9 +58,10 @@ def reference_losses(tmp_path_factory, shared_data_dir):
   return _losses(workdir)
 
 
+# Data, fsdp, and data x sequence x tensor; fsdp x sequence x tensor is the rules test's
+# mesh, and ring on (1, 2, 4, 1) the layouts test's.
 @pytest.mark.parametrize("attention, mesh", [
-    ("striped", (8, 1, 1, 1)), ("striped", (1, 8, 1, 1)), ("striped", (1, 1, 4, 2)),
-    ("striped", (2, 1, 2, 2)), ("ring", (1, 2, 4, 1)),
+    ("striped", (8, 1, 1, 1)), ("striped", (1, 8, 1, 1)), ("striped", (2, 1, 2, 2)),
 ])
 def test_meshes_give_the_same_losses(tmp_path, tiny_config, reference_losses, attention, mesh):
   train(_config(tiny_config, attention, mesh), str(tmp_path))
