@@ -97,10 +97,10 @@ def _check_one(config: ml_collections.ConfigDict, num_devices: int) -> None:
            f"{', '.join(flops.PEAK_FLOPS)}")
   _require(config.peak_flops_per_device >= 0,
            f"peak_flops_per_device={config.peak_flops_per_device} must be >= 0 (0 uses the table)")
-  _check_mesh(config, num_devices, head_size)
+  _check_mesh(config, num_devices)
 
 
-def _check_mesh(config: ml_collections.ConfigDict, num_devices: int, head_size: int) -> None:
+def _check_mesh(config: ml_collections.ConfigDict, num_devices: int) -> None:
   m = config.model
   try:
     shape = dict(zip(parallelism.MESH_AXES,
@@ -127,7 +127,6 @@ def _check_mesh(config: ml_collections.ConfigDict, num_devices: int, head_size: 
   for field in ("num_heads", "num_kv_heads", "d_ff"):
     _require(m[field] % tensor == 0,
              f"model.{field}={m[field]} must be divisible by mesh.tensor={tensor}")
-  layout = layout_of(m.attention)
   sequence, ulysses = shape["sequence"], shape["ulysses"]
   seq_len = config.data.seq_len
   strategy = m.sequence_parallel
@@ -145,7 +144,7 @@ def _check_mesh(config: ml_collections.ConfigDict, num_devices: int, head_size: 
            f"mesh.rules maps activation_seq to {seq_axes or 'nothing'}; model.attention="
            f"'{m.attention}' needs it on ('sequence',), optionally then 'ulysses': the ring "
            f"the data is laid out for, then the Ulysses axis")
-  split = attention_split(config, num_devices, head_size)
+  split = attention_split(config, num_devices)
   if split.kv_repeat > 1:
     _say_once(f"note: the key/value heads (model.num_kv_heads={m.num_kv_heads}) do not split "
               f"over mesh.ulysses={ulysses}; Ulysses repeats each {split.kv_repeat} times "
@@ -158,8 +157,7 @@ CONFIG_NAMES = parallelism.Names(seq_len="data.seq_len", tile="model.attention_t
                                  rules="mesh.rules", axis="mesh.{}")
 
 
-def attention_split(config: ml_collections.ConfigDict, num_devices: int,
-                    head_size: int | None = None):
+def attention_split(config: ml_collections.ConfigDict, num_devices: int):
   """Each device's side of the config's (non-dense) attention on its mesh:
   `parallelism.split_attention`, its errors a ConfigError naming config fields."""
   m = config.model
@@ -170,7 +168,7 @@ def attention_split(config: ml_collections.ConfigDict, num_devices: int,
     return parallelism.split_attention(
         m.sequence_parallel, layout_of(m.attention), config.data.seq_len, m.attention_tile,
         m.kernel, mesh, config.mesh.rules, m.num_heads, m.num_kv_heads,
-        head_size or m.head_dim or m.d_model // m.num_heads, jnp.dtype(m.dtype), CONFIG_NAMES)
+        m.head_dim or m.d_model // m.num_heads, jnp.dtype(m.dtype), CONFIG_NAMES)
   except ValueError as error:
     raise ConfigError(str(error)) from None
 
