@@ -36,6 +36,13 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
   config.model.rope_scaling.beta_slow = 1.0  # yarn: rotations where it is complete.
   config.model.rope_scaling.attention_factor = 0.0  # yarn: logit temperature; 0: 0.1 ln(factor) + 1.
   config.model.rope_scaling.truncate = True  # yarn: round the ramp's ends to whole dimensions.
+  # Local attention (sliding windows): a local layer's query sees the `window` keys up to
+  # itself (HF sliding_window; flash-attn window_size=(window - 1, 0)); 0: no local layers.
+  config.model.window = 0
+  # L (local) and G (global) per layer, repeated over the layers: 'LG' as Gemma 2, 'LLLLLG'
+  # as Gemma 3. Empty: every layer local when window is set (Mistral), else every one global.
+  config.model.layer_pattern = ""
+  config.model.local_rope_theta = 0.0  # RoPE base of local layers, unscaled (Gemma 3: 10k); 0: global's.
   config.model.norm_eps = 1e-5  # RMSNorm epsilon.
   config.model.tie_embeddings = False  # Share the input embedding with the output projection.
   config.model.init_std = 0.02  # Std of the normal initialiser of every matrix.

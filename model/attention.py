@@ -1,7 +1,8 @@
 """Grouped-query self-attention and its dispatch by `ModelConfig.attention`.
 
 Every layout shares one rule: query i may see key j iff j's original position is not after
-i's and their segment ids match. `dense` applies it to the whole row in its original order:
+i's and their segment ids match; in a local layer (`ModelConfig.layer_pattern`) also fewer
+than `window` positions before it (`parallelism.tiles`). `dense` applies it to the whole row in its original order:
 on a CUDA GPU by cuDNN's flash attention, elsewhere as a masked softmax; `ring`, `striped`
 and `zigzag` hand q, k, v and the segment ids to `parallelism.ring_attention` with the
 layout's name, whose static schedule knows every token's original position without
@@ -19,15 +20,16 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 import parallelism
-from model.config import ModelConfig
+from model.config import GLOBAL, LOCAL, ModelConfig
 from model.layers import Projection, constrain
-from model.rope import apply_rope, frequencies
+from model.rope import RopeScaling, apply_rope, frequencies
 
 
 def dense_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
-                    segment_ids_BS: jax.Array) -> jax.Array:
+                    segment_ids_BS: jax.Array, window: int | None = None) -> jax.Array:
   """Masked softmax attention over the whole row, in its original order (a token's index
-  is its place); K/V heads are shared by query groups.
+  is its place), each query seeing the `window` keys up to itself (None: all before it);
+  K/V heads are shared by query groups.
 
   Scores and softmax are float32. A query that sees no key gets zeros, not NaN.
   """
@@ -37,8 +39,10 @@ def dense_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
   q_BSKGD = q_BSHD.reshape(batch, seq, num_kv_heads, num_heads // num_kv_heads, head_dim)
   scores_BKGST = jnp.einsum("bskgd,btkd->bkgst", q_BSKGD, k_BSKD,
                             preferred_element_type=jnp.float32) / jnp.sqrt(head_dim)
-  visible_BST = ((token_index_BS[:, None, :] <= token_index_BS[:, :, None])
-                 & (segment_ids_BS[:, None, :] == segment_ids_BS[:, :, None]))
+  behind_BST = token_index_BS[:, :, None] - token_index_BS[:, None, :]
+  visible_BST = ((behind_BST >= 0) & (segment_ids_BS[:, None, :] == segment_ids_BS[:, :, None]))
+  if window is not None:
+    visible_BST &= behind_BST < window
   visible_B11ST = visible_BST[:, None, None]
   scores_BKGST = jnp.where(visible_B11ST, scores_BKGST, -jnp.inf)
   row_max_BKGS1 = jnp.max(scores_BKGST, axis=-1, keepdims=True)
@@ -51,16 +55,19 @@ def dense_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
   return out_BSKGD.reshape(q_BSHD.shape).astype(q_BSHD.dtype)
 
 
-def _whole_rows(cfg: ModelConfig, q_BSHD, k_BSKD, v_BSKD, segment_ids_BS):
+def _whole_rows(cfg: ModelConfig, q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, window):
   """`dense` attention: cuDNN's flash attention on a CUDA GPU (each packed document apart;
   a row of more documents than its packed layout takes runs the block kernels as a ring of
-  one), else `dense_attention`. A dense row is in its original order, so the token index
-  is its position and cuDNN's causal mask the rule."""
+  one, and so does a local layer, whose window cuDNN's packed call is not given), else
+  `dense_attention`. A dense row is in its original order, so the token index is its
+  position and cuDNN's causal mask the rule."""
   if parallelism.cudnn_dense_reason(q_BSHD.shape, q_BSHD.dtype):
-    return dense_attention(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS)
+    return dense_attention(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, window)
   fallback = functools.partial(
       parallelism.ring_attention, layout="ring", rules=nn.get_logical_axis_rules(),
-      tile_size=math.gcd(q_BSHD.shape[1], cfg.attention_tile))
+      tile_size=math.gcd(q_BSHD.shape[1], cfg.attention_tile), window=window)
+  if window is not None:
+    return fallback(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS)
   return parallelism.cudnn_dense_attention(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, fallback)
 
 
@@ -82,6 +89,11 @@ class Attention(nn.Module):
   """Self-attention of a whole row (training, eval, a sampler's prefill) or, with `decode`,
   of one new token per row over the `cache` collection a prefill left (for sampling).
 
+  `local` (a traced bool, one per layer of the decoder's scan) says whether this layer is
+  local; when the model's layers are all of one kind it is ignored and nothing branches.
+  A local layer sees `cfg.window` keys and, with `cfg.local_rope_theta`, rotates by its
+  own RoPE base (unscaled, as Gemma 3's local layers).
+
   A prefill (an apply, not an init) with the `cache` collection mutable stores each layer's
   roped keys and values there, in the row's layout order; a decode step writes the new
   token's into the slot of its position and attends to the whole cache by
@@ -92,8 +104,8 @@ class Attention(nn.Module):
   decode: bool = False
 
   @nn.compact
-  def __call__(self, x_BSE: jax.Array, positions_BS: jax.Array,
-               segment_ids_BS: jax.Array) -> jax.Array:
+  def __call__(self, x_BSE: jax.Array, positions_BS: jax.Array, segment_ids_BS: jax.Array,
+               local: jax.Array | None = None) -> jax.Array:
     cfg = self.cfg
 
     def project(heads, names, name):
@@ -103,27 +115,42 @@ class Attention(nn.Module):
     q_BSHD = project(cfg.num_heads, ("embed", "heads", "head_dim"), "query")
     k_BSKD = project(cfg.num_kv_heads, ("embed", "kv_heads", "head_dim"), "key")
     v_BSKD = project(cfg.num_kv_heads, ("embed", "kv_heads", "head_dim"), "value")
-    inv_freq_F, rope_factor = frequencies(cfg.head_size, cfg.rope_theta, cfg.rope_scaling)
-    q_BSHD = constrain(apply_rope(q_BSHD, positions_BS, inv_freq_F, rope_factor),
-                       ("activation_batch", "activation_seq", "activation_heads", None))
-    k_BSKD = constrain(apply_rope(k_BSKD, positions_BS, inv_freq_F, rope_factor),
-                       ("activation_batch", "activation_seq", "activation_kv_heads", None))
+    cache = (self.get_variable("cache", "key"), self.get_variable("cache", "value")
+             ) if self.decode else None
 
-    if self.decode:
-      out_BSHD, key_cache, value_cache = parallelism.decode_attention(
-          q_BSHD, k_BSKD, v_BSKD, self.get_variable("cache", "key"),
-          self.get_variable("cache", "value"), positions_BS[:, 0], layout=cfg.layout,
-          rules=nn.get_logical_axis_rules())
-      k_BSKD, v_BSKD = key_cache, value_cache
-    elif cfg.attention == "dense":
-      out_BSHD = _whole_rows(cfg, q_BSHD, k_BSKD, v_BSKD, segment_ids_BS)
-    else:
-      # The ring's shardings come from the rules table the activations above are pinned by;
-      # its schedule from the layout the data pipeline permuted the batch into.
-      out_BSHD = parallelism.ring_attention(
-          q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, layout=cfg.layout,
-          rules=nn.get_logical_axis_rules(),
-          kernel=cfg.kernel, tile_size=cfg.attention_tile, strategy=cfg.sequence_parallel)
+    def attend(kind: str, q_BSHD, k_BSKD, v_BSKD, cache):
+      """(out, the keys and values the cache keeps) of a layer of this kind."""
+      theta, scaling = cfg.rope_theta, cfg.rope_scaling
+      if kind == LOCAL and cfg.local_rope_theta:
+        theta, scaling = cfg.local_rope_theta, RopeScaling()
+      inv_freq_F, rope_factor = frequencies(cfg.head_size, theta, scaling)
+      q_BSHD = constrain(apply_rope(q_BSHD, positions_BS, inv_freq_F, rope_factor),
+                         ("activation_batch", "activation_seq", "activation_heads", None))
+      k_BSKD = constrain(apply_rope(k_BSKD, positions_BS, inv_freq_F, rope_factor),
+                         ("activation_batch", "activation_seq", "activation_kv_heads", None))
+      window = cfg.window_of(kind)
+      if self.decode:
+        return parallelism.decode_attention(
+            q_BSHD, k_BSKD, v_BSKD, *cache, positions_BS[:, 0], layout=cfg.layout,
+            rules=nn.get_logical_axis_rules(), window=window)
+      if cfg.attention == "dense":
+        out_BSHD = _whole_rows(cfg, q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, window)
+      else:
+        # The ring's shardings come from the rules table the activations above are pinned
+        # by; its schedule from the layout the data pipeline permuted the batch into.
+        out_BSHD = parallelism.ring_attention(
+            q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, layout=cfg.layout,
+            rules=nn.get_logical_axis_rules(), kernel=cfg.kernel,
+            tile_size=cfg.attention_tile, strategy=cfg.sequence_parallel, window=window)
+      return out_BSHD, k_BSKD, v_BSKD
+
+    kinds = set(cfg.layer_kinds)
+    operands = (q_BSHD, k_BSKD, v_BSKD, cache)
+    if len(kinds) == 1:
+      out_BSHD, k_BSKD, v_BSKD = attend(kinds.pop(), *operands)
+    else:  # Both branches are traced once; each layer runs one.
+      out_BSHD, k_BSKD, v_BSKD = jax.lax.cond(
+          local, functools.partial(attend, LOCAL), functools.partial(attend, GLOBAL), *operands)
     if self.is_mutable_collection("cache") and not self.is_initializing():
       self.put_variable("cache", "key", k_BSKD)
       self.put_variable("cache", "value", v_BSKD)

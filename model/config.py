@@ -21,6 +21,7 @@ def named_strategy(attention: str, sequence_parallel: str) -> str | None:
   return None if attention == "dense" or sequence_parallel == "ring" else sequence_parallel
 KERNELS = (parallelism.AUTO_KERNEL, *parallelism.KERNELS)
 REMAT_POLICIES = ("none", "full", "save_dots", "save_attention", "offload")
+LOCAL, GLOBAL = "L", "G"  # The letters of `ModelConfig.layer_pattern`.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +37,9 @@ class ModelConfig:
   head_dim: int = 0
   rope_theta: float = 10000.0
   rope_scaling: RopeScaling = RopeScaling()
+  window: int = 0  # Keys a local layer's query sees, itself included; 0: no local layers.
+  layer_pattern: str = ""  # L (local) and G (global) per layer, repeated; "": all alike.
+  local_rope_theta: float = 0.0  # RoPE base of local layers (unscaled); 0: the global RoPE.
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
   init_std: float = 0.02
@@ -60,6 +64,34 @@ class ModelConfig:
   @property
   def layout(self) -> str:
     return layout_of(self.attention)
+
+  @property
+  def layer_kinds(self) -> str:
+    """LOCAL or GLOBAL for each layer: `layer_pattern` repeated over the layers, or every
+    layer local when only `window` is set (Mistral), global when neither is."""
+    pattern = self.layer_pattern or (LOCAL if self.window else GLOBAL)
+    return "".join(pattern[i % len(pattern)] for i in range(self.num_layers))
+
+  def window_of(self, kind: str) -> int | None:
+    """The attention window of a layer of this kind (None: causal over the whole row)."""
+    return self.window if kind == LOCAL else None
+
+  def pattern_problem(self) -> str:
+    """What makes the window and layer pattern unusable, naming the field; empty if fine."""
+    if self.window < 0:
+      return f"model.window={self.window} must be >= 0 (0: no local layers)"
+    if set(self.layer_pattern) - {LOCAL, GLOBAL}:
+      return (f"model.layer_pattern='{self.layer_pattern}' must be letters {LOCAL} (local) "
+              f"and {GLOBAL} (global), e.g. 'LLLLLG' for five local layers per global one")
+    if LOCAL in self.layer_kinds and not self.window:
+      return (f"model.layer_pattern='{self.layer_pattern}' has local layers: set "
+              f"model.window to the keys they see")
+    if self.window and LOCAL not in self.layer_kinds:
+      return (f"model.window={self.window} is set but model.layer_pattern="
+              f"'{self.layer_pattern}' over {self.num_layers} layers has no local layer (L)")
+    if self.local_rope_theta < 0:
+      return f"model.local_rope_theta={self.local_rope_theta} must be >= 0 (0: the global RoPE)"
+    return ""
 
   def matmul_params(self) -> int:
     """Parameters that take part in a matmul per token (all but the embedding lookup)."""

@@ -9,7 +9,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 import parallelism
 from model.attention import Attention
-from model.config import ModelConfig
+from model.config import LOCAL, ModelConfig
 from model.layers import RMSNorm, SwiGLU, constrain, projection_kernel
 from model.loss import chunked_token_scores
 
@@ -24,12 +24,12 @@ class Block(nn.Module):
   decode: bool = False
 
   @nn.compact
-  def __call__(self, x_BSE, positions_BS, segment_ids_BS):
+  def __call__(self, x_BSE, positions_BS, segment_ids_BS, local=None):
     cfg = self.cfg
     x_BSE = checkpoint_name(x_BSE, BLOCK_INPUT)  # What remat 'offload' keeps in host memory.
     h_BSE = RMSNorm(cfg, name="attention_norm")(x_BSE)
     x_BSE = x_BSE + Attention(cfg, self.decode, name="attention")(
-        h_BSE, positions_BS, segment_ids_BS)
+        h_BSE, positions_BS, segment_ids_BS, local)
     h_BSE = RMSNorm(cfg, name="mlp_norm")(x_BSE)
     x_BSE = constrain(x_BSE + SwiGLU(cfg, name="mlp")(h_BSE), _ACTIVATION_BSE)
     return x_BSE, None
@@ -70,7 +70,8 @@ class Decoder(nn.Module):
   or, given `targets`, to per-token losses (and with `predictions` whether each argmax is
   its target) computed in sequence chunks without the whole logits (model/loss.py).
 
-  The blocks are one `nn.scan` so compile time does not grow with depth; parameters of the
+  The blocks are one `nn.scan` so compile time does not grow with depth (local and global
+  layers too: each layer's kind is scanned with it); parameters of the
   stack gain a leading `layers` axis (and so does the `cache` collection of sampling).
 
   For sampling (trainer/tools/sample.py): `logits_at_B` returns the logits of one position per row
@@ -100,10 +101,13 @@ class Decoder(nn.Module):
       block = nn.remat(Block, policy=_remat_policy(cfg.remat), prevent_cse=False)
     blocks = nn.scan(
         block, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True},
-        in_axes=(nn.broadcast, nn.broadcast), length=cfg.num_layers,
+        in_axes=(nn.broadcast, nn.broadcast, 0), length=cfg.num_layers,
         metadata_params={nn.PARTITION_NAME: "layers"})
+    # Which layers are local (`ModelConfig.layer_pattern`): scanned with the blocks, so the
+    # stack stays one scan whatever the pattern.
+    local_L = jnp.asarray([kind == LOCAL for kind in cfg.layer_kinds])
     x_BSE, _ = blocks(cfg, self.decode, name="blocks")(
-        x_BSE, positions_BS, segment_ids_BS)
+        x_BSE, positions_BS, segment_ids_BS, local_L)
     x_BSE = RMSNorm(cfg, name="final_norm")(x_BSE)
 
     if cfg.tie_embeddings:

@@ -11,7 +11,7 @@ from parallelism.layouts import LAYOUTS, check_seq_len, permute, unpermute
 from parallelism.mesh import (MESH_AXES, SEQUENCE_AXES, batch_sharding, batch_shards, check_rules,
                               logical_to_spec, make_mesh, resolve_mesh_shape)
 from parallelism.ring_attention import SAVED_NAMES, ring_attention
-from parallelism.schedule import RingSchedule, ring_schedule
+from parallelism.schedule import RingSchedule, compare_layouts, ring_schedule
 from parallelism.split import Names, block_tile, shortest_ring_length, split_attention
 from parallelism.strategies import STRATEGIES, ULYSSES, kv_repeat
 from parallelism.target import compiling_for

@@ -44,9 +44,11 @@ def cache_positions(layout: str, capacity: int, num_shards: int) -> np.ndarray:
 def decode_attention(q_B1HD: jax.Array, k_B1KD: jax.Array, v_B1KD: jax.Array,
                      key_cache_BCKD: jax.Array, value_cache_BCKD: jax.Array,
                      position_B: jax.Array, *, layout: str, rules: Rules,
-                     mesh=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                     mesh=None, window: int | None = None
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Attention of the token at `position_B` (one per row) over the cache, after writing its
-  own key and value into it. Returns (out [B,1,Hq,D] in q's dtype, key cache, value cache).
+  own key and value into it, seeing the `window` positions up to its own (None: every one
+  before it). Returns (out [B,1,Hq,D] in q's dtype, key cache, value cache).
 
   `rules` are the decode rules (`decode_rules`); the cache shards as `CACHE_NAMES` map, q
   and the new key/value as the heads do. `mesh=None` uses the mesh set by `jax.set_mesh`;
@@ -63,7 +65,7 @@ def decode_attention(q_B1HD: jax.Array, k_B1KD: jax.Array, v_B1KD: jax.Array,
 
   def per_device(q, k, v, key_cache, value_cache, slot_positions, position):
     return _local_attention(q, k, v, key_cache, value_cache, slot_positions, position,
-                            seq_axes)
+                            seq_axes, window)
 
   if mesh.empty:
     return per_device(q_B1HD, k_B1KD, v_B1KD, key_cache_BCKD, value_cache_BCKD,
@@ -80,14 +82,15 @@ def decode_attention(q_B1HD: jax.Array, k_B1KD: jax.Array, v_B1KD: jax.Array,
 
 
 def _local_attention(q_B1HD, k_B1KD, v_B1KD, key_cache_BcKD, value_cache_BcKD,
-                     slot_positions_c, position_B, seq_axes):
+                     slot_positions_c, position_B, seq_axes, window):
   """One device's slots: write, then a partial softmax merged over `seq_axes`."""
   batch, _, num_heads, head_dim = q_B1HD.shape
   num_kv = k_B1KD.shape[2]
   holds_new_Bc = slot_positions_c[None, :] == position_B[:, None]
   key_cache_BcKD = jnp.where(holds_new_Bc[:, :, None, None], k_B1KD, key_cache_BcKD)
   value_cache_BcKD = jnp.where(holds_new_Bc[:, :, None, None], v_B1KD, value_cache_BcKD)
-  visible_Bc = slot_positions_c[None, :] <= position_B[:, None]
+  behind_Bc = position_B[:, None] - slot_positions_c[None, :]
+  visible_Bc = behind_Bc >= 0 if window is None else (behind_Bc >= 0) & (behind_Bc < window)
 
   q_BKGD = q_B1HD.reshape(batch, num_kv, num_heads // num_kv, head_dim)
   scores_BKGc = jnp.einsum("bkgd,bckd->bkgc", q_BKGD, key_cache_BcKD,

@@ -14,7 +14,13 @@ kernel (`parallelism.kernels`), which reads the pair's tile lists.
 The backward is a second ring pass that recomputes each block's probabilities from the
 global output and lse. A device keeps the dK/dV of its own block; the accumulators of the
 others travel with their K/V block and, after N - 1 hops, arrive back at the device that
-owns it. These functions run inside a shard_map (`parallelism.ring_attention`); the other
+owns it.
+
+A ring cut short: where the schedule has steps at which no device computes anything (a
+sliding window under `ring` or `zigzag`: `RingSchedule.needed_steps`), only the steps it
+needs run, and each of their K/V blocks is sent straight to the device that needs it
+(`ppermute` by its shift, one transfer, not s hops); in the backward its dK/dV go straight
+back the same way. These functions run inside a shard_map (`parallelism.ring_attention`); the other
 strategies (`parallelism.strategies`) reuse `RingDevice` and the merge.
 """
 
@@ -66,17 +72,36 @@ def unpack(buffer, like):
   return tuple(arrays)
 
 
-def around_ring(own, start, visit, *, axis: str, num_shards: int):
+def shifted(shift: int, num_shards: int) -> list[tuple[int, int]]:
+  """The ppermute pairs that send each device's array to the device `shift` after it."""
+  return [(i, (i + shift) % num_shards) for i in range(num_shards)]
+
+
+def cut_short(schedule: RingSchedule) -> bool:
+  """Whether the ring skips steps (and sends blocks straight by their shift)."""
+  return len(schedule.needed_steps) < schedule.num_shards
+
+
+def around_ring(own, start, visit, *, axis: str, schedule: RingSchedule):
   """The ring's step loop, the same for both passes; returns the last carry.
 
   Step 0 is `start(*own)` on the device's own block (k, v and, when packed, segment ids),
   giving the first carry. Steps s = 1..N-1 are `visit(carry, s, *block)` on the block that
   arrived, the one that started on device d - s. Each step first issues the transfer of the
-  block it holds, so the compute can overlap it; the last needs none.
+  block it holds, so the compute can overlap it; the last needs none. A ring cut short
+  issues every transfer first, each straight by its shift, then visits its steps (s static).
   """
+  num_shards = schedule.num_shards
   if num_shards == 1:
     return start(*own)
-  perm = [(i, (i + 1) % num_shards) for i in range(num_shards)]
+  if cut_short(schedule):
+    steps = schedule.needed_steps[1:]
+    arrived = [lax.ppermute(pack(*own), axis, shifted(s, num_shards)) for s in steps]
+    carry = start(*own)
+    for s, kv_bytes in zip(steps, arrived):
+      carry = visit(carry, s, *unpack(kv_bytes, own))
+    return carry
+  perm = shifted(1, num_shards)
 
   def step(s, state, send: bool):
     carry, kv_bytes = state
@@ -158,14 +183,13 @@ def forward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, *, axis: str, schedule: RingSch
   with jax.named_scope("ring_forward"):  # how tests find its collectives in compiled HLO
     return around_ring(blocks(k_BTKD, v_BTKD, seg_BT), functools.partial(step, 0, None),
                        lambda carry, s, *block: step(s, carry, *block), axis=axis,
-                       num_shards=schedule.num_shards)
+                       schedule=schedule)
 
 
 def backward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, dout_BTHD, *, axis: str,
                   schedule: RingSchedule, tile: int, kernel: str):
   """Per-device backward ring: returns (dq, dk, dv) in float32."""
   num_shards = schedule.num_shards
-  perm = [(i, (i + 1) % num_shards) for i in range(num_shards)]
   ring = RingDevice(schedule, device_index(axis, num_shards), kernel, tile)
   delta_BTH = softmax_delta(dout_BTHD, out_BTHD)
   step = lambda s, carry, k_b, v_b, *seg_b: ring.backward_step(
@@ -179,11 +203,17 @@ def backward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, dout_BTHD, 
 
   def visit(carry, s, *block):
     dq_BTHD, dk_BTKD, dv_BTKD, dkv_2BTKD = carry
+    if cut_short(schedule):
+      # The block came straight from device d - s: its dK/dV go straight back, summed
+      # there with those of the other steps (`dkv_2BTKD` holds what came home).
+      dq_BTHD, dkv_s = step(s, (dq_BTHD, jnp.zeros_like(dkv_2BTKD)), *block)
+      home = lax.ppermute(dkv_s, axis, shifted(-s, num_shards))
+      return dq_BTHD, dk_BTKD, dv_BTKD, dkv_2BTKD + home
     dq_BTHD, dkv_2BTKD = step(s, (dq_BTHD, dkv_2BTKD), *block)
     # The accumulator follows its K/V block, one hop after each step; after the last step
     # that hop takes it home to the block's owner.
-    return dq_BTHD, dk_BTKD, dv_BTKD, lax.ppermute(dkv_2BTKD, axis, perm)
+    return dq_BTHD, dk_BTKD, dv_BTKD, lax.ppermute(dkv_2BTKD, axis, shifted(1, num_shards))
 
   dq_BTHD, dk_BTKD, dv_BTKD, dkv_2BTKD = around_ring(
-      blocks(k_BTKD, v_BTKD, seg_BT), start, visit, axis=axis, num_shards=num_shards)
+      blocks(k_BTKD, v_BTKD, seg_BT), start, visit, axis=axis, schedule=schedule)
   return dq_BTHD, dk_BTKD + dkv_2BTKD[0], dv_BTKD + dkv_2BTKD[1]

@@ -149,13 +149,15 @@ def operand_specs(mesh, rules: Rules, q_shape, num_kv: int) -> tuple[P, P, P]:
 
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None,
                    *, layout: str, mesh=None, rules: Rules | None = None, kernel: str = "auto",
-                   tile_size: int = 512, strategy: str = "ring") -> jax.Array:
+                   tile_size: int = 512, strategy: str = "ring",
+                   window: int | None = None) -> jax.Array:
   """Causal attention, exact, of q [B,S,Hq,D] on k/v [B,S,Hkv,D] sharded along S in `layout`.
 
   The sequence axis holds the tokens in the order of `layout` (`parallelism.layouts`) over
   the mesh axes that `rules` maps `activation_seq` to (the ring's, then for `strategy`
   ulysses or hybrid the all-to-all's; `parallelism.strategies`). Query i sees key j iff j's original
-  position is not after i's and their segment ids match (`segment_ids=None`: one document
+  position is not after i's (and, with a `window` of w keys, fewer than w before it:
+  `parallelism.tiles`) and their segment ids match (`segment_ids=None`: one document
   per row). Batch and heads shard as `rules` map `activation_batch` and
   `activation_heads`/`activation_kv_heads` (no rules: `DEFAULT_RULES`). `mesh=None` uses
   the mesh set by `jax.set_mesh`, or, when none is set, computes locally as one block.
@@ -174,11 +176,13 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
   seq_len = q.shape[1]
   if context_mesh and mesh.empty:
     # No mesh anywhere (a single-device script, model.init outside a mesh): one block, local.
-    local = local_strategy(layout, seq_len, tile_size, kernel, q.shape, k.shape, q.dtype)
+    local = local_strategy(layout, seq_len, tile_size, kernel, q.shape, k.shape, q.dtype,
+                           window)
     return _attention(q, k, v, segment_ids, _Passes(local))
   specs = operand_specs(mesh, rules, q.shape, k.shape[2])
   passes = _Passes(split_attention(strategy, layout, seq_len, tile_size, kernel, mesh, rules,
-                                   q.shape[2], k.shape[2], q.shape[3], q.dtype),
+                                   q.shape[2], k.shape[2], q.shape[3], q.dtype,
+                                   window=window),
                    None if context_mesh else mesh, specs)
   if not any(t == AxisType.Explicit for t in mesh.axis_types):
     return _attention(q, k, v, segment_ids, passes)

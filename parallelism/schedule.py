@@ -1,8 +1,8 @@
 """The static ring schedule: what every device computes at every ring step, built on the host.
 
-    python -m parallelism --layout striped --seq_len 32768 --shards 8 [--tile 512]
+    python -m parallelism --layout striped --seq_len 32768 --shards 8 [--tile 512] [--window W]
 
-prints it and its critical path. A token's `token_index` is fixed by (layout, seq_len,
+prints it and its critical path, then every layout's critical path for the same sizes. A token's `token_index` is fixed by (layout, seq_len,
 ring size), so which keys each query sees at each ring step is known before tracing. This
 module works it out once with NumPy, by the one rule of `parallelism.tiles`:
 
@@ -13,6 +13,8 @@ module works it out once with NumPy, by the one rule of `parallelism.tiles`:
 - Each distinct pair has a mask shape a library kernel can use: `empty`, `full`, `causal`
   (key j visible to query i iff j <= i, by position in the blocks), `strictly_causal`
   (j < i) or `general`.
+- A ring step at which no device has anything to compute (with a sliding window, most of
+  them under `ring` and `zigzag`) is not run at all: `needed_steps`.
 - At a kernel's tile sizes, `RingSchedule.tiles(tile_q, tile_k)` gives block-sparse
   metadata (as TPU splash attention's MaskInfo): the class of every tile pair, per query
   tile the runs of UNMASKED key tiles and the list of MASKED ones with the id of their
@@ -20,8 +22,8 @@ module works it out once with NumPy, by the one rule of `parallelism.tiles`:
   dK/dV loops. SKIP tiles appear nowhere, so kernels never classify a tile at run time.
 
 Packed documents are not part of the schedule: segment ids differ per batch and stay an
-elementwise mask inside the kernels. The schedule is cached per (layout, seq_len, shards)
-and per tile size, so it is built once per compile, not per layer or step.
+elementwise mask inside the kernels. The schedule is cached per (layout, seq_len, shards,
+window) and per tile size, so it is built once per compile, not per layer or step.
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ class RingSchedule:
   pair: np.ndarray  # [N devices, N steps] int32: the distinct block pair computed there
   pair_blocks: tuple[tuple[int, int], ...]  # a (query block, key block) of each distinct pair
   shapes: tuple[str, ...]  # the mask shape of each distinct pair, one of MASK_SHAPES
+  window: int | None = None  # keys each query sees, itself included (`parallelism.tiles`)
   _tables: dict = dataclasses.field(default_factory=dict, repr=False)
 
   @property
@@ -101,11 +104,18 @@ class RingSchedule:
     """[N devices, N steps] bool: nothing to compute (the ring skips the kernel)."""
     return np.asarray([s == "empty" for s in self.shapes])[self.pair]
 
+  @functools.cached_property
+  def needed_steps(self) -> tuple[int, ...]:
+    """The ring steps at which some device has work, step 0 (the own block) always."""
+    busy_S = ~self.empty.all(axis=0)
+    busy_S[0] = True
+    return tuple(int(s) for s in np.flatnonzero(busy_S))
+
   def tiles(self, tile_q: int, tile_k: int | None = None) -> TileTables:
     """Block-sparse metadata at these tile sizes (built on first use, then cached)."""
     key = (tile_q, tile_q if tile_k is None else tile_k)
     if key not in self._tables:
-      self._tables[key] = _tile_tables(self.order, self.pair_blocks, *key)
+      self._tables[key] = _tile_tables(self.order, self.pair_blocks, *key, self.window)
     return self._tables[key]
 
   def computed_tiles(self, tile: int) -> np.ndarray:
@@ -125,21 +135,24 @@ def critical_path(work_SN) -> float:
 
 
 @functools.lru_cache(maxsize=32)
-def ring_schedule(layout: str, seq_len: int, num_shards: int) -> RingSchedule:
-  """The schedule of a named layout (`parallelism.layouts`)."""
-  return schedule_of_order(permutation(layout, seq_len, num_shards), num_shards, layout)
+def ring_schedule(layout: str, seq_len: int, num_shards: int,
+                  window: int | None = None) -> RingSchedule:
+  """The schedule of a named layout (`parallelism.layouts`); `window` as in `parallelism.tiles`."""
+  return schedule_of_order(permutation(layout, seq_len, num_shards), num_shards, layout, window)
 
 
-def schedule_of_order(order_S: np.ndarray, num_shards: int, name: str = "custom") -> RingSchedule:
+def schedule_of_order(order_S: np.ndarray, num_shards: int, name: str = "custom",
+                      window: int | None = None) -> RingSchedule:
   """The schedule of any order of the sequence (`order_S[p]`: original index at position p)."""
+  tiles.check_window(window)
   order_S = np.asarray(order_S)
   seq_len = order_S.shape[0]
   if seq_len % num_shards:
     raise ValueError(f"sequence length {seq_len} must be divisible by {num_shards} shards")
   order_NT = order_S.reshape(num_shards, -1).astype(np.int64)
-  # Which keys a query sees depends only on the keys' sorted order and on how many keys
-  # lie at or before each query, so that pair of arrays identifies a block pair's mask
-  # without building it ([T, T] would not fit at a million tokens).
+  # Which keys a query sees depends only on the keys' sorted order and on how many keys lie
+  # at or before each query and before its window, so those arrays identify a block pair's
+  # mask without building it ([T, T] would not fit at a million tokens).
   key_order = [np.argsort(k_T, kind="stable") for k_T in order_NT]
   distinct: dict[bytes, int] = {}
   pair_blocks, shapes = [], []
@@ -147,25 +160,31 @@ def schedule_of_order(order_S: np.ndarray, num_shards: int, name: str = "custom"
   for device in range(num_shards):
     for step in range(num_shards):
       kb = held_block(device, step, num_shards)
-      seen = np.searchsorted(order_NT[kb][key_order[kb]], order_NT[device], side="right")
-      key = key_order[kb].tobytes() + seen.tobytes()
+      sorted_keys = order_NT[kb][key_order[kb]]
+      seen = np.searchsorted(sorted_keys, order_NT[device], side="right")
+      gone = (np.zeros_like(seen) if window is None else
+              np.searchsorted(sorted_keys, order_NT[device] - window, side="right"))
+      key = key_order[kb].tobytes() + seen.tobytes() + gone.tobytes()
       if key not in distinct:
         distinct[key] = len(pair_blocks)
         pair_blocks.append((device, kb))
-        shapes.append(_mask_shape(seen, key_order[kb]))
+        shapes.append(_mask_shape(seen, gone, key_order[kb]))
       pair[device, step] = distinct[key]
   for array in (order_NT, pair):
     array.setflags(write=False)
   return RingSchedule(name, seq_len, num_shards, order_NT, pair, tuple(pair_blocks),
-                      tuple(shapes))
+                      tuple(shapes), window)
 
 
-def _mask_shape(seen_T: np.ndarray, key_order_T: np.ndarray) -> str:
-  """The block pair's mask as a library kernel names it, from the count of keys each query
-  sees (`seen_T`) and the keys' sorted order."""
+def _mask_shape(seen_T: np.ndarray, gone_T: np.ndarray, key_order_T: np.ndarray) -> str:
+  """The block pair's mask as a library kernel names it, from the count of keys at or
+  before each query (`seen_T`), of those before its window (`gone_T`), and the keys'
+  sorted order: each query sees the keys [gone, seen) of that order."""
   num_keys = key_order_T.shape[0]
-  if not seen_T.any():
+  if (seen_T == gone_T).all():
     return "empty"
+  if gone_T.any():
+    return "general"
   if (seen_T == num_keys).all():
     return "full"
   position = np.arange(num_keys)
@@ -177,7 +196,8 @@ def _mask_shape(seen_T: np.ndarray, key_order_T: np.ndarray) -> str:
   return "general"
 
 
-def _tile_tables(order_NT: np.ndarray, pair_blocks, tile_q: int, tile_k: int) -> TileTables:
+def _tile_tables(order_NT: np.ndarray, pair_blocks, tile_q: int, tile_k: int,
+                 window: int | None) -> TileTables:
   block_len = order_NT.shape[1]
   for name, tile in (("query", tile_q), ("key", tile_k)):
     if tile <= 0 or block_len % tile:
@@ -185,11 +205,15 @@ def _tile_tables(order_NT: np.ndarray, pair_blocks, tile_q: int, tile_k: int) ->
   classes, mask_ids, masks = [], [], {}
   for q_block, k_block in pair_blocks:
     q_T, k_T = order_NT[q_block], order_NT[k_block]
-    classes_QK = tiles.classify_all(q_T, k_T, tile_q, tile_k)
+    classes_QK = tiles.classify_all(q_T, k_T, tile_q, tile_k, window)
     ids_QK = np.full(classes_QK.shape, -1, np.int32)
     for i, j in zip(*np.nonzero(classes_QK == tiles.MASKED)):
       mask = tiles.visible(q_T[i * tile_q:(i + 1) * tile_q, None],
-                           k_T[None, j * tile_k:(j + 1) * tile_k])
+                           k_T[None, j * tile_k:(j + 1) * tile_k], window)
+      # The ranges the classes read can straddle a window that no token pair meets.
+      if not mask.any() or mask.all():
+        classes_QK[i, j] = tiles.UNMASKED if mask.all() else tiles.SKIP
+        continue
       ids_QK[i, j] = masks.setdefault(np.packbits(mask).tobytes(), len(masks))
     classes.append(classes_QK)
     mask_ids.append(ids_QK)
@@ -256,7 +280,8 @@ def describe(schedule: RingSchedule, tile: int) -> str:
   computed_SN = schedule.computed_tiles(tile)
   masked_SN = schedule.masked_tiles(tile)
   per_block = (schedule.block_len // tile) ** 2
-  lines = [f"{schedule.layout}: {schedule.seq_len} tokens on {n} devices, blocks of "
+  window = "causal" if schedule.window is None else f"window {schedule.window}"
+  lines = [f"{schedule.layout}: {schedule.seq_len} tokens on {n} devices, {window}, blocks of "
            f"{schedule.block_len}, tiles of {tile} ({per_block} tile pairs per block pair)",
            "", "distinct block pairs (query block, key block), each with its mask shape and "
            "tiles computed (of them masked):"]
@@ -271,10 +296,29 @@ def describe(schedule: RingSchedule, tile: int) -> str:
     cells = "".join(f"{f'{schedule.pair[d, s]} / {computed_SN[s, d]}':>14}" for d in range(n))
     lines.append(f"{s:>4} {cells}{computed_SN[s].max():>10}")
   total, critical = int(computed_SN.sum()), critical_path(computed_SN)
+  steps = schedule.needed_steps
   lines += ["", f"critical path: {critical:.0f} tiles (sum over steps of the busiest device); "
                 f"all devices compute {total} ({int(masked_SN.sum())} masked); balance "
-                f"{total / (n * critical):.3f} (1.0 = every device busy at every step)"]
+                f"{total / (n * critical):.3f} (1.0 = every device busy at every step)",
+            f"ring steps run: {len(steps)} of {n}"
+            + ("" if len(steps) == n else f" ({', '.join(map(str, steps))}; each K/V block "
+                                          f"is sent straight to the device that needs it)")]
   return "\n".join(lines)
+
+
+def compare_layouts(seq_len: int, num_shards: int, tile: int,
+                    windows: tuple[int | None, ...] = (None,)) -> tuple[str, str]:
+  """Each layout's critical path (tiles, summed over `windows`: one per layer of a model's
+  pattern) as a table, and the layout with the shortest."""
+  paths = {}
+  for layout in LAYOUTS:
+    paths[layout] = sum(critical_path(ring_schedule(layout, seq_len, num_shards, w)
+                                      .computed_tiles(tile)) for w in windows)
+  best = min(paths, key=paths.get)
+  rows = [f"{'layout':<9}{'critical path (tiles)':>24}{'vs best':>10}"]
+  rows += [f"{layout:<9}{path:>24,.0f}{path / paths[best]:>9.2f}x"
+           for layout, path in paths.items()]
+  return "\n".join(rows), best
 
 
 def main() -> None:
@@ -284,10 +328,15 @@ def main() -> None:
   parser.add_argument("--seq_len", type=int, default=32768)
   parser.add_argument("--shards", type=int, default=8)
   parser.add_argument("--tile", type=int, default=512, help="clipped to the block")
+  parser.add_argument("--window", type=int, default=None,
+                      help="keys each query sees, itself included (default: causal)")
   args = parser.parse_args()
   try:
-    schedule = ring_schedule(args.layout, args.seq_len, args.shards)
-    print(describe(schedule, min(args.tile, schedule.block_len)))
+    schedule = ring_schedule(args.layout, args.seq_len, args.shards, args.window)
+    tile = min(args.tile, schedule.block_len)
+    print(describe(schedule, tile))
+    table, best = compare_layouts(args.seq_len, args.shards, tile, (args.window,))
+    print(f"\nevery layout at these sizes:\n{table}\nshortest: {best}")
   except ValueError as error:
     raise SystemExit(f"error: {error}") from None
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from parallelism import kernels, strategies
+from parallelism import kernels, strategies, tiles
 from parallelism.layouts import check_seq_len, required_divisor
 from parallelism.mesh import Rules, as_axes, logical_to_spec, spec_on_mesh
 from parallelism.schedule import ring_schedule
@@ -58,13 +58,15 @@ def shortest_ring_length(length: int, layout: str, num_shards: int, tile_size: i
 
 def split_attention(strategy: str, layout: str, seq_len: int, tile_size: int, kernel: str,
                     mesh, rules: Rules, num_heads: int, num_kv_heads: int, head_dim: int,
-                    dtype, names: Names = Names()) -> Strategy:
+                    dtype, names: Names = Names(), window: int | None = None) -> Strategy:
   """Each device's side of `strategy` for `layout` on `mesh` (concrete or abstract), its
-  sequence over the axes `rules` map `activation_seq` to; a ValueError says why not."""
+  sequence over the axes `rules` map `activation_seq` to, each query seeing the `window`
+  keys up to itself (None: causal); a ValueError says why not."""
   if strategy not in STRATEGIES:
     raise ValueError(f"unknown sequence-parallel strategy '{strategy}' ({names.strategy}); "
                      f"choose one of {STRATEGIES}")
   kernels.check_name(kernel)
+  tiles.check_window(window)
   axis, ulysses_axis = _sequence_axes(mesh, rules, strategy, names)
   num_shards = mesh.shape[axis]
   ulysses = mesh.shape[ulysses_axis] if ulysses_axis else 1
@@ -99,12 +101,12 @@ def split_attention(strategy: str, layout: str, seq_len: int, tile_size: int, ke
   chosen, fallback = kernels.choose(
       kernel, (1, block, local_heads // ulysses, head_dim),
       (1, block, local_kv * repeat // ulysses, head_dim), tile, dtype)
-  return Strategy(strategy, ring_schedule(layout, seq_len, num_shards), axis, tile, chosen,
-                  ulysses_axis, repeat, fallback)
+  return Strategy(strategy, ring_schedule(layout, seq_len, num_shards, window), axis, tile,
+                  chosen, ulysses_axis, repeat, fallback)
 
 
 def local_strategy(layout: str, seq_len: int, tile_size: int, kernel: str, q_shape, k_shape,
-                   dtype) -> Strategy:
+                   dtype, window: int | None = None) -> Strategy:
   """Without a mesh: the whole row as one block, in its original order (a ring of one)."""
   check_seq_len(seq_len, layout, 1)
   tile = block_tile(seq_len, 1, tile_size)
@@ -112,7 +114,7 @@ def local_strategy(layout: str, seq_len: int, tile_size: int, kernel: str, q_sha
     raise ValueError(f"sequence length {seq_len} must be divisible by sequence shards x tile "
                      f"= 1 x {tile} = {tile}")
   chosen, fallback = kernels.choose(kernel, q_shape, k_shape, tile, dtype)
-  return Strategy("ring", ring_schedule(layout, seq_len, 1), "sequence", tile, chosen,
+  return Strategy("ring", ring_schedule(layout, seq_len, 1, window), "sequence", tile, chosen,
                   kernel_fallback=fallback)
 
 

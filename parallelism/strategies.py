@@ -154,6 +154,12 @@ def _every_block(k_BTKD, v_BTKD, seg_BT, axis: str):
   return block
 
 
+def _over_needed_steps(schedule: RingSchedule, visit, carry):
+  """`visit(step, carry)` over the ring steps after 0 at which some device has work."""
+  steps = jnp.asarray(schedule.needed_steps, jnp.int32)
+  return lax.fori_loop(1, steps.shape[0], lambda i, c: visit(steps[i], c), carry)
+
+
 def _gathered_forward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, *, axis: str,
                            schedule: RingSchedule, tile: int, kernel: str):
   """All-gather forward: the ring's steps in order, each block read from the gathered K/V."""
@@ -167,7 +173,7 @@ def _gathered_forward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, *, axis: str,
     return runner.forward_step(step, out_lse, q_BTHD, k_b, v_b, seg_BT, seg_b)
 
   out_lse = runner.forward_step(0, None, q_BTHD, k_BTKD, v_BTKD, seg_BT, seg_BT)
-  return lax.fori_loop(1, num_shards, visit, out_lse)
+  return _over_needed_steps(schedule, visit, out_lse)
 
 
 def _gathered_backward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, dout_BTHD, *,
@@ -191,6 +197,6 @@ def _gathered_backward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, d
   dq_BTHD, dk_BTKD, dv_BTKD = grads(0, None, k_BTKD, v_BTKD, seg_BT)
   # The own block's slot stays zero: its dK/dV are the ones just computed.
   dkv_N2BTKD = jnp.zeros((num_shards, 2, *k_BTKD.shape), jnp.float32)
-  dq_BTHD, dkv_N2BTKD = lax.fori_loop(1, num_shards, visit, (dq_BTHD, dkv_N2BTKD))
+  dq_BTHD, dkv_N2BTKD = _over_needed_steps(schedule, visit, (dq_BTHD, dkv_N2BTKD))
   dkv_2BTKD = lax.psum_scatter(dkv_N2BTKD, axis, scatter_dimension=0, tiled=False)
   return dq_BTHD, dk_BTKD + dkv_2BTKD[0], dv_BTKD + dkv_2BTKD[1]

@@ -1,18 +1,25 @@
 """The tile skip rule: which (query tile, key tile) pairs attention must compute.
 
 One rule serves every layout (see DESIGN.md, "The attention contract"). Query i sees key j
-iff `token_index[j] <= token_index[i]` (and, for packed documents, their segment ids match:
-a run-time mask the schedule leaves to the kernels). For a tile pair, summarised by the
-min/max token index of each side:
+iff `0 <= token_index[i] - token_index[j] < window` (and, for packed documents, their
+segment ids match: a run-time mask the schedule leaves to the kernels). `window=None` is
+plain causal attention (an infinite window). A window of w keys includes the query itself:
+w = 1 sees only itself. Hugging Face's `sliding_window` is the same w; flash-attn's
+`window_size=(w - 1, 0)`; splash's `LocalMask(window_size=(w - 1, 0))`. For a tile pair,
+summarised by the range of differences `d = q - k` in `[q_min - k_max, q_max - k_min]`:
 
-- SKIP when `max(q_index) < min(k_index)`: every key is in every query's future;
-- UNMASKED when `min(q_index) >= max(k_index)`: every query sees every key;
-- MASKED otherwise: compute with the elementwise mask (`visible`).
+- SKIP when `d_hi < 0` (every key is in every query's future) or `d_lo >= window` (every
+  key is further back than the window);
+- UNMASKED when `d_lo >= 0` and `d_hi < window`: every query sees every key;
+- MASKED otherwise: compute with the elementwise mask (`visible`). The schedule turns a
+  MASKED tile whose mask is empty into SKIP (under striped, a window can fall between the
+  tokens a tile holds).
 
-Under `ring` this skips whole future blocks; under `striped` and `zigzag` it skips the
-upper triangle of tiles inside each block. Token indices are fixed by (layout, seq_len,
-ring size), so the rule runs once on the host, in NumPy, when `parallelism.schedule`
-builds the ring's schedule; the kernels only read the result.
+Under `ring` this skips whole future blocks (and, with a window, whole past ones); under
+`striped` and `zigzag` it skips the upper triangle of tiles inside each block. Token
+indices are fixed by (layout, seq_len, ring size), so the rule runs once on the host, in
+NumPy, when `parallelism.schedule` builds the ring's schedule; the kernels only read the
+result.
 """
 
 from __future__ import annotations
@@ -22,9 +29,17 @@ import numpy as np
 SKIP, UNMASKED, MASKED = 0, 1, 2
 
 
-def visible(q_index: np.ndarray, k_index: np.ndarray) -> np.ndarray:
+def check_window(window: int | None) -> None:
+  if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                             or window < 1):
+    raise ValueError(f"attention window {window!r} must be a whole number of keys >= 1 (the "
+                     f"query itself counts), or None for causal attention")
+
+
+def visible(q_index: np.ndarray, k_index: np.ndarray, window: int | None = None) -> np.ndarray:
   """The elementwise rule the classes summarise: query sees key (broadcasts like NumPy)."""
-  return k_index <= q_index
+  seen = k_index <= q_index
+  return seen if window is None else seen & (q_index - k_index < window)
 
 
 def tile_ranges(index_T: np.ndarray, tile: int) -> tuple[np.ndarray, np.ndarray]:
@@ -35,14 +50,19 @@ def tile_ranges(index_T: np.ndarray, tile: int) -> tuple[np.ndarray, np.ndarray]
   return chunks.min(axis=1), chunks.max(axis=1)
 
 
-def classify_tile(q_min, q_max, k_min, k_max) -> np.ndarray:
+def classify_tile(q_min, q_max, k_min, k_max, window: int | None = None) -> np.ndarray:
   """SKIP, UNMASKED or MASKED (int8) for tile pairs; broadcasts like NumPy."""
-  return np.where(q_max < k_min, SKIP, np.where(q_min >= k_max, UNMASKED, MASKED)).astype(np.int8)
+  d_lo, d_hi = q_min - k_max, q_max - k_min
+  if window is None:
+    skip, unmasked = d_hi < 0, d_lo >= 0
+  else:
+    skip, unmasked = (d_hi < 0) | (d_lo >= window), (d_lo >= 0) & (d_hi < window)
+  return np.where(skip, SKIP, np.where(unmasked, UNMASKED, MASKED)).astype(np.int8)
 
 
-def classify_all(q_index_T: np.ndarray, k_index_T: np.ndarray, tile_q: int,
-                 tile_k: int) -> np.ndarray:
+def classify_all(q_index_T: np.ndarray, k_index_T: np.ndarray, tile_q: int, tile_k: int,
+                 window: int | None = None) -> np.ndarray:
   """Classes of all tile pairs of a query block and a key block, [num_q_tiles, num_k_tiles]."""
   q_min, q_max = tile_ranges(q_index_T, tile_q)
   k_min, k_max = tile_ranges(k_index_T, tile_k)
-  return classify_tile(q_min[:, None], q_max[:, None], k_min[None, :], k_max[None, :])
+  return classify_tile(q_min[:, None], q_max[:, None], k_min[None, :], k_max[None, :], window)

@@ -156,11 +156,13 @@ class Shapes:
   packed: bool  # segment ids travel with K/V
 
 
-def formula(strategy: str, shapes: Shapes, ring: int, ulysses: int = 1) -> dict[str, float]:
+def formula(strategy: str, shapes: Shapes, ring: int, ulysses: int = 1,
+            steps: int | None = None) -> dict[str, float]:
   """Bytes one device sends for one attention call: 'forward', 'backward' (as the code
   issues them) and 'reused' (what a compiled gradient computes once for both); the same
   three for the Ulysses all-to-alls alone under 'ulysses_forward' and so on (the rest is
-  the ring's or the all-gather's)."""
+  the ring's or the all-gather's). `steps`: the ring steps a ring cut short runs
+  (`RingSchedule.needed_steps`; None: all), each block sent straight by its shift."""
   s = shapes
   ulysses = ulysses if strategy in ULYSSES else 1
   repeat = kv_repeat(s.kv_heads, ulysses)
@@ -170,10 +172,13 @@ def formula(strategy: str, shapes: Shapes, ring: int, ulysses: int = 1) -> dict[
   kv_block = 2 * s.rows * block_tokens * kv_heads * s.head_dim * s.itemsize
   kv_block += s.rows * block_tokens * 4 if s.packed else 0
   dkv_block = 2 * s.rows * block_tokens * kv_heads * s.head_dim * 4  # float32
-  hops = ring - 1
+  cut_short = strategy != "allgather" and steps is not None and steps < ring
+  hops = steps - 1 if cut_short else ring - 1
   forward = hops * kv_block
   backward = hops * (kv_block + dkv_block)
-  reused = hops * kv_block if strategy == "allgather" else kv_block if hops else 0
+  # The gradient computes an identical send once: every block of the all-gather or of a
+  # ring cut short (sent straight), the first hop of a whole ring.
+  reused = hops * kv_block if strategy == "allgather" or cut_short else kv_block if hops else 0
   parts = {"ulysses_forward": 0.0, "ulysses_backward": 0.0, "ulysses_reused": 0.0}
   if ulysses > 1:
     # Each all-to-all sends (U - 1) / U of a device's [rows, S / (ring U), heads, D] array.
@@ -213,7 +218,8 @@ def layer_bytes(sent: dict[str, float], remat: str, part: str = "") -> float:
 
 
 def compiled_bytes(strategy: str, shapes: Shapes, ring: int, ulysses: int = 1,
-                   layout: str = "striped", tile_size: int = 512) -> dict[str, dict]:
+                   layout: str = "striped", tile_size: int = 512,
+                   window: int | None = None) -> dict[str, dict]:
   """`hlo_bytes` of one attention call compiled on fake devices from abstract shapes (no
   array is allocated): 'forward' alone and 'gradient' (forward with backward). Operands
   are float32 when `shapes.itemsize` is 4, else bf16; the CPU compiler moves bf16
@@ -229,7 +235,7 @@ def compiled_bytes(strategy: str, shapes: Shapes, ring: int, ulysses: int = 1,
   rules = (("activation_seq", ("sequence", "ulysses")),)
   attend = lambda q, k, v, *seg: ring_attention(q, k, v, *seg, layout=layout, mesh=mesh,
                                                 rules=rules, tile_size=tile_size,
-                                                strategy=strategy)
+                                                strategy=strategy, window=window)
   loss = lambda q, k, v, *seg: jnp.sum(attend(q, k, v, *seg).astype(jnp.float32))
   args = (q, kv, kv, seg) if shapes.packed else (q, kv, kv)
   return {"forward": hlo_bytes(jax.jit(attend).lower(*args).compile().as_text()),

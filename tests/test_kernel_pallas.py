@@ -170,19 +170,22 @@ def test_kernels_lower_to_triton_for_cuda(monkeypatch, packed):
   assert exported.mlir_module().count("__gpu$xla.gpu.triton") == 3  # fwd, dK/dV, dQ
 
 
-def _dense(q, k, v, index, seg):
-  """Plain causal attention in float32 (rows that see nothing give 0)."""
+def _dense(q, k, v, index, seg, window=None):
+  """Plain causal attention in float32 (rows that see nothing give 0), optionally windowed."""
   group = q.shape[2] // k.shape[2]
   k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
   s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") * q.shape[-1] ** -0.5
-  visible = ((index[:, None, :] <= index[:, :, None]) & (seg[:, None, :] == seg[:, :, None]))
+  behind = index[:, :, None] - index[:, None, :]
+  visible = (behind >= 0) & (behind < (window or behind.shape[-1] + 1)) & (
+      seg[:, None, :] == seg[:, :, None])
   p = jnp.where(visible[:, None], jax.nn.softmax(jnp.where(visible[:, None], s, -jnp.inf)), 0)
   return jnp.einsum("bhqk,bkhd->bqhd", p, v, precision="highest")
 
 
-@pytest.mark.parametrize("layout", ["striped", "zigzag"])
-def test_ring_attention_pallas_matches_dense(layout):
-  """kernel='pallas' inside the ring on 4 of the 8 fake devices: forward and gradients."""
+@pytest.mark.parametrize("layout,window", [("striped", None), ("zigzag", 12)])
+def test_ring_attention_pallas_matches_dense(layout, window):
+  """kernel='pallas' inside the ring on 4 of the 8 fake devices: forward and gradients;
+  with a window, zigzag's ring is cut short to steps 0, 1 and 3."""
   seq_len, n = 128, 4
   rng = np.random.default_rng(8)
   q, dout = (rng.standard_normal((2, seq_len, 4, HEAD_DIM), np.float32) for _ in range(2))
@@ -195,12 +198,12 @@ def test_ring_attention_pallas_matches_dense(layout):
   @jax.jit
   def run(q, k, v, dout):
     attend = lambda q, k, v: ring_attention(q, k, v, perm(seg), layout=layout, mesh=mesh,
-                                            kernel="pallas", tile_size=8)
+                                            kernel="pallas", tile_size=8, window=window)
     out, vjp = jax.vjp(attend, q, k, v)
     return (out, *vjp(dout))
 
   got = [unpermute(np.asarray(x), layout, n) for x in run(perm(q), perm(k), perm(v), perm(dout))]
-  out, vjp = jax.vjp(lambda q, k, v: _dense(q, k, v, index, seg), q, k, v)
+  out, vjp = jax.vjp(lambda q, k, v: _dense(q, k, v, index, seg, window), q, k, v)
   for name, g, w in zip(("out", "dq", "dk", "dv"), got, (out, *vjp(dout))):
     np.testing.assert_allclose(g, np.asarray(w), err_msg=name, **_F32_TOL)
 

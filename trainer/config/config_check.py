@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import parallelism
 from trainer.config import flops, needle_grid, stages
 from model import ATTENTIONS, KERNELS, REMAT_POLICIES
-from model.config import layout_of
+from model.config import ModelConfig, layout_of
 from model.rope import RopeScaling
 
 WANDB_MODES = ("auto", "online", "offline", "disabled")
@@ -63,6 +63,8 @@ def _check_one(config: ml_collections.ConfigDict, num_devices: int) -> None:
            f"(or set model.head_dim)")
   rope_problem = RopeScaling(**m.rope_scaling.to_dict()).problem()
   _require(not rope_problem, rope_problem)
+  pattern_problem = ModelConfig(**m.to_dict()).pattern_problem()
+  _require(not pattern_problem, pattern_problem)
   _require(head_size % 2 == 0, f"head size {head_size} must be even for rotary embeddings "
                                f"(model.head_dim or model.d_model / model.num_heads)")
   _require(t.on_nonfinite in ("stop", "skip"),
@@ -159,16 +161,18 @@ CONFIG_NAMES = parallelism.Names(seq_len="data.seq_len", tile="model.attention_t
 
 def attention_split(config: ml_collections.ConfigDict, num_devices: int):
   """Each device's side of the config's (non-dense) attention on its mesh:
-  `parallelism.split_attention`, its errors a ConfigError naming config fields."""
+  `parallelism.split_attention`, its errors a ConfigError naming config fields. The split of
+  the first layer's kind: the others differ only in their window."""
   m = config.model
+  cfg = ModelConfig(**m.to_dict())
   shape = dict(zip(parallelism.MESH_AXES,
                    parallelism.resolve_mesh_shape(config.mesh, num_devices)))
   mesh = jax.sharding.AbstractMesh(tuple(shape.values()), tuple(shape))
   try:
     return parallelism.split_attention(
         m.sequence_parallel, layout_of(m.attention), config.data.seq_len, m.attention_tile,
-        m.kernel, mesh, config.mesh.rules, m.num_heads, m.num_kv_heads,
-        m.head_dim or m.d_model // m.num_heads, jnp.dtype(m.dtype), CONFIG_NAMES)
+        m.kernel, mesh, config.mesh.rules, m.num_heads, m.num_kv_heads, cfg.head_size,
+        jnp.dtype(m.dtype), CONFIG_NAMES, window=cfg.window_of(cfg.layer_kinds[0]))
   except ValueError as error:
     raise ConfigError(str(error)) from None
 

@@ -4,7 +4,8 @@ FLOPs per trained token = 6 * N_matmul + 6 * L * H_q * D_head * S, where N_matmu
 parameters used in a matmul per token (all but the embedding lookup, the output projection
 included) and the second term is attention: QK^T and PV cost 2 * 2 * S * H_q * D_head
 forward per token and layer, x3 for forward plus backward = 12 * L * H_q * D_head * S for
-full attention, halved because a causal mask skips half of it. Remat recomputation is not
+full attention, halved because a causal mask skips half of it; a local layer of window w < S
+counts the keys its queries see, w (w + 1) / 2 + (S - w) w over S. Remat recomputation is not
 counted (it is hardware FLOPs, not model FLOPs), so MFU does not rise when remat is on.
 
 MFU = FLOPs per token * tokens per second / (devices * peak FLOP/s of one device).
@@ -36,8 +37,15 @@ MEMORY_GIB = {"tpu_v4": 32, "tpu_v5e": 16, "tpu_v5p": 95}
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-  attention = 6 * cfg.num_layers * cfg.num_heads * cfg.head_size * seq_len
-  return 6 * cfg.matmul_params() + attention
+  keys = sum(_keys_per_query(cfg.window_of(kind), seq_len) for kind in cfg.layer_kinds)
+  return 6 * cfg.matmul_params() + 12 * cfg.num_heads * cfg.head_size * keys
+
+
+def _keys_per_query(window: int | None, seq_len: int) -> float:
+  """Keys a query sees on average, as the FLOPs count them (causal: half the row)."""
+  if window is None or window >= seq_len:
+    return seq_len / 2
+  return (window * (window + 1) / 2 + (seq_len - window) * window) / seq_len
 
 
 def accelerator_name(device_kind: str) -> str | None:

@@ -40,7 +40,7 @@ from trainer.config import flops
 from trainer.plan import plan_target
 from trainer.run import host_memory
 from model.config import layout_of
-from trainer.config.config_check import ConfigError, check_config
+from trainer.config.config_check import ConfigError, attention_split, check_config
 from trainer.core.state import shard_bytes
 from trainer.core.training import build_training, model_config
 from trainer.plan.plan_report import GIB, print_plan
@@ -148,8 +148,22 @@ def plan(config: ml_collections.ConfigDict, device_memory_gib: float | None = No
   out["step_time_s"] = out["analytic_flops"] / (count * peak * mfu)
   out["tokens_per_sec"] = tokens / out["step_time_s"]
   out["compile_s"] = compile_s
+  out.update(layout_choice(config, count))
   print_plan(config, out, device_memory_gib, mfu, accelerator, budget)
   return out
+
+
+def layout_choice(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, Any]:
+  """Each layout's attention critical path for the config's layers (their windows summed
+  over the layers) on its ring, and the shortest: {} for dense attention."""
+  if config.model.attention == "dense":
+    return {}
+  split = attention_split(config, num_devices)
+  cfg = model_config(config)
+  table, best = parallelism.compare_layouts(
+      config.data.seq_len, split.schedule.num_shards, split.tile,
+      tuple(cfg.window_of(kind) for kind in cfg.layer_kinds))
+  return {"layout_table": table, "best_layout": best}
 
 
 def default_memory_gib(gpu: str | None, accelerator: str) -> float:

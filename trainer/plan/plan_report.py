@@ -63,7 +63,7 @@ def print_plan(config, out: dict[str, Any], memory_gib: float, mfu: float, accel
           "on a real GPU, outside what JAX allocates); GEMM configs are XLA's defaults (no "
           "autotuning)"]),
       f"FLOPs per step: analytic {out['analytic_flops']:.3e} ({analytic_dev:.3e} per device; "
-      f"6 x matmul params + causal attention as half, no remat)",
+      f"6 x matmul params + attention: causal as half, local layers their window; no remat)",
       f"  XLA cost_analysis      {xla_dev:.3e} per device ({xla_dev / analytic_dev:.2f}x "
       f"analytic): XLA counts each loop body once (scanned layers, ring and tile loops) "
       f"and adds remat recompute, so this is not the step's total" if math.isfinite(xla_dev)
@@ -79,6 +79,14 @@ def print_plan(config, out: dict[str, Any], memory_gib: float, mfu: float, accel
                  f"{human_bytes(out['float32_temp_bytes'])}   "
                  f"halved (every promoted buffer as bf16): total "
                  f"{human_bytes(out['floor_total_bytes']).strip()}")
+  if "layout_table" in out:
+    best = out["best_layout"]
+    lines += ["attention schedule per layout (tiles on the ring's critical path, summed over "
+              "the layers and their windows):",
+              *("  " + row for row in out["layout_table"].splitlines()),
+              f"  shortest: {best}" + ("" if best == m.attention else
+                                       f" (this config runs {m.attention}: set "
+                                       f"--config.model.attention={best})")]
   lines.append(verdict_line(out, memory_gib) + (f" [{budget}]" if budget else ""))
   print("\n".join(lines), flush=True)
 

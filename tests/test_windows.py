@@ -1,0 +1,182 @@
+"""Local attention (sliding windows) inside the ring: the rule, the schedule, the ring cut
+short, and the model's local:global layers, each against a dense reference.
+
+The schedule tests rebuild every block pair's visibility from the tile lists alone over the
+whole grid the rule's edge cases live on (windows of 1, a tile and a block, each +-1, and
+the whole row; ring sizes 1, 2, 3, 4, 8); the ring tests compile fewer cases, chosen so that
+each truncation (`ring`: steps 0 and 1; `zigzag`: 0, 1 and N-1) and the whole ring (striped,
+wide windows) runs forward and backward. Tolerances as in tests/test_ring_attention.py.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model import ModelConfig
+from parallelism import tiles, traffic
+from parallelism.layouts import LAYOUTS
+from parallelism.schedule import compare_layouts, held_block, ring_schedule
+from tests.test_ring_attention import (_F32_TOL, assert_close, make_inputs, reference,
+                                       ring_in_layout, seq_mesh)
+from tests.test_schedule import _shape_of, _visible_from_lists
+
+
+def _windows(seq_len, num_shards, tile):
+  block = seq_len // num_shards
+  return sorted({1, tile - 1, tile, tile + 1, block - 1, block, block + 1, seq_len} - {0})
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("num_shards", [1, 2, 3, 4, 8])
+def test_schedule_with_a_window_rebuilds_the_elementwise_rule(layout, num_shards):
+  tile = 4
+  seq_len = 16 * num_shards
+  for window in _windows(seq_len, num_shards, tile):
+    schedule = ring_schedule(layout, seq_len, num_shards, window)
+    plan = schedule.tiles(tile)
+    needed = set()
+    for device in range(num_shards):
+      for step in range(num_shards):
+        q_index = schedule.order[device]
+        k_index = schedule.order[held_block(device, step, num_shards)]
+        want = tiles.visible(q_index[:, None], k_index[None, :], window)
+        pair = schedule.pair[device, step]
+        for lists, outer, inner, transposed in ((plan.by_query, tile, tile, False),
+                                                (plan.by_key, tile, tile, True)):
+          got = _visible_from_lists(plan, lists, pair, outer, inner, schedule.block_len,
+                                    transposed)
+          np.testing.assert_array_equal(got, want, err_msg=f"w={window} d={device} s={step}")
+        assert schedule.shapes[pair] == _shape_of(want)
+        if want.any():
+          needed.add(step)
+        # No listed tile is all invisible: SKIP means skipped, never computed for nothing.
+        classes = plan.classes[pair]
+        cells = want.reshape(schedule.block_len // tile, tile, -1, tile).any(axis=(1, 3))
+        np.testing.assert_array_equal(classes != tiles.SKIP, cells)
+    assert schedule.needed_steps == tuple(sorted(needed | {0}))
+
+
+def test_window_of_a_block_cuts_ring_and_zigzag_short_and_leaves_striped_whole():
+  """The steps each layout runs with w <= S/N, and the issue's tile counts at 256k tokens on
+  8 devices, tiles of 512, w = 1,024 (striped causal: 16,640)."""
+  n, seq_len = 8, 8 * 64
+  assert ring_schedule("ring", seq_len, n, 64).needed_steps == (0, 1)
+  assert ring_schedule("zigzag", seq_len, n, 32).needed_steps == (0, 1, n - 1)
+  assert ring_schedule("striped", seq_len, n, 64).needed_steps == tuple(range(n))
+  assert ring_schedule("ring", seq_len, n, 65).needed_steps == (0, 1)  # 64 back: block d-1
+  assert ring_schedule("ring", seq_len, n, 66).needed_steps == (0, 1, 2)
+  table, best = compare_layouts(262144, 8, 512, (1024,))
+  paths = {line.split()[0]: line.split()[1] for line in table.splitlines()[1:]}
+  assert paths == {"ring": "192", "striped": "1,016", "zigzag": "195"} and best == "ring"
+  table, best = compare_layouts(262144, 8, 512, (None,))
+  assert "16,640" in table and best == "zigzag"
+
+
+def _packed_inputs(seq_len):
+  seg = np.zeros((2, seq_len), np.int32)
+  seg[0, 37:90] = 1  # Documents whose edges fall inside tiles and inside windows.
+  seg[0, 90:] = 2
+  return make_inputs(batch=2, seq_len=seq_len, num_heads=4, num_kv=2, segments=seg, seed=11)
+
+
+@pytest.mark.parametrize("layout,num_shards,window", [
+    ("ring", 4, 1), ("ring", 4, 33), ("zigzag", 4, 9), ("zigzag", 3, 17), ("striped", 4, 7),
+    ("striped", 2, 64)])
+def test_ring_with_a_window_matches_dense(layout, num_shards, window):
+  """Forward and gradients, GQA, packed rows: the truncated rings (ring w <= S/N: steps
+  0-1; zigzag w <= S/2N: 0, 1, N-1) and whole ones, windows at tile and block edges."""
+  seq_len = 96 if num_shards == 3 else 128
+  inputs = _packed_inputs(seq_len)
+  got = ring_in_layout(layout, seq_mesh(num_shards), *inputs, tile_size=8, window=window)
+  assert_close(got, reference(*inputs, window=window), **_F32_TOL)
+
+
+@pytest.mark.parametrize("strategy,ring,ulysses", [("allgather", 4, 1), ("hybrid", 2, 2)])
+def test_other_strategies_take_a_window(strategy, ring, ulysses):
+  mesh = jax.make_mesh((ring, ulysses), ("sequence", "ulysses"),
+                       devices=jax.devices()[:ring * ulysses])
+  inputs = _packed_inputs(128)
+  rules = (("activation_seq", ("sequence", "ulysses")),)
+  got = ring_in_layout("zigzag", mesh, *inputs, tile_size=8, window=12, rules=rules,
+                       strategy=strategy)
+  assert_close(got, reference(*inputs, window=12), **_F32_TOL)
+
+
+@pytest.mark.parametrize("layout,window,steps", [("zigzag", 8, 3)])
+def test_a_ring_cut_short_sends_each_needed_block_once_each_way(layout, window, steps):
+  """Counted in the compiled program: one K/V transfer per step run (not N - 1 hops), the
+  backward's dK/dV back the same way, and XLA sends the forward's blocks once for both."""
+  shapes = traffic.Shapes(rows=2, seq_len=128, heads=4, kv_heads=2, head_dim=16, itemsize=4,
+                          packed=True)
+  assert ring_schedule(layout, 128, 8, window).needed_steps.__len__() == steps
+  counted = traffic.compiled_bytes("ring", shapes, 8, layout=layout, tile_size=8,
+                                   window=window)
+  expected = traffic.formula("ring", shapes, 8, steps=steps)
+  whole = traffic.formula("ring", shapes, 8)
+  assert traffic.sent_total(counted["forward"]) == pytest.approx(expected["forward"])
+  assert traffic.sent_total(counted["gradient"]) == pytest.approx(
+      expected["forward"] + expected["backward"] - expected["reused"])
+  assert expected["forward"] == whole["forward"] * (steps - 1) / 7
+
+
+def test_window_and_pattern_errors_name_the_field():
+  fields = dict(num_layers=6, d_model=32, num_heads=2, num_kv_heads=2, d_ff=32, vocab_size=64)
+  assert ModelConfig(**fields, window=8, layer_pattern="LLLLLG").layer_kinds == "LLLLLG"
+  assert ModelConfig(**fields, window=8).layer_kinds == "LLLLLL"  # Mistral: every layer
+  assert ModelConfig(**fields).layer_kinds == "GGGGGG"
+  assert ModelConfig(**{**fields, "num_layers": 5}, window=8, layer_pattern="LG").layer_kinds \
+      == "LGLGL"
+  for bad, match in ((dict(layer_pattern="LX", window=4), "must be letters L"),
+                     (dict(layer_pattern="LG"), "set model.window"),
+                     (dict(window=4, layer_pattern="G"), "has no local layer"),
+                     (dict(window=-1), "model.window=-1 must be >= 0"),
+                     (dict(window=4, local_rope_theta=-1.0), "local_rope_theta")):
+    assert match in ModelConfig(**fields, **bad).pattern_problem()
+  with pytest.raises(ValueError, match="attention window 0 must be a whole number"):
+    ring_schedule("ring", 64, 2, 0)
+
+
+def test_local_and_global_layers_in_one_scan_match_dense_in_a_ring_cut_short():
+  """A decoder of local (window 5, own RoPE base) and global layers, 'LG' over 3 layers:
+  zigzag on 4 devices (local layers' ring cut short) gives dense's logits and gradients,
+  and the window changes them (it is not ignored)."""
+  import flax.linen as nn
+  from jax.sharding import AxisType
+  from model import Decoder
+  from parallelism.layouts import permute, unpermute
+
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(0, 101, (2, 64)), jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(64, dtype=jnp.int32), (2, 64))
+  segments = jnp.asarray(np.where(np.arange(64) < 20, 0, 1)[None].repeat(2, 0), jnp.int32)
+  fields = dict(num_layers=3, d_model=64, num_heads=4, num_kv_heads=2, d_ff=96,
+                vocab_size=101, dtype="float32", window=5, layer_pattern="LG",
+                local_rope_theta=100.0, attention_tile=8)
+  dense = Decoder(ModelConfig(**fields))
+  params = dense.init(jax.random.key(0), tokens, positions, segments)
+  loss = lambda model, params, *batch: jnp.sum(jnp.sin(model.apply(params, *batch)))
+  want, want_grads = jax.value_and_grad(functools.partial(loss, dense))(
+      params, tokens, positions, segments)
+  everywhere_global = Decoder(ModelConfig(**{**fields, "window": 0, "layer_pattern": ""}))
+  assert abs(float(loss(everywhere_global, params, tokens, positions, segments)) -
+             float(want)) > 1e-2
+
+  mesh = jax.make_mesh((4,), ("sequence",), axis_types=(AxisType.Auto,),
+                       devices=jax.devices()[:4])
+  zigzag = Decoder(ModelConfig(**fields, attention="zigzag", kernel="xla"))
+  perm = functools.partial(permute, layout="zigzag", num_shards=4)
+  with jax.set_mesh(mesh), nn.logical_axis_rules((("activation_seq", "sequence"),)):
+    logits = jax.jit(zigzag.apply)(params, perm(tokens), perm(positions), perm(segments))
+    got, grads = jax.jit(jax.value_and_grad(functools.partial(loss, zigzag)))(
+        params, perm(tokens), perm(positions), perm(segments))
+  np.testing.assert_allclose(unpermute(np.asarray(logits), "zigzag", 4),
+                             np.asarray(dense.apply(params, tokens, positions, segments)),
+                             **_F32_TOL)
+  np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+  # Each gradient sums 2 x 64 x 101 terms: float32 rounding relative to the largest entry.
+  for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    scale = float(np.abs(np.asarray(w)).max())
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5 * scale)
