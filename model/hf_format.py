@@ -1,5 +1,9 @@
 """The Hugging Face LLaMA format: its config.json fields and tensor names, to and from ours.
 
+Mistral checkpoints are LLaMA's tensors with a `sliding_window` in config.json: every layer
+local, a query seeing the `sliding_window` keys up to itself (`ModelConfig.window`, the same
+number). A local:global pattern has no form here, so it does not export.
+
 Pure mappings (no files, no devices), shared by the import (trainer/ckpt/hf_import.py) and the
 export (trainer/tools/export.py). No q/k permutation is needed: `transformers` rotates halves
 (x[i], x[i + D/2]) and so does model/rope.py; only Meta's original interleaved checkpoints
@@ -19,7 +23,7 @@ import numpy as np
 from model.config import ModelConfig
 from model.rope import ROPE_TYPES, RopeScaling
 
-MODEL_TYPES = ("llama",)
+MODEL_TYPES = ("llama", "mistral")
 
 
 class HFFormatError(ValueError):
@@ -119,6 +123,9 @@ def model_fields(hf_config: dict[str, Any], source: str) -> dict[str, Any]:
                 "vocab_size"):
     require(isinstance(hf_config.get(field), int) and hf_config[field] > 0,
             f"{field}={hf_config.get(field)!r} must be a positive integer")
+  window = hf_config.get("sliding_window") if model_type == "mistral" else None
+  require(window is None or (isinstance(window, int) and window > 0),
+          f"sliding_window={window!r} must be a positive integer or null")
   heads = hf_config["num_attention_heads"]
   kv_heads = hf_config.get("num_key_value_heads") or heads
   head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // heads
@@ -135,6 +142,9 @@ def model_fields(hf_config: dict[str, Any], source: str) -> dict[str, Any]:
       "rope_scaling": dataclasses.asdict(scaling),
       "norm_eps": float(hf_config.get("rms_norm_eps", 1e-6)),
       "tie_embeddings": bool(hf_config.get("tie_word_embeddings", False)),
+      "window": window or 0,
+      "layer_pattern": "",
+      "local_rope_theta": 0.0,
   }
 
 
@@ -166,9 +176,22 @@ def _rope(hf_config: dict[str, Any], require) -> tuple[float, RopeScaling]:
   return theta, scaling
 
 
+def export_problem(cfg: ModelConfig) -> str:
+  """Why `cfg` has no LLaMA or Mistral config.json; empty when it has one."""
+  if set(cfg.layer_kinds) == {"L", "G"} or (cfg.window and cfg.local_rope_theta):
+    return (f"model.layer_pattern='{cfg.layer_pattern}' and model.local_rope_theta="
+            f"{cfg.local_rope_theta:g}: a model with local and global layers (or local layers "
+            f"with their own RoPE) has no LLaMA or Mistral config.json; only every layer local "
+            f"(Mistral's sliding_window) or every layer global (LLaMA) exports")
+  return ""
+
+
 def hf_config_of(cfg: ModelConfig, max_position_embeddings: int, bos_id: int, eos_id: int,
                  dtype: str) -> dict[str, Any]:
-  """The config.json `transformers` reads back into the same model (current form)."""
+  """The config.json `transformers` reads back into the same model (current form): Mistral's
+  when every layer is local, else LLaMA's. `export_problem` says when there is none."""
+  if export_problem(cfg):
+    raise HFFormatError(export_problem(cfg))
   s = cfg.rope_scaling
   rope: dict[str, Any] = {"rope_type": s.type, "rope_theta": cfg.rope_theta}
   if s.type != "default":
@@ -181,9 +204,12 @@ def hf_config_of(cfg: ModelConfig, max_position_embeddings: int, bos_id: int, eo
                 original_max_position_embeddings=s.original_max_len)
     if s.attention_factor:
       rope["attention_factor"] = s.attention_factor
+  family = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+  if cfg.window:
+    family = {"architectures": ["MistralForCausalLM"], "model_type": "mistral",
+              "sliding_window": cfg.window}
   return {
-      "architectures": ["LlamaForCausalLM"],
-      "model_type": "llama",
+      **family,
       "hidden_act": "silu",
       "attention_bias": False,
       "mlp_bias": False,

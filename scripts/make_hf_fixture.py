@@ -10,7 +10,8 @@ Each fixture is a directory as `save_pretrained` writes it (config.json, safeten
 or not) plus a SentencePiece `tokenizer.model`, and `expected.safetensors`: a fixed input and
 the float32 logits `transformers` computes for it with eager attention. Together they cover
 GQA, tied and untied embeddings, bf16 and float32 storage, each RoPE scaling type the trainer
-reads, and the older `rope_theta` + `rope_scaling` form of config.json. `versions.json`
+reads, the older `rope_theta` + `rope_scaling` form of config.json, and a Mistral checkpoint
+(LLaMA's tensors with a sliding window). `--only NAME` remakes one fixture. `versions.json`
 records what made them. Tests compare the trainer's import with these logits.
 """
 
@@ -62,7 +63,15 @@ FIXTURES = {
                     rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                      "original_max_position_embeddings": 32}),
         dtype=torch.bfloat16, max_shard_size=None, old_format=True),
+    # Mistral: every layer sees the 16 keys up to itself (128 tokens, so the window matters).
+    "mistral_window": dict(
+        config=dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                    sliding_window=16,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        dtype=torch.float32, max_shard_size=None, family="mistral"),
 }
+FAMILIES = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+            "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}
 
 
 def tokenizer_corpus(seed: int) -> list[str]:
@@ -99,11 +108,12 @@ def make(name: str, spec: dict, out_dir: str) -> None:
   shutil.rmtree(directory, ignore_errors=True)
   os.makedirs(directory)
   torch.manual_seed(sum(map(ord, name)))
-  config = transformers.LlamaConfig(
+  config_class, model_class = FAMILIES[spec.get("family", "llama")]
+  config = config_class(
       vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
       max_position_embeddings=SEQ_LEN, rms_norm_eps=1e-5, initializer_range=INIT_STD,
       bos_token_id=1, eos_token_id=2, **spec["config"])
-  model = transformers.LlamaForCausalLM(config).eval()
+  model = model_class(config).eval()
   # Random norms, not ones, so that a norm read into the wrong place shows in the logits.
   with torch.no_grad():
     for module_name, parameter in model.named_parameters():
@@ -115,7 +125,7 @@ def make(name: str, spec: dict, out_dir: str) -> None:
     to_old_format(directory)
   # The reference logits come from `transformers` reading the saved files back in float32 (a
   # model cast to bf16 in memory would also round its RoPE frequencies; a load does not).
-  reference = transformers.LlamaForCausalLM.from_pretrained(
+  reference = model_class.from_pretrained(
       directory, dtype=torch.float32, attn_implementation="eager").eval()
   token_rng = random.Random(1)
   input_ids = torch.tensor([token_rng.randrange(TOKENIZER_PIECES) for _ in range(SEQ_LEN)])[None]
@@ -130,12 +140,15 @@ def make(name: str, spec: dict, out_dir: str) -> None:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--only", default=None, choices=sorted(FIXTURES),
+                      help="remake this fixture alone")
   parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests",
                                                     "hf_fixtures"))
   args = parser.parse_args()
   os.makedirs(args.out, exist_ok=True)
   for name, spec in FIXTURES.items():
-    make(name, spec, args.out)
+    if args.only in (None, name):
+      make(name, spec, args.out)
   versions = {"transformers": transformers.__version__, "torch": torch.__version__,
               "safetensors": safetensors.__version__,
               "sentencepiece": sentencepiece.__version__, "seq_len": SEQ_LEN}

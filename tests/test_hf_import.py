@@ -229,3 +229,26 @@ def test_export_refuses_a_missing_step_in_one_line(tmp_path):
   assert result.stderr.strip().splitlines() == [
       f"error: --workdir={tmp_path / 'run'} holds no committed checkpoint"]
   assert not os.path.exists(tmp_path / "out")
+
+
+def test_a_sliding_window_round_trips_as_mistral_and_a_local_global_pattern_does_not_export():
+  """Every layer local is Mistral's config.json (`sliding_window` is our window, the query
+  included); read back, it is the same model. Local and global layers have no form there."""
+  from model import ModelConfig
+  from model.hf_format import export_problem, hf_config_of, model_fields
+  shape = dict(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=160,
+               vocab_size=384)
+  local = ModelConfig(**shape, window=16)
+  hf_config = hf_config_of(local, 128, 1, 2, "bfloat16")
+  assert (hf_config["model_type"], hf_config["architectures"], hf_config["sliding_window"]) == (
+      "mistral", ["MistralForCausalLM"], 16)
+  fields = model_fields(hf_config, "config.json")
+  assert (fields["window"], fields["layer_pattern"]) == (16, "")
+  assert ModelConfig(**{**shape, **fields}).layer_kinds == "LL"
+  assert hf_config_of(ModelConfig(**shape), 128, 1, 2, "bfloat16")["model_type"] == "llama"
+  mixed = ModelConfig(**shape, window=16, layer_pattern="LG")
+  assert "has no LLaMA or Mistral config.json" in export_problem(mixed)
+  with pytest.raises(HFFormatError, match="has no LLaMA or Mistral"):
+    hf_config_of(mixed, 128, 1, 2, "bfloat16")
+  with pytest.raises(HFFormatError, match="sliding_window=0 must be a positive integer"):
+    model_fields({**hf_config, "sliding_window": 0}, "config.json")

@@ -37,8 +37,9 @@ TOKENIZER_FILE = "tokenizer.model"
 
 
 # `config.model` fields a command-line override keeps over the checkpoint's config.json: RoPE,
-# to train or sample at a longer context than the checkpoint's. The rest is its shape.
-_OVERRIDABLE = ("rope_theta", "rope_scaling.")
+# to train or sample at a longer context than the checkpoint's, and local attention (which
+# positions a layer sees, not a tensor's shape). The rest is its shape.
+_OVERRIDABLE = ("rope_theta", "rope_scaling.", "window", "layer_pattern", "local_rope_theta")
 
 
 def apply_to_config(config: ml_collections.ConfigDict,
@@ -70,8 +71,8 @@ def apply_to_config(config: ml_collections.ConfigDict,
       continue
     if given != value:
       raise HFFormatError(f"--config.model.{name}={given}, but {where} has {value}: the "
-                          f"checkpoint sets the model's shape (only its RoPE may be "
-                          f"overridden); drop the override")
+                          f"checkpoint sets the model's shape (only its RoPE and local "
+                          f"attention may be overridden); drop the override")
     target, _, field = f"model.{name}".rpartition(".")
     config[target][field] = value  # ConfigDict resolves the dotted path of the parent.
   if not config.data.tokenizer:
@@ -91,6 +92,7 @@ def apply_to_config(config: ml_collections.ConfigDict,
   return (f"starting from {directory}: {m.num_layers} layers, d_model {m.d_model}, heads "
           f"{m.num_heads}/{m.num_kv_heads} kv, vocab {m.vocab_size}, RoPE theta "
           f"{m.rope_theta:g} {scaling}"
+          + (f", sliding window {m.window}" if m.window else "")
           + (f" (set on the command line; the checkpoint's: {', '.join(replaced)})"
              if replaced else "")
           + f"; tokenizer {config.data.tokenizer}{note}")

@@ -34,7 +34,7 @@ from safetensors.numpy import save_file
 import data
 import parallelism
 from model import Decoder
-from model.hf_format import hf_config_of, hf_shapes, tensor_names, to_hf
+from model.hf_format import export_problem, hf_config_of, hf_shapes, tensor_names, to_hf
 from trainer.ckpt.checkpointing import CheckpointError, open_step
 from trainer.ckpt.resume import tokenizer_problem
 from trainer.config import stages
@@ -86,6 +86,9 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str = "bfloat
                                          meta.get("tokenizer_sha256"))
       found.update(config=config, rules=rules, tokenizer=path,
                    pieces=_checked_tokenizer(path, config.model.vocab_size))
+      problem = export_problem(model_config(config))  # Before the arrays too.
+      if problem:
+        raise ExportError(problem)
       with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         return abstract_state(Decoder(model_config(config)), make_optimizer(config.train),
                               mesh, rules)
