@@ -42,7 +42,10 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
   # L (local) and G (global) per layer, repeated over the layers: 'LG' as Gemma 2, 'LLLLLG'
   # as Gemma 3. Empty: every layer local when window is set (Mistral), else every one global.
   config.model.layer_pattern = ""
-  config.model.local_rope_theta = 0.0  # RoPE base of local layers, unscaled (Gemma 3: 10k); 0: global's.
+  # RoPE base of local layers, unscaled (Gemma 3: 10k); 0: the global layers' RoPE.
+  config.model.local_rope_theta = 0.0
+  # Attention logits capped at c * tanh(logit / c) in every layer (Gemma 2: 50); 0: none.
+  config.model.attention_softcap = 0.0
   config.model.norm_eps = 1e-5  # RMSNorm epsilon.
   config.model.tie_embeddings = False  # Share the input embedding with the output projection.
   config.model.init_std = 0.02  # Std of the normal initialiser of every matrix.

@@ -26,10 +26,11 @@ from model.rope import RopeScaling, apply_rope, frequencies
 
 
 def dense_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
-                    segment_ids_BS: jax.Array, window: int | None = None) -> jax.Array:
+                    segment_ids_BS: jax.Array, window: int | None = None,
+                    softcap: float = 0.0) -> jax.Array:
   """Masked softmax attention over the whole row, in its original order (a token's index
-  is its place), each query seeing the `window` keys up to itself (None: all before it);
-  K/V heads are shared by query groups.
+  is its place), each query seeing the `window` keys up to itself (None: all before it),
+  logits capped at `softcap` (0: not); K/V heads are shared by query groups.
 
   Scores and softmax are float32. A query that sees no key gets zeros, not NaN.
   """
@@ -39,6 +40,8 @@ def dense_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
   q_BSKGD = q_BSHD.reshape(batch, seq, num_kv_heads, num_heads // num_kv_heads, head_dim)
   scores_BKGST = jnp.einsum("bskgd,btkd->bkgst", q_BSKGD, k_BSKD,
                             preferred_element_type=jnp.float32) / jnp.sqrt(head_dim)
+  if softcap:
+    scores_BKGST = softcap * jnp.tanh(scores_BKGST / softcap)
   behind_BST = token_index_BS[:, :, None] - token_index_BS[:, None, :]
   visible_BST = ((behind_BST >= 0) & (segment_ids_BS[:, None, :] == segment_ids_BS[:, :, None]))
   if window is not None:
@@ -58,15 +61,17 @@ def dense_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
 def _whole_rows(cfg: ModelConfig, q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, window):
   """`dense` attention: cuDNN's flash attention on a CUDA GPU (each packed document apart;
   a row of more documents than its packed layout takes runs the block kernels as a ring of
-  one, and so does a local layer, whose window cuDNN's packed call is not given), else
-  `dense_attention`. A dense row is in its original order, so the token index is its
+  one, and so do a local layer and capped logits, which cuDNN's packed call is not given),
+  else `dense_attention`. A dense row is in its original order, so the token index is its
   position and cuDNN's causal mask the rule."""
   if parallelism.cudnn_dense_reason(q_BSHD.shape, q_BSHD.dtype):
-    return dense_attention(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, window)
+    return dense_attention(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, window,
+                           cfg.attention_softcap)
   fallback = functools.partial(
       parallelism.ring_attention, layout="ring", rules=nn.get_logical_axis_rules(),
-      tile_size=math.gcd(q_BSHD.shape[1], cfg.attention_tile), window=window)
-  if window is not None:
+      tile_size=math.gcd(q_BSHD.shape[1], cfg.attention_tile), window=window,
+      softcap=cfg.attention_softcap)
+  if window is not None or cfg.attention_softcap:
     return fallback(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS)
   return parallelism.cudnn_dense_attention(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, fallback)
 
@@ -132,7 +137,7 @@ class Attention(nn.Module):
       if self.decode:
         return parallelism.decode_attention(
             q_BSHD, k_BSKD, v_BSKD, *cache, positions_BS[:, 0], layout=cfg.layout,
-            rules=nn.get_logical_axis_rules(), window=window)
+            rules=nn.get_logical_axis_rules(), window=window, softcap=cfg.attention_softcap)
       if cfg.attention == "dense":
         out_BSHD = _whole_rows(cfg, q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, window)
       else:
@@ -141,7 +146,8 @@ class Attention(nn.Module):
         out_BSHD = parallelism.ring_attention(
             q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, layout=cfg.layout,
             rules=nn.get_logical_axis_rules(), kernel=cfg.kernel,
-            tile_size=cfg.attention_tile, strategy=cfg.sequence_parallel, window=window)
+            tile_size=cfg.attention_tile, strategy=cfg.sequence_parallel, window=window,
+            softcap=cfg.attention_softcap)
       return out_BSHD, k_BSKD, v_BSKD
 
     kinds = set(cfg.layer_kinds)

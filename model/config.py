@@ -40,6 +40,7 @@ class ModelConfig:
   window: int = 0  # Keys a local layer's query sees, itself included; 0: no local layers.
   layer_pattern: str = ""  # L (local) and G (global) per layer, repeated; "": all alike.
   local_rope_theta: float = 0.0  # RoPE base of local layers (unscaled); 0: the global RoPE.
+  attention_softcap: float = 0.0  # Logits capped at c * tanh(logit / c) (Gemma 2); 0: none.
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
   init_std: float = 0.02
@@ -91,6 +92,8 @@ class ModelConfig:
               f"'{self.layer_pattern}' over {self.num_layers} layers has no local layer (L)")
     if self.local_rope_theta < 0:
       return f"model.local_rope_theta={self.local_rope_theta} must be >= 0 (0: the global RoPE)"
+    if self.attention_softcap < 0:
+      return f"model.attention_softcap={self.attention_softcap} must be >= 0 (0: no cap)"
     return ""
 
   def matmul_params(self) -> int:

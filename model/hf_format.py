@@ -178,6 +178,9 @@ def _rope(hf_config: dict[str, Any], require) -> tuple[float, RopeScaling]:
 
 def export_problem(cfg: ModelConfig) -> str:
   """Why `cfg` has no LLaMA or Mistral config.json; empty when it has one."""
+  if cfg.attention_softcap:
+    return (f"model.attention_softcap={cfg.attention_softcap:g}: capped attention logits "
+            f"have no LLaMA or Mistral config.json")
   if set(cfg.layer_kinds) == {"L", "G"} or (cfg.window and cfg.local_rope_theta):
     return (f"model.layer_pattern='{cfg.layer_pattern}' and model.local_rope_theta="
             f"{cfg.local_rope_theta:g}: a model with local and global layers (or local layers "

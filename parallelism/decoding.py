@@ -44,11 +44,12 @@ def cache_positions(layout: str, capacity: int, num_shards: int) -> np.ndarray:
 def decode_attention(q_B1HD: jax.Array, k_B1KD: jax.Array, v_B1KD: jax.Array,
                      key_cache_BCKD: jax.Array, value_cache_BCKD: jax.Array,
                      position_B: jax.Array, *, layout: str, rules: Rules,
-                     mesh=None, window: int | None = None
+                     mesh=None, window: int | None = None, softcap: float = 0.0
                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Attention of the token at `position_B` (one per row) over the cache, after writing its
   own key and value into it, seeing the `window` positions up to its own (None: every one
-  before it). Returns (out [B,1,Hq,D] in q's dtype, key cache, value cache).
+  before it), logits capped at `softcap` (0: not). Returns (out [B,1,Hq,D] in q's dtype,
+  key cache, value cache).
 
   `rules` are the decode rules (`decode_rules`); the cache shards as `CACHE_NAMES` map, q
   and the new key/value as the heads do. `mesh=None` uses the mesh set by `jax.set_mesh`;
@@ -65,7 +66,7 @@ def decode_attention(q_B1HD: jax.Array, k_B1KD: jax.Array, v_B1KD: jax.Array,
 
   def per_device(q, k, v, key_cache, value_cache, slot_positions, position):
     return _local_attention(q, k, v, key_cache, value_cache, slot_positions, position,
-                            seq_axes, window)
+                            seq_axes, window, softcap)
 
   if mesh.empty:
     return per_device(q_B1HD, k_B1KD, v_B1KD, key_cache_BCKD, value_cache_BCKD,
@@ -82,7 +83,7 @@ def decode_attention(q_B1HD: jax.Array, k_B1KD: jax.Array, v_B1KD: jax.Array,
 
 
 def _local_attention(q_B1HD, k_B1KD, v_B1KD, key_cache_BcKD, value_cache_BcKD,
-                     slot_positions_c, position_B, seq_axes, window):
+                     slot_positions_c, position_B, seq_axes, window, softcap):
   """One device's slots: write, then a partial softmax merged over `seq_axes`."""
   batch, _, num_heads, head_dim = q_B1HD.shape
   num_kv = k_B1KD.shape[2]
@@ -95,6 +96,8 @@ def _local_attention(q_B1HD, k_B1KD, v_B1KD, key_cache_BcKD, value_cache_BcKD,
   q_BKGD = q_B1HD.reshape(batch, num_kv, num_heads // num_kv, head_dim)
   scores_BKGc = jnp.einsum("bkgd,bckd->bkgc", q_BKGD, key_cache_BcKD,
                            preferred_element_type=jnp.float32) / jnp.sqrt(head_dim)
+  if softcap:
+    scores_BKGc = softcap * jnp.tanh(scores_BKGc / softcap)
   scores_BKGc = jnp.where(visible_Bc[:, None, None, :], scores_BKGc, -jnp.inf)
   # The merge: the global max first (a device may see nothing: -inf, kept out of the max),
   # then the weights' sum and the weighted values summed over the ring.

@@ -157,6 +157,13 @@ def _grads(q_BTHD, k_BTKD, v_BTKD, out_BTHD, dout_BTHD, lse_BTH, causal: bool, p
   return jnp.where(q_in, dq, 0.0), jnp.where(k_in, dk, 0.0), jnp.where(k_in, dv, 0.0)
 
 
+def _no_softcap(softcap: float) -> None:
+  """`kernels.choose` runs `pallas` instead when logits are capped: cuDNN's call here has no
+  soft cap."""
+  if softcap:
+    raise ValueError("the cudnn kernel has no logit soft-capping (kernels.choose runs pallas)")
+
+
 def _by_shape(schedule: RingSchedule, pair, branch):
   """`branch(shape, p)` of the traced `pair`, one static branch per distinct pair."""
   branches = [functools.partial(branch, shape, p) for p, shape in enumerate(schedule.shapes)]
@@ -182,8 +189,9 @@ def _by_cudnn_or_pallas(q_seg_BT, k_seg_BT, causal: bool, by_cudnn, by_pallas, n
 
 
 def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSchedule, pair,
-              tile: int) -> tuple[jax.Array, jax.Array]:
+              tile: int, softcap: float = 0.0) -> tuple[jax.Array, jax.Array]:
   """Attention of a query block on a key block: (out [B,Tq,Hq,D] f32, lse [B,Tq,Hq] f32)."""
+  _no_softcap(softcap)
 
   nothing = functools.partial(_nothing_seen, q_BTHD)
 
@@ -211,10 +219,11 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSched
 
 
 def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k_seg_BT, *,
-              schedule: RingSchedule, pair, tile: int, out_BTHD=None
+              schedule: RingSchedule, pair, tile: int, out_BTHD=None, softcap: float = 0.0
               ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Gradient contributions (dq, dk, dv, float32) of one query block x key block, from the
   GLOBAL lse and out (`out_BTHD`; cuDNN forms delta from it itself)."""
+  _no_softcap(softcap)
   if out_BTHD is None:
     raise ValueError("the cudnn kernel's backward needs the global output (out_BTHD)")
 

@@ -16,7 +16,8 @@ computed tile. GQA: q head h reads kv head h // G; K/V are never repeated.
 
 The metadata tables are padded to powers of 2 (Triton's block shapes) and read by scalar
 loads. Softmax runs in base 2 (exp2 with log2(e) folded into the scale); lse is converted
-back.
+back. With `softcap` > 0 the logits are capped, `softcap * tanh(logits / softcap)`, before
+the base change, and the backward multiplies by the cap's slope.
 """
 
 from __future__ import annotations
@@ -118,18 +119,30 @@ def _split_refs(refs, has_seg: bool, num_out: int):
   return seg_refs, TileLists(*refs[:5]), refs[5], refs[6:6 + num_out]
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, *refs, scale: float, block_k: int, has_seg: bool):
+def _logits(q_tD, k_kD, scale: float, softcap: float):
+  """(logits, their derivative by q.k) of a tile pair: scaled, and capped when asked."""
+  logits_tk = _dot(q_tD, k_kD, 1) * scale
+  if not softcap:
+    return logits_tk, scale
+  capped_tk = jnp.tanh(logits_tk / softcap)
+  return softcap * capped_tk, scale * (1.0 - capped_tk * capped_tk)
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, *refs, scale: float, softcap: float, block_k: int,
+                has_seg: bool):
   (q_seg_ref, k_seg_ref), lists, masks_ref, (o_ref, lse_ref) = _split_refs(refs, has_seg, 2)
   row = _query_tile(pl.program_id(0), pl.num_programs(0))
   q_tD = q_ref[...]
   q_seg_t = q_seg_ref[...] if has_seg else None
-  scale2 = scale * _LOG2E  # base-2 logits: exp2(s * log2 e) == exp(s)
 
   def visit(j, carry, mask_id):
     keys = pl.ds(j * block_k, block_k)
     m_t, l_t, acc_tD = carry
     k_kD, v_kD = k_ref[keys, :], v_ref[keys, :]
-    s_tk = _dot(q_tD, k_kD, 1) * scale2
+    if softcap:
+      s_tk = _logits(q_tD, k_kD, scale, softcap)[0] * _LOG2E
+    else:  # base-2 logits in one multiply: exp2(s * log2 e) == exp(s)
+      s_tk = _dot(q_tD, k_kD, 1) * (scale * _LOG2E)
     mask = _visible(masks_ref, mask_id, q_seg_t, k_seg_ref[keys] if has_seg else None)
     if mask is not None:
       s_tk = jnp.where(mask, s_tk, -jnp.inf)
@@ -150,13 +163,14 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, scale: float, block_k: int, has_seg:
   lse_ref[...] = jnp.where(seen, (m_t + jnp.log2(l_safe)) / _LOG2E, -jnp.inf)
 
 
-def _bwd_tile(q_tD, k_kD, v_kD, do_tD, lse2_t, delta_t, scale: float, mask_tk):
+def _bwd_tile(q_tD, k_kD, v_kD, do_tD, lse2_t, delta_t, scale: float, softcap: float, mask_tk):
   """Shared FA-2 backward algebra of one tile pair: (p, ds) in float32."""
-  p_tk = jnp.exp2(_dot(q_tD, k_kD, 1) * (scale * _LOG2E) - lse2_t[:, None])
+  logits_tk, slope = _logits(q_tD, k_kD, scale, softcap)
+  p_tk = jnp.exp2(logits_tk * _LOG2E - lse2_t[:, None])
   if mask_tk is not None:
     p_tk = jnp.where(mask_tk, p_tk, 0.0)
   dp_tk = _dot(do_tD, v_kD, 1)
-  return p_tk, p_tk * (dp_tk - delta_t[:, None]) * scale
+  return p_tk, p_tk * (dp_tk - delta_t[:, None]) * slope
 
 
 def _lse2(lse_t):
@@ -165,7 +179,7 @@ def _lse2(lse_t):
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, scale: float,
-                block_q: int, group: int, has_seg: bool):
+                softcap: float, block_q: int, group: int, has_seg: bool):
   (q_seg_ref, k_seg_ref), lists, masks_ref, (dk_ref, dv_ref) = _split_refs(refs, has_seg, 2)
   row = pl.program_id(0)
   k_kD, v_kD = k_ref[...], v_ref[...]
@@ -177,7 +191,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, scale: f
     q_tD, do_tD = q_ref[rows, g, :], do_ref[rows, g, :]
     mask = _visible(masks_ref, mask_id, q_seg_ref[rows] if has_seg else None, k_seg_t)
     p_tk, ds_tk = _bwd_tile(q_tD, k_kD, v_kD, do_tD, _lse2(lse_ref[rows, g]),
-                            delta_ref[rows, g], scale, mask)
+                            delta_ref[rows, g], scale, softcap, mask)
     dv_kD = dv_kD + _dot_tn(p_tk.astype(do_tD.dtype), do_tD)
     dk_kD = dk_kD + _dot_tn(ds_tk.astype(q_tD.dtype), q_tD)
     return dk_kD, dv_kD
@@ -191,7 +205,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, scale: f
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, scale: float,
-               block_k: int, has_seg: bool):
+               softcap: float, block_k: int, has_seg: bool):
   (q_seg_ref, k_seg_ref), lists, masks_ref, (dq_ref,) = _split_refs(refs, has_seg, 1)
   row = _query_tile(pl.program_id(0), pl.num_programs(0))
   q_tD, do_tD = q_ref[...], do_ref[...]
@@ -202,7 +216,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, scale: fl
     keys = pl.ds(j * block_k, block_k)
     k_kD = k_ref[keys, :]
     mask = _visible(masks_ref, mask_id, q_seg_t, k_seg_ref[keys] if has_seg else None)
-    _, ds_tk = _bwd_tile(q_tD, k_kD, v_ref[keys, :], do_tD, lse2_t, delta_t, scale, mask)
+    _, ds_tk = _bwd_tile(q_tD, k_kD, v_ref[keys, :], do_tD, lse2_t, delta_t, scale, softcap,
+                         mask)
     return dq_tD + _dot(ds_tk.astype(k_kD.dtype), k_kD, 0)
 
   dq_ref[...] = over_tiles(lists, row, visit, jnp.zeros(q_tD.shape, _F32))
@@ -282,7 +297,8 @@ def _segments_and_tables(seg_args, seg_specs, tables):
 
 
 def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSchedule, pair,
-              tile: int, config: KernelConfig = DEFAULT_CONFIG) -> tuple[jax.Array, jax.Array]:
+              tile: int, softcap: float = 0.0,
+              config: KernelConfig = DEFAULT_CONFIG) -> tuple[jax.Array, jax.Array]:
   """Attention of a query block on a key block: (out [B,Tq,Hq,D] f32, lse [B,Tq,Hq] f32)."""
   _check_shapes(q_BTHD.shape, k_BTKD.shape, tile, q_BTHD.dtype, config)
   config = config.for_operands(q_BTHD.dtype)
@@ -299,15 +315,15 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSched
                                           _pair_tables(tables.by_query, tables.masks, pair))
   out_shape = [jax.ShapeDtypeStruct(q_BTHD.shape, _F32),
                jax.ShapeDtypeStruct((batch, len_q, num_heads), _F32)]
-  kernel = functools.partial(_fwd_kernel, scale=head_dim ** -0.5, block_k=block_k,
-                             has_seg=q_seg_BT is not None)
+  kernel = functools.partial(_fwd_kernel, scale=head_dim ** -0.5, softcap=softcap,
+                             block_k=block_k, has_seg=q_seg_BT is not None)
   return _call(kernel, (num_q, batch, num_heads), [q_spec, kv_spec, kv_spec, *rest_specs],
                [q_spec, stat_spec], out_shape, config.fwd_warps, config.fwd_stages,
                "block_fwd")(q_BTHD, k_BTKD, v_BTKD, *rest)
 
 
 def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k_seg_BT, *,
-              schedule: RingSchedule, pair, tile: int, out_BTHD=None,
+              schedule: RingSchedule, pair, tile: int, out_BTHD=None, softcap: float = 0.0,
               config: KernelConfig = DEFAULT_CONFIG) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Gradient contributions (dq, dk, dv, all float32) of one query block x key block.
 
@@ -334,8 +350,8 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
       (q_seg_BT, k_seg_BT), (pl.BlockSpec((None, len_q), lambda j, b, h: (b, 0)),
                              pl.BlockSpec((None, block_k), lambda j, b, h: (b, j))),
       _pair_tables(tables.by_key, tables.masks, pair))
-  kernel = functools.partial(_dkv_kernel, scale=scale, block_q=block_q, group=group,
-                             has_seg=has_seg)
+  kernel = functools.partial(_dkv_kernel, scale=scale, softcap=softcap, block_q=block_q,
+                             group=group, has_seg=has_seg)
   dk_BTKD, dv_BTKD = _call(
       kernel, (len_k // block_k, batch, num_kv),
       [q_spec, k_spec, k_spec, q_spec, stat_spec, stat_spec, *rest_specs], [k_spec, k_spec],
@@ -352,7 +368,8 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
   rest, rest_specs = _segments_and_tables(
       (q_seg_BT, k_seg_BT), (seg_spec, pl.BlockSpec((None, len_k), lambda i, b, h: (b, 0))),
       _pair_tables(tables.by_query, tables.masks, pair))
-  kernel = functools.partial(_dq_kernel, scale=scale, block_k=block_k, has_seg=has_seg)
+  kernel = functools.partial(_dq_kernel, scale=scale, softcap=softcap, block_k=block_k,
+                             has_seg=has_seg)
   dq_BTHD = _call(kernel, (num_q, batch, num_heads),
                   [q_spec, kv_spec, kv_spec, q_spec, stat_spec, stat_spec, *rest_specs], q_spec,
                   jax.ShapeDtypeStruct(q_BTHD.shape, _F32), config.bwd_warps,

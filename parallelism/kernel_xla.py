@@ -21,6 +21,8 @@ per tile pair. The outer loop's tile is sliced from the token-major array. GQA
 keeps K/V un-repeated: q head h = kv_head * G + g (the pairing of `jnp.repeat(k, G, 2)`).
 Matmuls take the input dtype (bf16 ok) and accumulate in float32. Log-sum-exp is the
 natural log, float32, `[B, Tq, Hq]`; a query that sees no key gets output 0 and lse -inf.
+With `softcap` > 0 the logits are `softcap * tanh(scale * q.k / softcap)` (Gemma 2's cap),
+and the backward multiplies by the cap's slope.
 """
 
 from __future__ import annotations
@@ -79,14 +81,18 @@ def visibility(mask_tt, row_seg_Bt, col_seg_Bt):
   return mask_tt[None] if same is None else same & mask_tt[None]
 
 
-def _fwd_update(carry, q_BKGtD, k_BKtD, v_BKtD, visible, *, scale: float):
+def _fwd_update(carry, q_BKGtD, k_BKtD, v_BKtD, visible, *, scale: float, softcap: float):
   """One online-softmax step of a query tile on a key tile; carry is (m, l, acc).
 
   m is the running max of the UNSCALED scores; the scale goes into the exponent, which
-  saves a pass over the scores (scale > 0, so the max commutes with it).
+  saves a pass over the scores (scale > 0, so the max commutes with it). With a soft cap
+  the scores are the capped logits themselves, already scaled (`_max_scale`).
   """
   m_BKGt, l_BKGt, acc_BKGtD = carry
   s = jnp.einsum("bhgqd,bhkd->bhgqk", q_BKGtD, k_BKtD, preferred_element_type=_F32)
+  if softcap:
+    s = softcap * jnp.tanh(s * (scale / softcap))
+  scale = _max_scale(scale, softcap)
   if visible is not None:
     s = jnp.where(visible[:, None, None], s, -jnp.inf)
   m_new = jnp.maximum(m_BKGt, s.max(axis=-1))
@@ -100,7 +106,13 @@ def _fwd_update(carry, q_BKGtD, k_BKtD, v_BKtD, visible, *, scale: float):
   return m_new, l_new, alpha[..., None] * acc_BKGtD + pv
 
 
-def _fwd_update_in_halves(carry, q_BKGtD, k_BKtD, v_BKtD, visible, *, scale: float):
+def _max_scale(scale: float, softcap: float) -> float:
+  """What turns the forward's running max into logits: the scale, or 1 when capped."""
+  return 1.0 if softcap else scale
+
+
+def _fwd_update_in_halves(carry, q_BKGtD, k_BKtD, v_BKtD, visible, *, scale: float,
+                          softcap: float):
   """`_fwd_update` of a MASKED tile whose first half of queries sees none of its second half
   of keys (`TileTables.upper_right_empty`): that quarter is not computed. The first half of
   queries meets the first half of keys, the second half all keys. Tiles are square here."""
@@ -108,14 +120,14 @@ def _fwd_update_in_halves(carry, q_BKGtD, k_BKtD, v_BKtD, visible, *, scale: flo
   first, second = (tuple(lax.slice_in_dim(c, start, stop, axis=_Q_AXIS) for c in carry)
                    for start, stop in ((0, h), (h, 2 * h)))
   first = _fwd_update(first, q_BKGtD[:, :, :, :h], k_BKtD[:, :, :h], v_BKtD[:, :, :h],
-                      visible[:, :h, :h], scale=scale)
+                      visible[:, :h, :h], scale=scale, softcap=softcap)
   second = _fwd_update(second, q_BKGtD[:, :, :, h:], k_BKtD, v_BKtD, visible[:, h:],
-                       scale=scale)
+                       scale=scale, softcap=softcap)
   return tuple(jnp.concatenate(pair, axis=_Q_AXIS) for pair in zip(first, second))
 
 
 def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSchedule, pair,
-              tile: int) -> tuple[jax.Array, jax.Array]:
+              tile: int, softcap: float = 0.0) -> tuple[jax.Array, jax.Array]:
   """Attention of a query block on a key block: (out [B,Tq,Hq,D] f32, lse [B,Tq,Hq] f32)."""
   num_kv = k_BTKD.shape[2]
   scale = q_BTHD.shape[3] ** -0.5
@@ -134,14 +146,15 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSched
       visible = visibility(None if mask_id is None else masks[mask_id], q_seg_Bt,
                            _tile_of(k_seg_BT, j, tile) if segments else None)
       update = _fwd_update_in_halves if mask_id is not None and halves else _fwd_update
-      return update(carry, q_BKGtD, k_BKtD, v_BKtD, visible, scale=scale)
+      return update(carry, q_BKGtD, k_BKtD, v_BKtD, visible, scale=scale, softcap=softcap)
 
     rows_BKGt = q_BKGtD.shape[:-1]
     init = (jnp.full(rows_BKGt, -jnp.inf, _F32), jnp.zeros(rows_BKGt, _F32),
             jnp.zeros(q_BKGtD.shape, _F32))
     m, l, acc = over_tiles(lists, i, visit, init)
     seen = l > 0
-    lse_BKGt = jnp.where(seen, m * scale + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+    log_l = jnp.log(jnp.where(seen, l, 1.0))
+    lse_BKGt = jnp.where(seen, m * _max_scale(scale, softcap) + log_l, -jnp.inf)
     out_BKGtD = acc / jnp.where(seen, l, 1.0)[..., None]
     out_BTHD, lse_BTH = results
     return (_with_tile(out_BTHD, i, tile, _q_token_major(out_BKGtD)),
@@ -152,7 +165,7 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSched
   return lax.fori_loop(0, q_BTHD.shape[1] // tile, q_tile_body, results)
 
 
-def _bwd_update(carry, q_xs, k_xs, visible_T, *, scale: float):
+def _bwd_update(carry, q_xs, k_xs, visible_T, *, scale: float, softcap: float):
   """Gradients of one query tile x key tile; carry is (dk, dv) of the key tile and dq of
   the query tile, transposed ([B, Hkv, D, G, tq]), all float32.
 
@@ -167,13 +180,17 @@ def _bwd_update(carry, q_xs, k_xs, visible_T, *, scale: float):
   q_BKGtD, do_BKGtD, lse_BKGt, delta_BKGt = q_xs
   k_BKtD, v_BKtD, k_BKDt = k_xs
   s_T = jnp.einsum("bhkd,bhgqd->bhkgq", k_BKtD, q_BKGtD, preferred_element_type=_F32)
-  p_T = jnp.exp(s_T * scale - lse_BKGt[:, :, None])
+  logits_T, slope = s_T * scale, scale  # d logits / d s
+  if softcap:
+    capped_T = jnp.tanh(logits_T / softcap)
+    logits_T, slope = softcap * capped_T, scale * (1.0 - capped_T * capped_T)
+  p_T = jnp.exp(logits_T - lse_BKGt[:, :, None])
   if visible_T is not None:
     p_T = jnp.where(visible_T[:, None, :, None, :], p_T, 0.0)
   dv_BKtD = dv_BKtD + jnp.einsum("bhkgq,bhgqd->bhkd", p_T.astype(do_BKGtD.dtype), do_BKGtD,
                                  preferred_element_type=_F32)
   dp_T = jnp.einsum("bhkd,bhgqd->bhkgq", v_BKtD, do_BKGtD, preferred_element_type=_F32)
-  ds_T = (p_T * (dp_T - delta_BKGt[:, :, None]) * scale).astype(q_BKGtD.dtype)
+  ds_T = (p_T * (dp_T - delta_BKGt[:, :, None]) * slope).astype(q_BKGtD.dtype)
   dk_BKtD = dk_BKtD + jnp.einsum("bhkgq,bhgqd->bhkd", ds_T, q_BKGtD,
                                  preferred_element_type=_F32)
   dq_BKDGt = dq_BKDGt + jnp.einsum("bhdk,bhkgq->bhdgq", k_BKDt, ds_T,
@@ -181,7 +198,7 @@ def _bwd_update(carry, q_xs, k_xs, visible_T, *, scale: float):
   return dk_BKtD, dv_BKtD, dq_BKDGt
 
 
-def _bwd_update_in_halves(carry, q_xs, k_xs, visible_T, *, scale: float):
+def _bwd_update_in_halves(carry, q_xs, k_xs, visible_T, *, scale: float, softcap: float):
   """`_bwd_update` of a MASKED tile whose second half of keys is seen by none of its first
   half of queries (`TileTables.upper_right_empty`): the first half of keys meets all queries,
   the second half only the second half of queries. Tiles are square here."""
@@ -193,19 +210,19 @@ def _bwd_update_in_halves(carry, q_xs, k_xs, visible_T, *, scale: float):
                              for start, stop in ((0, h), (h, 2 * h)))
   dk_first, dv_first, dq_BKDGt = _bwd_update(
       (dk_BKtD[:, :, :h], dv_BKtD[:, :, :h], dq_BKDGt), q_xs, first_keys, visible_T[:, :h],
-      scale=scale)
+      scale=scale, softcap=softcap)
   second_queries = tuple(lax.slice_in_dim(x, h, 2 * h, axis=_Q_AXIS) for x in q_xs)
   dk_second, dv_second, dq_second = _bwd_update(
       (dk_BKtD[:, :, h:], dv_BKtD[:, :, h:], dq_BKDGt[..., h:]), second_queries, second_keys,
-      visible_T[:, h:, h:], scale=scale)
+      visible_T[:, h:, h:], scale=scale, softcap=softcap)
   return (jnp.concatenate([dk_first, dk_second], axis=2),
           jnp.concatenate([dv_first, dv_second], axis=2),
           jnp.concatenate([dq_BKDGt[..., :h], dq_second], axis=-1))
 
 
 def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k_seg_BT, *,
-              schedule: RingSchedule, pair, tile: int,
-              out_BTHD=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+              schedule: RingSchedule, pair, tile: int, out_BTHD=None,
+              softcap: float = 0.0) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Gradient contributions (dq, dk, dv, all float32) of one query block x key block.
 
   `lse_BTH` is the GLOBAL log-sum-exp of the queries (merged over all key blocks) and
@@ -238,7 +255,8 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
       visible_T = visibility(None if mask_id is None else masks_T[mask_id], k_seg_Bt,
                              _tile_of(q_seg_BT, i, tile) if segments else None)
       update = _bwd_update_in_halves if mask_id is not None and halves else _bwd_update
-      dk, dv, dq_BKDGt = update((dk, dv, dq_BKDGt), q_xs, k_xs, visible_T, scale=scale)
+      dk, dv, dq_BKDGt = update((dk, dv, dq_BKDGt), q_xs, k_xs, visible_T, scale=scale,
+                                softcap=softcap)
       # In place in the loop carry: only computed tiles touch dq.
       dq_BKGtD = jnp.moveaxis(dq_BKDGt, 2, 4)
       return dk, dv, _with_tile(dq_BTHD, i, tile, _q_token_major(dq_BKGtD))

@@ -150,7 +150,7 @@ def operand_specs(mesh, rules: Rules, q_shape, num_kv: int) -> tuple[P, P, P]:
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None,
                    *, layout: str, mesh=None, rules: Rules | None = None, kernel: str = "auto",
                    tile_size: int = 512, strategy: str = "ring",
-                   window: int | None = None) -> jax.Array:
+                   window: int | None = None, softcap: float = 0.0) -> jax.Array:
   """Causal attention, exact, of q [B,S,Hq,D] on k/v [B,S,Hkv,D] sharded along S in `layout`.
 
   The sequence axis holds the tokens in the order of `layout` (`parallelism.layouts`) over
@@ -158,7 +158,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
   ulysses or hybrid the all-to-all's; `parallelism.strategies`). Query i sees key j iff j's original
   position is not after i's (and, with a `window` of w keys, fewer than w before it:
   `parallelism.tiles`) and their segment ids match (`segment_ids=None`: one document
-  per row). Batch and heads shard as `rules` map `activation_batch` and
+  per row). `softcap` > 0 caps the logits at `softcap * tanh(logit / softcap)` (Gemma 2).
+  Batch and heads shard as `rules` map `activation_batch` and
   `activation_heads`/`activation_kv_heads` (no rules: `DEFAULT_RULES`). `mesh=None` uses
   the mesh set by `jax.set_mesh`, or, when none is set, computes locally as one block.
   Without a mesh the row must be in its original order (a ring of one holds it unpermuted).
@@ -177,12 +178,12 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
   if context_mesh and mesh.empty:
     # No mesh anywhere (a single-device script, model.init outside a mesh): one block, local.
     local = local_strategy(layout, seq_len, tile_size, kernel, q.shape, k.shape, q.dtype,
-                           window)
+                           window, softcap)
     return _attention(q, k, v, segment_ids, _Passes(local))
   specs = operand_specs(mesh, rules, q.shape, k.shape[2])
   passes = _Passes(split_attention(strategy, layout, seq_len, tile_size, kernel, mesh, rules,
                                    q.shape[2], k.shape[2], q.shape[3], q.dtype,
-                                   window=window),
+                                   window=window, softcap=softcap),
                    None if context_mesh else mesh, specs)
   if not any(t == AxisType.Explicit for t in mesh.axis_types):
     return _attention(q, k, v, segment_ids, passes)

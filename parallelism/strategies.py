@@ -68,6 +68,7 @@ class Strategy:
   ulysses_axis: str | None = None
   kv_repeat: int = 1
   kernel_fallback: str | None = None  # why `kernel` is not the one the setup named
+  softcap: float = 0.0  # logit soft cap (`parallelism.kernels`), 0: none
 
   def forward(self, q_BTHD, k_BTKD, v_BTKD, seg_BT):
     """(out, lse) of this device's queries, float32; out [B,T,Hq,D], lse [B,T,Hq].
@@ -112,7 +113,8 @@ class Strategy:
     return self.name == "allgather" and self.schedule.num_shards > 1
 
   def _ring_args(self) -> dict:
-    return dict(axis=self.axis, schedule=self.schedule, tile=self.tile, kernel=self.kernel)
+    return dict(axis=self.axis, schedule=self.schedule, tile=self.tile, kernel=self.kernel,
+                softcap=self.softcap)
 
   def _to_heads(self, x_BTH):
     """[B, T, H, ...] sequence shard of all heads -> [B, T x U, H / U, ...]: the ring block
@@ -161,11 +163,11 @@ def _over_needed_steps(schedule: RingSchedule, visit, carry):
 
 
 def _gathered_forward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, *, axis: str,
-                           schedule: RingSchedule, tile: int, kernel: str):
+                           schedule: RingSchedule, tile: int, kernel: str, softcap: float):
   """All-gather forward: the ring's steps in order, each block read from the gathered K/V."""
   num_shards = schedule.num_shards
   device = lax.axis_index(axis)
-  runner = ring.RingDevice(schedule, device, kernel, tile)
+  runner = ring.RingDevice(schedule, device, kernel, tile, softcap)
   block = _every_block(k_BTKD, v_BTKD, seg_BT, axis)
 
   def visit(step, out_lse):
@@ -177,12 +179,13 @@ def _gathered_forward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, *, axis: str,
 
 
 def _gathered_backward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, dout_BTHD, *,
-                            axis: str, schedule: RingSchedule, tile: int, kernel: str):
+                            axis: str, schedule: RingSchedule, tile: int, kernel: str,
+                            softcap: float):
   """All-gather backward: dK/dV of every block accumulate here, then one reduce-scatter
   sends each block's sum to its owner."""
   num_shards = schedule.num_shards
   device = lax.axis_index(axis)
-  runner = ring.RingDevice(schedule, device, kernel, tile)
+  runner = ring.RingDevice(schedule, device, kernel, tile, softcap)
   block = _every_block(k_BTKD, v_BTKD, seg_BT, axis)
   delta_BTH = ring.softmax_delta(dout_BTHD, out_BTHD)
   grads = lambda step, carry, k_b, v_b, seg_b: runner.backward_step(

@@ -250,5 +250,6 @@ def test_a_sliding_window_round_trips_as_mistral_and_a_local_global_pattern_does
   assert "has no LLaMA or Mistral config.json" in export_problem(mixed)
   with pytest.raises(HFFormatError, match="has no LLaMA or Mistral"):
     hf_config_of(mixed, 128, 1, 2, "bfloat16")
+  assert "capped attention logits" in export_problem(ModelConfig(**shape, attention_softcap=50.0))
   with pytest.raises(HFFormatError, match="sliding_window=0 must be a positive integer"):
     model_fields({**hf_config, "sliding_window": 0}, "config.json")

@@ -152,16 +152,17 @@ def test_wholly_future_block_gives_zeros():
 @pytest.mark.parametrize("packed", [False, True])
 def test_kernels_lower_to_triton_for_cuda(monkeypatch, packed):
   """The Pallas kernels lower to Triton for a CUDA target (cross-lowering, no GPU needed):
-  what interpret mode cannot catch, a construct Triton's lowering rejects, fails here."""
+  what interpret mode cannot catch, a construct Triton's lowering rejects, fails here. The
+  packed case also has a sliding window and soft-capped logits (tanh in Triton)."""
   monkeypatch.setattr(kernel_pallas, "_interpret", lambda: False)
-  schedule = ring_schedule("striped", 1024, 4)
+  schedule = ring_schedule("striped", 1024, 4, 300 if packed else None)
   q = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
   seg = jax.ShapeDtypeStruct((1, 256), jnp.int32)
 
   def fwd_bwd(q, k, v, seg, pair):
     seg = seg if packed else None
-    attend = dict(schedule=schedule, pair=pair, tile=256)
+    attend = dict(schedule=schedule, pair=pair, tile=256, softcap=30.0 if packed else 0.0)
     out, lse = kernel_pallas.block_fwd(q, k, v, seg, seg, **attend)
     delta = jnp.sum(out, axis=-1)
     return kernel_pallas.block_bwd(q, k, v, q, lse, delta, seg, seg, **attend)
@@ -170,11 +171,14 @@ def test_kernels_lower_to_triton_for_cuda(monkeypatch, packed):
   assert exported.mlir_module().count("__gpu$xla.gpu.triton") == 3  # fwd, dK/dV, dQ
 
 
-def _dense(q, k, v, index, seg, window=None):
-  """Plain causal attention in float32 (rows that see nothing give 0), optionally windowed."""
+def _dense(q, k, v, index, seg, window=None, softcap=0.0):
+  """Plain causal attention in float32 (rows that see nothing give 0), optionally windowed
+  and soft-capped."""
   group = q.shape[2] // k.shape[2]
   k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
   s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") * q.shape[-1] ** -0.5
+  if softcap:
+    s = softcap * jnp.tanh(s / softcap)
   behind = index[:, :, None] - index[:, None, :]
   visible = (behind >= 0) & (behind < (window or behind.shape[-1] + 1)) & (
       seg[:, None, :] == seg[:, :, None])
@@ -182,10 +186,10 @@ def _dense(q, k, v, index, seg, window=None):
   return jnp.einsum("bhqk,bkhd->bqhd", p, v, precision="highest")
 
 
-@pytest.mark.parametrize("layout,window", [("striped", None), ("zigzag", 12)])
-def test_ring_attention_pallas_matches_dense(layout, window):
+@pytest.mark.parametrize("layout,window,softcap", [("striped", None, 0.0), ("zigzag", 12, 2.0)])
+def test_ring_attention_pallas_matches_dense(layout, window, softcap):
   """kernel='pallas' inside the ring on 4 of the 8 fake devices: forward and gradients;
-  with a window, zigzag's ring is cut short to steps 0, 1 and 3."""
+  with a window, zigzag's ring is cut short to steps 0, 1 and 3, logits soft-capped."""
   seq_len, n = 128, 4
   rng = np.random.default_rng(8)
   q, dout = (rng.standard_normal((2, seq_len, 4, HEAD_DIM), np.float32) for _ in range(2))
@@ -198,12 +202,13 @@ def test_ring_attention_pallas_matches_dense(layout, window):
   @jax.jit
   def run(q, k, v, dout):
     attend = lambda q, k, v: ring_attention(q, k, v, perm(seg), layout=layout, mesh=mesh,
-                                            kernel="pallas", tile_size=8, window=window)
+                                            kernel="pallas", tile_size=8, window=window,
+                                            softcap=softcap)
     out, vjp = jax.vjp(attend, q, k, v)
     return (out, *vjp(dout))
 
   got = [unpermute(np.asarray(x), layout, n) for x in run(perm(q), perm(k), perm(v), perm(dout))]
-  out, vjp = jax.vjp(lambda q, k, v: _dense(q, k, v, index, seg, window), q, k, v)
+  out, vjp = jax.vjp(lambda q, k, v: _dense(q, k, v, index, seg, window, softcap), q, k, v)
   for name, g, w in zip(("out", "dq", "dk", "dv"), got, (out, *vjp(dout))):
     np.testing.assert_allclose(g, np.asarray(w), err_msg=name, **_F32_TOL)
 

@@ -28,9 +28,9 @@ _F32_TOL = dict(atol=1e-5, rtol=1e-5)
 
 
 def dense_attention(q_BSHD, k_BSKD, v_BSKD, token_index_BS, segment_ids_BS,
-                    k_index_BS=None, k_segment_BS=None, window=None):
+                    k_index_BS=None, k_segment_BS=None, window=None, softcap=0.0):
   """Plain causal attention in float32, each query seeing the `window` keys up to itself
-  (None: all before it); rows that see no key give 0.
+  (None: all before it), logits capped at `softcap` (0: not); rows that see no key give 0.
 
   Keys have their own indices only in the block-kernel test; else they are the queries'.
   """
@@ -41,6 +41,8 @@ def dense_attention(q_BSHD, k_BSKD, v_BSKD, token_index_BS, segment_ids_BS,
   v_BSHD = jnp.repeat(v_BSKD.astype(jnp.float32), group, axis=2)
   s_BHQK = jnp.einsum("bqhd,bkhd->bhqk", q_BSHD.astype(jnp.float32), k_BSHD,
                       precision="highest") * q_BSHD.shape[-1] ** -0.5
+  if softcap:
+    s_BHQK = softcap * jnp.tanh(s_BHQK / softcap)
   behind_BQK = token_index_BS[:, :, None] - k_index_BS[:, None, :]
   visible_BQK = ((behind_BQK >= 0) & (k_segment_BS[:, None, :] == segment_ids_BS[:, :, None]))
   if window is not None:
@@ -62,9 +64,9 @@ def make_inputs(batch=1, seq_len=128, num_heads=4, num_kv=2, head_dim=16, segmen
   return q, k, v, dout, index, seg
 
 
-def reference(q, k, v, dout, index, seg, window=None):
-  out, vjp = jax.vjp(lambda q, k, v: dense_attention(q, k, v, index, seg, window=window),
-                     q, k, v)
+def reference(q, k, v, dout, index, seg, window=None, softcap=0.0):
+  out, vjp = jax.vjp(lambda q, k, v: dense_attention(q, k, v, index, seg, window=window,
+                                                     softcap=softcap), q, k, v)
   return (out, *vjp(dout))
 
 

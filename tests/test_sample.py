@@ -75,11 +75,12 @@ def tokenizer(tiny_config):
     ("striped", 5, "ring", 0), ("zigzag", 37, "ring", 8), ("striped", 11, "hybrid", 0)])
 def test_sharded_decoding_gives_the_dense_greedy_tokens(tiny_config, tokenizer, attention,
                                                         prompt_length, strategy, window):
-  """With a window (local:global layers, 'LG'), the prefill's ring is cut short and each
-  decode step of a local layer sees the 8 positions up to its own."""
+  """With a window (local:global layers, 'LG', logits soft-capped), the prefill's ring is
+  cut short and each decode step of a local layer sees the 8 positions up to its own."""
   config = _float32(tiny_config(attention, **{"model.sequence_parallel": strategy,
                                               "model.window": window,
-                                              "model.layer_pattern": "LG" if window else ""}))
+                                              "model.layer_pattern": "LG" if window else "",
+                                              "model.attention_softcap": 1.5 * bool(window)}))
   if strategy == "hybrid":  # Prefill by Ulysses inside a ring of 2; the cache over both.
     config.mesh.sequence, config.mesh.ulysses = 2, 2
   params = _random_params(config)

@@ -82,16 +82,18 @@ def _packed_inputs(seq_len):
   return make_inputs(batch=2, seq_len=seq_len, num_heads=4, num_kv=2, segments=seg, seed=11)
 
 
-@pytest.mark.parametrize("layout,num_shards,window", [
-    ("ring", 4, 1), ("ring", 4, 33), ("zigzag", 4, 9), ("zigzag", 3, 17), ("striped", 4, 7),
-    ("striped", 2, 64)])
-def test_ring_with_a_window_matches_dense(layout, num_shards, window):
+@pytest.mark.parametrize("layout,num_shards,window,softcap", [
+    ("ring", 4, 1, 0.0), ("ring", 4, 33, 0.0), ("zigzag", 4, 9, 2.0), ("zigzag", 3, 17, 0.0),
+    ("striped", 4, 7, 0.0), ("striped", 2, 64, 0.0), ("striped", 4, None, 2.0)])
+def test_ring_with_a_window_matches_dense(layout, num_shards, window, softcap):
   """Forward and gradients, GQA, packed rows: the truncated rings (ring w <= S/N: steps
-  0-1; zigzag w <= S/2N: 0, 1, N-1) and whole ones, windows at tile and block edges."""
+  0-1; zigzag w <= S/2N: 0, 1, N-1) and whole ones, windows at tile and block edges, and
+  Gemma 2's logit soft cap (with a window and without: the cap changes the output by ~1)."""
   seq_len = 96 if num_shards == 3 else 128
   inputs = _packed_inputs(seq_len)
-  got = ring_in_layout(layout, seq_mesh(num_shards), *inputs, tile_size=8, window=window)
-  assert_close(got, reference(*inputs, window=window), **_F32_TOL)
+  got = ring_in_layout(layout, seq_mesh(num_shards), *inputs, tile_size=8, window=window,
+                       softcap=softcap)
+  assert_close(got, reference(*inputs, window=window, softcap=softcap), **_F32_TOL)
 
 
 @pytest.mark.parametrize("strategy,ring,ulysses", [("allgather", 4, 1), ("hybrid", 2, 2)])
@@ -133,16 +135,17 @@ def test_window_and_pattern_errors_name_the_field():
                      (dict(layer_pattern="LG"), "set model.window"),
                      (dict(window=4, layer_pattern="G"), "has no local layer"),
                      (dict(window=-1), "model.window=-1 must be >= 0"),
-                     (dict(window=4, local_rope_theta=-1.0), "local_rope_theta")):
+                     (dict(window=4, local_rope_theta=-1.0), "local_rope_theta"),
+                     (dict(attention_softcap=-1.0), "attention_softcap=-1.0 must be >= 0")):
     assert match in ModelConfig(**fields, **bad).pattern_problem()
   with pytest.raises(ValueError, match="attention window 0 must be a whole number"):
     ring_schedule("ring", 64, 2, 0)
 
 
 def test_local_and_global_layers_in_one_scan_match_dense_in_a_ring_cut_short():
-  """A decoder of local (window 5, own RoPE base) and global layers, 'LG' over 3 layers:
-  zigzag on 4 devices (local layers' ring cut short) gives dense's logits and gradients,
-  and the window changes them (it is not ignored)."""
+  """A decoder of local (window 5, own RoPE base) and global layers, 'LG' over 3 layers,
+  logits soft-capped (Gemma 2): zigzag on 4 devices (local layers' ring cut short) gives
+  dense's logits and gradients, and the window changes them (it is not ignored)."""
   import flax.linen as nn
   from jax.sharding import AxisType
   from model import Decoder
@@ -154,7 +157,7 @@ def test_local_and_global_layers_in_one_scan_match_dense_in_a_ring_cut_short():
   segments = jnp.asarray(np.where(np.arange(64) < 20, 0, 1)[None].repeat(2, 0), jnp.int32)
   fields = dict(num_layers=3, d_model=64, num_heads=4, num_kv_heads=2, d_ff=96,
                 vocab_size=101, dtype="float32", window=5, layer_pattern="LG",
-                local_rope_theta=100.0, attention_tile=8)
+                local_rope_theta=100.0, attention_tile=8, attention_softcap=3.0)
   dense = Decoder(ModelConfig(**fields))
   params = dense.init(jax.random.key(0), tokens, positions, segments)
   loss = lambda model, params, *batch: jnp.sum(jnp.sin(model.apply(params, *batch)))

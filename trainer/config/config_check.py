@@ -172,7 +172,8 @@ def attention_split(config: ml_collections.ConfigDict, num_devices: int):
     return parallelism.split_attention(
         m.sequence_parallel, layout_of(m.attention), config.data.seq_len, m.attention_tile,
         m.kernel, mesh, config.mesh.rules, m.num_heads, m.num_kv_heads, cfg.head_size,
-        jnp.dtype(m.dtype), CONFIG_NAMES, window=cfg.window_of(cfg.layer_kinds[0]))
+        jnp.dtype(m.dtype), CONFIG_NAMES, window=cfg.window_of(cfg.layer_kinds[0]),
+        softcap=cfg.attention_softcap)
   except ValueError as error:
     raise ConfigError(str(error)) from None
 
