@@ -86,8 +86,8 @@ def test_cli_dry_run_prints_verdict():
     (("--dry_run", "--node_size=4"), "", "--node_size is read by --compare_strategies only"),
     (("--config.init.from_hf=tests/hf_fixtures/llama_gqa_sharded", "--config.model.num_layers=4"),
      "", "--config.model.num_layers=4, but init.from_hf=tests/hf_fixtures/llama_gqa_sharded has "
-     "2: the checkpoint sets the model's shape (only its RoPE may be overridden); drop the "
-     "override"),  # Was dropped without a word.
+     "2: the checkpoint sets the model's shape (only its RoPE and local attention may be "
+     "overridden); drop the override"),  # Was dropped without a word.
     ((), "bogus", "W&B mode 'bogus' (from WANDB_MODE or config.wandb.mode) is not one of "
                   "auto, online, offline, disabled"),  # Was a traceback, after the workdir.
 ])

@@ -274,7 +274,8 @@ def test_the_command_line_prints_json_and_stops_bad_input_in_one_line(trained_ru
   result = _cli(f"--from_hf={fixture}", "--prompt=x", "--config.model.d_model=32")
   assert result.returncode == 1 and result.stderr.strip().splitlines() == [
       f"error: --config.model.d_model=32, but init.from_hf={fixture} has 64: the checkpoint "
-      f"sets the model's shape (only its RoPE may be overridden); drop the override"]
+      f"sets the model's shape (only its RoPE and local attention may be overridden); drop "
+      f"the override"]
 
   (tmp_path / "config.json").write_text(open(f"{trained_run}/config.json").read())
   with pytest.raises(sample.SampleError, match="has no checkpoints/ directory"):
