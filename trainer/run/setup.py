@@ -159,12 +159,22 @@ def _stage_line(stage: stages.Stage, step: int) -> str:
 
 def _kernel_line(config: ml_collections.ConfigDict, model_cfg: ModelConfig) -> str:
   if model_cfg.attention == "dense":
-    return dense_line(model_cfg)
+    return dense_line(model_cfg) + _local_part(model_cfg)
   split = attention_split(config, jax.device_count())
   described = parallelism.describe_kernel(model_cfg.kernel)
   if split.kernel_fallback:  # e.g. 'auto on gpu: xla (the pallas kernel cannot take ...)'
     described = f"{described.rsplit(':', 1)[0]}: {split.kernel} ({split.kernel_fallback})"
-  return f"attention: {model_cfg.attention}, block kernel {described}"
+  return f"attention: {model_cfg.attention}, block kernel {described}{_local_part(model_cfg)}"
+
+
+def _local_part(model_cfg: ModelConfig) -> str:
+  """'; local layers LGLG (L: window 32)' and the soft cap, when the model has them."""
+  kinds = model_cfg.layer_kinds
+  local = (f"; local layers {kinds} (L: window {model_cfg.window})" if model_cfg.window
+           else "")
+  cap = (f"; logits soft-capped at {model_cfg.attention_softcap:g}"
+         if model_cfg.attention_softcap else "")
+  return local + cap
 
 
 def _prepare_data(data_cfg: data.DataConfig, is_writer: bool) -> None:
