@@ -13,18 +13,16 @@ the static schedule (`parallelism.schedule`) gives that device at that ring step
 - `schedule` is static, `pair` a traced int32 (`schedule.pair[device, step]`); a kernel
   reads its tile tables at its own tile sizes, no coarser than `tile`, or branches once per
   call on the pair's mask shape (`schedule.shapes[p]`) with `lax.switch`.
-- `softcap` > 0 caps every logit (scaled q.k) at `softcap * tanh(logit / softcap)`, Gemma 2's
-  attention soft-capping, in both passes; lse and delta are of the capped logits.
+- `softcap` > 0 caps each logit (scaled q.k) at `softcap * tanh(logit / softcap)` (Gemma 2).
 - Forward: the block's output and natural-log log-sum-exp, float32; a query that sees no key
   gets output 0 and lse -inf, never NaN. Backward: from the GLOBAL lse and `delta = sum(dout
   * out, -1)` (and the global output `out_BTHD`, for cuDNN, whose backward forms delta
   itself), this block's dq, dk, dv in float32.
 
-`xla` is the reference (plain JAX, any backend); `pallas` is fused (Triton on GPUs,
-interpreted on the CPU); `cudnn` is cuDNN's flash attention where the pair's mask allows,
-`pallas` elsewhere (CUDA GPUs). `auto` resolves per backend; the kernel a setup runs is
-chosen once for its blocks (`choose`, from `parallelism.split`). A new kernel is one module
-with these two functions and one line in `KERNELS`.
+`xla` is the reference (any backend); `pallas` is fused (Triton on GPUs, interpreted on the
+CPU); `cudnn` is cuDNN's flash attention where the pair's mask allows, `pallas` elsewhere.
+`auto` resolves per backend; the kernel a setup runs is chosen once for its blocks
+(`choose`, from `parallelism.split`). A new kernel is one module and one line in `KERNELS`.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
     python -m parallelism --layout striped --seq_len 32768 --shards 8 [--tile 512] [--window W]
 
-prints it and its critical path, then every layout's critical path for the same sizes. A token's `token_index` is fixed by (layout, seq_len,
-ring size), so which keys each query sees at each ring step is known before tracing. This
-module works it out once with NumPy, by the one rule of `parallelism.tiles`:
+prints it, its critical path and every layout's. A token's index is fixed by (layout,
+seq_len, ring size), so which keys each query sees at each ring step is known before
+tracing; this module works it out once with NumPy, by the rule of `parallelism.tiles`:
 
 - At ring step s, device d holds its own query block and the K/V block that started on
   device d - s (`held_block`). Many (device, step) block pairs see the same pattern (striped
@@ -13,8 +13,7 @@ module works it out once with NumPy, by the one rule of `parallelism.tiles`:
 - Each distinct pair has a mask shape a library kernel can use: `empty`, `full`, `causal`
   (key j visible to query i iff j <= i, by position in the blocks), `strictly_causal`
   (j < i) or `general`.
-- A ring step at which no device has anything to compute (with a sliding window, most of
-  them under `ring` and `zigzag`) is not run at all: `needed_steps`.
+- A ring step at which no device has work (a window under `ring`, `zigzag`) is not run.
 - At a kernel's tile sizes, `RingSchedule.tiles(tile_q, tile_k)` gives block-sparse
   metadata (as TPU splash attention's MaskInfo): the class of every tile pair, per query
   tile the runs of UNMASKED key tiles and the list of MASKED ones with the id of their
