@@ -2,11 +2,11 @@
 
 Every layout shares one rule: query i may see key j iff j's original position is not after
 i's and their segment ids match; in a local layer (`ModelConfig.layer_pattern`) also fewer
-than `window` positions before it (`parallelism.tiles`). `dense` applies it to the whole row in its original order:
-on a CUDA GPU by cuDNN's flash attention, elsewhere as a masked softmax; `ring`, `striped`
-and `zigzag` hand q, k, v and the segment ids to `parallelism.ring_attention` with the
-layout's name, whose static schedule knows every token's original position without
-reading an index.
+than `window` positions before it (`parallelism.tiles`). `dense` applies it to the whole
+row in its original order: on a CUDA GPU by cuDNN's flash attention, elsewhere as a masked
+softmax; `ring`, `striped` and `zigzag` hand q, k, v and the segment ids to
+`parallelism.ring_attention` with the layout's name, whose static schedule knows every
+token's original position without reading an index.
 """
 
 from __future__ import annotations

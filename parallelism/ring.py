@@ -20,8 +20,8 @@ A ring cut short: where the schedule has steps at which no device computes anyth
 sliding window under `ring` or `zigzag`: `RingSchedule.needed_steps`), only the steps it
 needs run, and each of their K/V blocks is sent straight to the device that needs it
 (`ppermute` by its shift, one transfer, not s hops); in the backward its dK/dV go straight
-back the same way. These functions run inside a shard_map (`parallelism.ring_attention`); the other
-strategies (`parallelism.strategies`) reuse `RingDevice` and the merge.
+back the same way. These functions run inside a shard_map (`parallelism.ring_attention`);
+the other strategies (`parallelism.strategies`) reuse `RingDevice` and the merge.
 """
 
 from __future__ import annotations
