@@ -42,10 +42,9 @@ def dense_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
                             preferred_element_type=jnp.float32) / jnp.sqrt(head_dim)
   if softcap:
     scores_BKGST = softcap * jnp.tanh(scores_BKGST / softcap)
-  behind_BST = token_index_BS[:, :, None] - token_index_BS[:, None, :]
-  visible_BST = ((behind_BST >= 0) & (segment_ids_BS[:, None, :] == segment_ids_BS[:, :, None]))
-  if window is not None:
-    visible_BST &= behind_BST < window
+  visible_BST = (parallelism.visible(token_index_BS[:, :, None], token_index_BS[:, None, :],
+                                     window)
+                 & (segment_ids_BS[:, None, :] == segment_ids_BS[:, :, None]))
   visible_B11ST = visible_BST[:, None, None]
   scores_BKGST = jnp.where(visible_B11ST, scores_BKGST, -jnp.inf)
   row_max_BKGS1 = jnp.max(scores_BKGST, axis=-1, keepdims=True)

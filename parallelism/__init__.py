@@ -15,3 +15,4 @@ from parallelism.schedule import RingSchedule, compare_layouts, ring_schedule
 from parallelism.split import Names, block_tile, shortest_ring_length, split_attention
 from parallelism.strategies import STRATEGIES, ULYSSES, kv_repeat
 from parallelism.target import compiling_for
+from parallelism.tiles import visible

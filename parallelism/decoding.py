@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from parallelism.layouts import permutation
 from parallelism.mesh import Rules, as_axes, logical_to_spec, spec_on_mesh
+from parallelism.tiles import visible
 
 CACHE_SEQ = "activation_cache_seq"
 CACHE_NAMES = ("activation_batch", CACHE_SEQ, "activation_kv_heads", None)
@@ -90,8 +91,7 @@ def _local_attention(q_B1HD, k_B1KD, v_B1KD, key_cache_BcKD, value_cache_BcKD,
   holds_new_Bc = slot_positions_c[None, :] == position_B[:, None]
   key_cache_BcKD = jnp.where(holds_new_Bc[:, :, None, None], k_B1KD, key_cache_BcKD)
   value_cache_BcKD = jnp.where(holds_new_Bc[:, :, None, None], v_B1KD, value_cache_BcKD)
-  behind_Bc = position_B[:, None] - slot_positions_c[None, :]
-  visible_Bc = behind_Bc >= 0 if window is None else (behind_Bc >= 0) & (behind_Bc < window)
+  visible_Bc = visible(position_B[:, None], slot_positions_c[None, :], window)
 
   q_BKGD = q_B1HD.reshape(batch, num_kv, num_heads // num_kv, head_dim)
   scores_BKGc = jnp.einsum("bkgd,bckd->bkgc", q_BKGD, key_cache_BcKD,

@@ -37,7 +37,8 @@ def check_window(window: int | None) -> None:
 
 
 def visible(q_index: np.ndarray, k_index: np.ndarray, window: int | None = None) -> np.ndarray:
-  """The elementwise rule the classes summarise: query sees key (broadcasts like NumPy)."""
+  """The elementwise rule the classes summarise: query sees key (broadcasts like NumPy; also
+  on JAX arrays, as dense attention and decoding apply it)."""
   seen = k_index <= q_index
   return seen if window is None else seen & (q_index - k_index < window)
 
