@@ -7,6 +7,8 @@ import dataclasses
 DATASETS_BUILT_IN = ("synthetic_longrange", "text_files")
 BAD_FILE_POLICIES = ("skip", "fail")
 TOKENIZER_TYPES = ("bpe", "unigram")
+# Pieces a trained tokenizer holds before any learned one: byte fallback's 256 and 4 special ids.
+RESERVED_PIECES = 256 + 4
 
 
 class DataError(ValueError):
@@ -49,5 +51,16 @@ class DataConfig:
           f"data.tokenizer_type='{self.tokenizer_type}' must be one of {TOKENIZER_TYPES}")
     if self.prefetch < 0:
       raise DataError(f"data.prefetch={self.prefetch} must be >= 0")
+    if self.dataset == "synthetic_longrange":
+      self._check_synthetic()
     if not self.data_dir:
       raise DataError("data.data_dir is empty; name a directory for prepared data")
+
+  def _check_synthetic(self):
+    # Preparation writes both splits whether or not evals run (TFDS refuses an empty one),
+    # and the corpus's identity names both sizes.
+    for field in ("num_documents", "num_eval_documents", "max_document_tokens"):
+      if getattr(self, field) < 1:
+        raise DataError(f"data.{field}={getattr(self, field)} must be >= 1")
+    if self.corpus_seed < 0:  # NumPy's seed sequences take no negative entropy.
+      raise DataError(f"data.corpus_seed={self.corpus_seed} must be >= 0")

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 import numpy as np
 import sentencepiece as spm
 
-from data.config import DataError
+from data.config import RESERVED_PIECES, DataError
 
 # Fixed ids of the tokenizers trained here; a named model brings its own.
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
@@ -103,9 +103,9 @@ def train_tokenizer(texts: Iterable[str], output_path: str, vocab_size: int,
   Ids: pad 0, unk 1, BOS 2, EOS 3. The vocabulary may come out smaller than `vocab_size`
   when the text has fewer distinct pieces (a small corpus); it is never larger.
   """
-  if vocab_size < 256 + 4 + 1:
-    raise DataError(f"tokenizer vocab_size={vocab_size} must exceed 260: byte fallback "
-                    f"alone takes 256 pieces plus 4 special ids")
+  if vocab_size <= RESERVED_PIECES:
+    raise DataError(f"tokenizer vocab_size={vocab_size} must exceed {RESERVED_PIECES}: byte "
+                    f"fallback alone takes 256 pieces plus 4 special ids")
   model = io.BytesIO()
   try:
     spm.SentencePieceTrainer.train(

@@ -68,16 +68,42 @@ def test_paper_models_have_the_paper_shapes():
     ({"model.attention": "striped", "model.sequence_parallel": "hybrid", "mesh.fsdp": 1,
       "mesh.sequence": 2, "mesh.ulysses": 4, "data.seq_len": 36, "model.attention_tile": 2},
      "data.seq_len=36"),
+    # Ranges, each refused before anything runs, with the allowed range in the line.
+    ({"train.b1": 1.0}, "train.b1=1.0 must be in [0, 1)"),
+    ({"train.b2": 1.5}, "train.b2=1.5 must be in [0, 1)"),
+    ({"train.b2": -0.1}, "train.b2=-0.1 must be in [0, 1)"),
+    ({"train.weight_decay": -0.1}, "train.weight_decay=-0.1 must be >= 0"),
+    ({"train.eval_steps": 0}, "train.eval_steps=0 must be >= 1"),
+    ({"train.eval_every": -1}, "train.eval_every=-1 must be >= 0"),
+    ({"model.head_dim": -8}, "model.head_dim=-8 must be >= 0"),
+    ({"model.rope_theta": 0.0}, "model.rope_theta=0.0 must be positive"),
+    ({"model.norm_eps": 0.0}, "model.norm_eps=0.0 must be positive"),
+    ({"model.init_std": -0.02}, "model.init_std=-0.02 must be positive"),
+    ({"data.num_documents": 0}, "data.num_documents=0 must be >= 1"),
+    ({"data.num_eval_documents": 0}, "data.num_eval_documents=0 must be >= 1"),
+    ({"data.max_document_tokens": 0}, "data.max_document_tokens=0 must be >= 1"),
+    ({"data.corpus_seed": -1}, "data.corpus_seed=-1 must be >= 0"),
+    ({"data.tokenizer_vocab_size": 100}, "data.tokenizer_vocab_size=100 must exceed 260"),
+    ({"data.prefetch": -1}, "data.prefetch=-1 must be >= 0"),
+    ({"cpu_devices": -1}, "cpu_devices=-1 must be >= 0"),
 ])
 def test_impossible_values_name_the_field(overrides, field):
   config = _load("tiny_cpu")
   for path, value in overrides.items():
-    group, key = path.split(".")
-    config[group][key] = value
+    *groups, key = path.split(".")
+    (config[groups[0]] if groups else config)[key] = value
   with pytest.raises(ConfigError) as error:
     check_config(config, num_devices=8)
   message = str(error.value)
   assert field in message and "\n" not in message
+
+
+def test_evals_off_need_no_eval_steps():
+  """train.eval_steps counts only when evals run; the synthetic corpus's validation split is
+  built at preparation whether or not evals run, so data.num_eval_documents counts always."""
+  config = _load("tiny_cpu")
+  config.train.eval_every, config.train.eval_steps = 0, 0
+  check_config(config, num_devices=8)
 
 
 def _run_cli(tmp_path, *overrides):

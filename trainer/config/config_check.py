@@ -12,7 +12,9 @@ import ml_collections
 import jax
 import jax.numpy as jnp
 
+import data
 import parallelism
+from data.config import RESERVED_PIECES
 from trainer.config import flops, needle_grid, stages
 from model import ATTENTIONS, KERNELS, REMAT_POLICIES
 from model.config import ModelConfig, layout_of
@@ -44,9 +46,14 @@ def _check_one(config: ml_collections.ConfigDict, num_devices: int) -> None:
   for field in ("num_layers", "d_model", "num_heads", "num_kv_heads", "d_ff", "vocab_size",
                 "attention_tile"):
     _require(m[field] > 0, f"model.{field}={m[field]} must be positive")
+  for field in ("rope_theta", "norm_eps", "init_std"):
+    _require(m[field] > 0, f"model.{field}={m[field]} must be positive")
+  _require(m.head_dim >= 0, f"model.head_dim={m.head_dim} must be >= 0 (0: d_model / num_heads)")
   for field in ("steps", "batch_size", "log_every", "loss_chunk"):
     _require(t[field] > 0, f"train.{field}={t[field]} must be positive")
-  _require(d.seq_len > 0, f"data.seq_len={d.seq_len} must be positive")
+  _require(config.cpu_devices >= 0,
+           f"cpu_devices={config.cpu_devices} must be >= 0 (0: JAX's default)")
+  _check_data(config.data)
   _require(m.attention in ATTENTIONS, f"model.attention='{m.attention}' must be one of {ATTENTIONS}")
   _require(m.kernel in KERNELS, f"model.kernel='{m.kernel}' must be one of {KERNELS}")
   if m.kernel == "cudnn":  # Also in a dry run: cuDNN's calls do not compile for the CPU.
@@ -77,7 +84,12 @@ def _check_one(config: ml_collections.ConfigDict, num_devices: int) -> None:
            f"{schedule} (train.schedule_steps, or train.steps when that is 0)")
   _require(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables)")
   _require(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
-  _require(t.eval_every >= 0 and t.eval_steps >= 0, "train.eval_every and train.eval_steps must be >= 0")
+  _check_optimizer(t)
+  _require(t.eval_every >= 0, f"train.eval_every={t.eval_every} must be >= 0 (0: no evals)")
+  # Only counted when evals run: an eval of no batches has no loss to report.
+  _require(not t.eval_every or t.eval_steps >= 1,
+           f"train.eval_steps={t.eval_steps} must be >= 1 when train.eval_every="
+           f"{t.eval_every} runs evals (or set train.eval_every=0)")
   if t.eval_needle_lengths:
     try:
       needle_grid.parse_lengths(t.eval_needle_lengths)
@@ -100,6 +112,28 @@ def _check_one(config: ml_collections.ConfigDict, num_devices: int) -> None:
   _require(config.peak_flops_per_device >= 0,
            f"peak_flops_per_device={config.peak_flops_per_device} must be >= 0 (0 uses the table)")
   _check_mesh(config, num_devices)
+
+
+def _check_optimizer(t: ml_collections.ConfigDict) -> None:
+  """AdamW's moments average over 1 / (1 - beta) steps: a beta of 1 or more never forgets
+  (or grows), a negative one flips signs; neither fails, both train wrongly."""
+  for field in ("b1", "b2"):
+    _require(0 <= t[field] < 1, f"train.{field}={t[field]} must be in [0, 1)")
+  _require(t.weight_decay >= 0,
+           f"train.weight_decay={t.weight_decay} must be >= 0 (0: no decay)")
+
+
+def _check_data(d: ml_collections.ConfigDict) -> None:
+  """The data pipeline's own checks of its fields, before any preparation or workdir; and
+  the size of the tokenizer that preparation trains when none is named."""
+  try:
+    data.DataConfig(**d.to_dict())
+  except data.DataError as error:
+    raise ConfigError(str(error)) from None
+  _require(d.tokenizer or d.tokenizer_vocab_size > RESERVED_PIECES,
+           f"data.tokenizer_vocab_size={d.tokenizer_vocab_size} must exceed {RESERVED_PIECES} "
+           f"(byte fallback's 256 pieces and 4 special ids) for the tokenizer trained when "
+           f"data.tokenizer is empty")
 
 
 def _check_mesh(config: ml_collections.ConfigDict, num_devices: int) -> None:
