@@ -25,7 +25,7 @@ from absl import flags  # noqa: E402  (after the path fix above)
 from trainer.config import needle_grid  # noqa: E402
 from trainer.config import workdir as workdir_lock  # noqa: E402
 from trainer.tools import needle, run_flags, sample
-from trainer.track import console, wandb_tracker
+from trainer.track import console, provenance, wandb_tracker
 
 
 def define_flags() -> None:
@@ -79,17 +79,24 @@ def _evaluate(f, argv: list[str]) -> None:
   title = (f"{os.path.basename(os.path.normpath(f.workdir))} {name}: needle retrieval "
            f"({sampler.model_cfg.attention}, trained at {sampler.config.data.seq_len} tokens)")
   needle.heatmap(accuracy, lengths, depths, png_path, title)
-  workdir_lock.write_atomically(json_path, json.dumps({
-      "step": step, "lengths": lengths, "depths": depths, "trials": f.trials,
-      "accuracy": accuracy.tolist(), "mean_accuracy": float(accuracy.mean()),
-      "answered_a_value": sum(r["a_value"] for r in rows) / len(rows),
-      "seconds": time.monotonic() - started, "command": " ".join(argv), "rows": rows},
-      indent=1))
+  workdir_lock.write_atomically(json_path, json.dumps(
+      result_record(step, lengths, depths, f.trials, rows, accuracy, time.monotonic() - started,
+                    argv), indent=1))
   print(f"\n{'tokens':>8} " + " ".join(f"{d:>6g}" for d in depths))
   for length, line in zip(lengths, accuracy):
     print(f"{length:>8,} " + " ".join(f"{a:>6.0%}" for a in line))
   print(f"mean {accuracy.mean():.1%}; wrote {json_path} and {png_path}")
   _log_to_wandb(f.config, f.workdir, step, rows, png_path)
+
+
+def result_record(step: int, lengths: list[int], depths: list[float], trials: int,
+                  rows: list[dict], accuracy, seconds: float, argv: list[str]) -> dict:
+  """What `needle/<step>.json` holds; its command scrubbed as the trainer's own is (a token
+  on the command line must not reach the workdir)."""
+  return {"step": step, "lengths": lengths, "depths": depths, "trials": trials,
+          "accuracy": accuracy.tolist(), "mean_accuracy": float(accuracy.mean()),
+          "answered_a_value": sum(r["a_value"] for r in rows) / len(rows),
+          "seconds": seconds, "command": provenance.scrubbed_command(argv), "rows": rows}
 
 
 def _log_to_wandb(config, workdir: str, step: int, rows: list[dict], png_path: str) -> None:

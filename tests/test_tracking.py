@@ -169,10 +169,28 @@ def test_scrub_redacts_secret_fields_and_values_but_keeps_tokenizer():
                       "note": "x<redacted>y", "rules": (("embed", "fsdp"),)}
 
 
+def test_every_tool_records_its_command_line_scrubbed(monkeypatch):
+  """The trainer's provenance and eval_needle's result file share one scrubber: a secret
+  flag's value (either form) and a secret environment value never reach the workdir."""
+  monkeypatch.setenv("HF_TOKEN", FAKE_TOKEN)
+  argv = ["scripts/eval_needle.py", "--workdir=runs/a", f"--config.wandb.project={FAKE_TOKEN}",
+          "--config.wandb.api_key=abc123", "--auth_token", "xyz789", "--lengths", "64"]
+  spec = importlib.util.spec_from_file_location(
+      "eval_needle", os.path.join(ROOT, "scripts", "eval_needle.py"))
+  eval_needle = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(eval_needle)
+  record = eval_needle.result_record(3, [64], [0.0], 1, [{"a_value": True}], np.ones((1, 1)),
+                                     1.0, argv)
+  expected = ("scripts/eval_needle.py --workdir=runs/a '--config.wandb.project=<redacted>' "
+              "'--config.wandb.api_key=<redacted>' --auth_token '<redacted>' --lengths 64")
+  assert record["command"] == provenance.run_provenance(argv)["command"] == expected
+
+
 def test_wandb_offline_tracker_resumes_the_same_run_without_going_back(tmp_path, monkeypatch):
   monkeypatch.setenv("WANDB_MODE", "offline")
   _plant_secrets(monkeypatch)
   config = _config(**{"wandb.name": FAKE_TOKEN})  # A secret in the config is redacted too.
+  config.wandb.workspace = str(tmp_path / "workspace")
   tracker = wandb_tracker.make(config, str(tmp_path))
   for step in (1, 2, 3):
     tracker.log(_record(step, warmup=step == 1))
@@ -191,6 +209,15 @@ def test_wandb_offline_tracker_resumes_the_same_run_without_going_back(tmp_path,
   assert len(ids) == 1  # ...one W&B run.
   assert json.loads((tmp_path / "wandb" / "run.json").read_text()) == {
       "id": ids.pop(), "last_step": 4}
+  # Another workdir, same workspace: a W&B run of its own, linked beside the first.
+  other = wandb_tracker.make(config, str(tmp_path / "other"))
+  other.log(_record(1))
+  other.close()
+  links = sorted((tmp_path / "workspace").iterdir())
+  folders = [tmp_path / "wandb" / d for d in sorted(os.listdir(tmp_path / "wandb"))
+             if d.startswith("offline-run-")] + list((tmp_path / "other" / "wandb").glob("off*"))
+  assert [link.resolve() for link in links] == sorted(f.resolve() for f in folders)
+  assert len({link.name.rsplit("-", 1)[1] for link in links}) == 2  # Two runs, two ids.
   _assert_no_secret(tmp_path)
 
 

@@ -40,12 +40,26 @@ def _git(*args: str) -> str | None:
   return result.stdout.strip() if result.returncode == 0 else None
 
 
-def _scrub_argument(argument: str) -> str:
-  """`--x.api_key=v` loses its value; any secret environment value is redacted anywhere."""
+def _is_secret_flag(flag: str) -> bool:
+  return flag.startswith("-") and is_secret_field(flag.lstrip("-").rsplit(".", 1)[-1])
+
+
+def _scrub_argument(argument: str, previous: str) -> str:
+  """`--x.api_key=v` loses its value, and so does the `v` of `--api_key v`; any secret
+  environment value is redacted anywhere."""
   match = _FLAG.match(argument)
-  if match and is_secret_field(match.group(1).rsplit(".", 1)[-1]):
+  if match and _is_secret_flag(match.group(1)):
     return f"{match.group(1)}={REDACTED}"
+  if "=" not in previous and _is_secret_flag(previous) and not argument.startswith("-"):
+    return REDACTED
   return scrub(argument)
+
+
+def scrubbed_command(argv: list[str]) -> str:
+  """A command line as a shell would take it, secrets redacted: the one form in which any
+  command (the trainer, a tool) records its own on disk or in W&B."""
+  return " ".join(shlex.quote(_scrub_argument(arg, previous))
+                  for previous, arg in zip([""] + argv[:-1], argv))
 
 
 def run_provenance(argv: list[str] | None = None) -> dict[str, Any]:
@@ -56,7 +70,7 @@ def run_provenance(argv: list[str] | None = None) -> dict[str, Any]:
   commit = _git("rev-parse", "HEAD")
   status = _git("status", "--porcelain", "--untracked-files=no") if commit else None
   return {"commit": commit, "dirty": None if status is None else bool(status),
-          "command": " ".join(shlex.quote(_scrub_argument(arg)) for arg in argv)}
+          "command": scrubbed_command(argv)}
 
 
 def run_resolved(config: ml_collections.ConfigDict) -> dict[str, Any]:
