@@ -220,6 +220,27 @@ def test_a_run_starts_from_the_checkpoint_and_exports_it_back_tensor_for_tensor(
         p for p in os.listdir(tmp_path) if ".partial-" in p]
 
 
+def test_an_interrupted_export_leaves_no_partial_directory(tmp_path, monkeypatch):
+  """SIGTERM while writing removes `<out>.partial-<pid>` (its default action left it behind,
+  gigabytes of it); the next export removes those of processes that are gone (SIGKILL), not
+  a live one's."""
+  import signal  # pylint: disable=g-import-not-at-top
+  gone = subprocess.Popen(["true"])
+  gone.wait()
+  stale, live = tmp_path / f"hf.partial-{gone.pid}", tmp_path / f"hf.partial-{os.getppid()}"
+  stale.mkdir()
+  live.mkdir()
+  (tmp_path / "tokenizer.model").write_bytes(b"pieces")
+  monkeypatch.setattr(export, "save_file", lambda *a, **k: os.kill(os.getpid(), signal.SIGTERM))
+  handler = signal.getsignal(signal.SIGTERM)
+  with pytest.raises(export.Terminated):
+    export.write_directory(str(tmp_path / "hf"), iter([("w", np.zeros(4, np.float32))]),
+                           {"w": "model.safetensors"}, {}, str(tmp_path / "tokenizer.model"))
+  assert [p for p in os.listdir(tmp_path) if ".partial-" in p] == [live.name]
+  assert not os.path.exists(tmp_path / "hf")
+  assert signal.getsignal(signal.SIGTERM) == handler  # Put back as it was.
+
+
 def test_export_refuses_a_missing_step_in_one_line(tmp_path):
   os.makedirs(tmp_path / "run" / "checkpoints")
   result = subprocess.run(

@@ -8,16 +8,21 @@ trained length as max_position_embeddings), the weights as model.safetensors or 
 with model.safetensors.index.json, and the run's SentencePiece tokenizer.model (checked
 against the hash the checkpoint recorded). The step is read with a read-only checkpointer
 and verified against its fingerprints; a run training in the same workdir is not disturbed.
-Everything is written into a temporary sibling of `--out` and renamed into place at the end,
-so an interrupted export leaves no half-written directory.
+Everything is written into a temporary sibling `<out>.partial-<pid>` and renamed into place at
+the end; an error, Ctrl-C or SIGTERM removes it, and the next export to `--out` removes those
+of processes that are gone (SIGKILL), so no half-written directory stays behind.
 """
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 
 import flax.linen as nn
@@ -55,6 +60,11 @@ _MAX_SHARD_GIB = flags.DEFINE_float("max_shard_gib", 5.0, "Largest safetensors f
 
 class ExportError(RuntimeError):
   """An export that cannot be done; the message names the flag or file to fix."""
+
+
+class Terminated(BaseException):
+  """SIGTERM while the files are written, raised as Ctrl-C's KeyboardInterrupt is, so that
+  the partial directory is removed (SIGTERM's default action ends the process on the spot)."""
 
 
 def export(workdir: str, out: str, step: int | None = None, dtype: str = "bfloat16",
@@ -111,32 +121,81 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str = "bfloat
       for name, layer in zip(tensor.hf_names(cfg.num_layers), layers):
         yield name, to_hf(layer, tensor.in_dims).astype(np_dtype)
 
-  partial = f"{out.rstrip('/')}.partial-{os.getpid()}"
-  shutil.rmtree(partial, ignore_errors=True)
-  try:
-    os.makedirs(partial)
-    plan = _shard_plan(hf_shapes(cfg), np.dtype(np_dtype).itemsize, max_shard_bytes)
-    total = _write_shards(hf_tensors(), plan, partial, log)
-    hf_config = hf_config_of(cfg, config.data.seq_len, pieces.bos_id(), pieces.eos_id(), dtype)
-    with open(os.path.join(partial, "config.json"), "w") as f:
-      json.dump(hf_config, f, indent=2)
-    # safetensors creates its files 0600: give them config.json's mode (the umask's).
-    mode = os.stat(os.path.join(partial, "config.json")).st_mode & 0o777
-    for file in set(plan.values()):
-      os.chmod(os.path.join(partial, file), mode)
-    shutil.copyfile(tokenizer, os.path.join(partial, "tokenizer.model"))
-    if os.path.isdir(out):
-      os.rmdir(out)  # Empty, checked above.
-    os.rename(partial, out)
-  except BaseException as error:
-    shutil.rmtree(partial, ignore_errors=True)
-    # A full disk, say: safetensors reports its own write errors as SafetensorError.
-    if isinstance(error, (OSError, safetensors.SafetensorError)):
-      raise ExportError(f"writing {out} failed ({error}); nothing was left there") from error
-    raise
+  plan = _shard_plan(hf_shapes(cfg), np.dtype(np_dtype).itemsize, max_shard_bytes)
+  hf_config = hf_config_of(cfg, config.data.seq_len, pieces.bos_id(), pieces.eos_id(), dtype)
+  total = write_directory(out, hf_tensors(), plan, hf_config, tokenizer, log)
   return (f"exported step {step} of {workdir} to {out}: {len(set(plan.values()))} "
           f"safetensors file(s), "
           f"{total / 2**20:.1f} MiB {dtype}, tokenizer {tokenizer}")
+
+
+def write_directory(out: str, tensors, plan: dict[str, str], hf_config: dict, tokenizer: str,
+                    log=print) -> int:
+  """Writes the (name, array) pairs as `plan` shards them, config.json and tokenizer.model
+  into `<out>.partial-<pid>`, then renames it to `out`; returns the tensor bytes written.
+  An error, Ctrl-C or SIGTERM removes the partial directory before it passes on."""
+  partial = f"{out.rstrip('/')}.partial-{os.getpid()}"
+  _remove_stale_partials(out)
+  with _sigterm_raises():
+    try:
+      os.makedirs(partial)
+      total = _write_shards(tensors, plan, partial, log)
+      with open(os.path.join(partial, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2)
+      # safetensors creates its files 0600: give them config.json's mode (the umask's).
+      mode = os.stat(os.path.join(partial, "config.json")).st_mode & 0o777
+      for file in set(plan.values()):
+        os.chmod(os.path.join(partial, file), mode)
+      shutil.copyfile(tokenizer, os.path.join(partial, "tokenizer.model"))
+      if os.path.isdir(out):
+        os.rmdir(out)  # Empty, checked by `export` before reading.
+      os.rename(partial, out)
+    except BaseException as error:
+      shutil.rmtree(partial, ignore_errors=True)
+      # A full disk, say: safetensors reports its own write errors as SafetensorError.
+      if isinstance(error, (OSError, safetensors.SafetensorError)):
+        raise ExportError(f"writing {out} failed ({error}); nothing was left there") from error
+      raise
+  return total
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+  """SIGTERM raises `Terminated` inside the block (main thread only: Python runs signal
+  handlers there), the previous handler restored after it."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+
+  def terminated(signum, frame):
+    del signum, frame
+    raise Terminated()
+
+  previous = signal.signal(signal.SIGTERM, terminated)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+
+
+def _remove_stale_partials(out: str) -> None:
+  """Removes the `<out>.partial-<pid>` directories of processes that no longer run here
+  (an export killed by SIGKILL, which no handler sees), and this process's own."""
+  prefix = f"{out.rstrip('/')}.partial-"
+  for path in glob.glob(glob.escape(prefix) + "*"):
+    pid = path[len(prefix):]
+    if pid.isdigit() and (int(pid) == os.getpid() or not _is_running(int(pid))):
+      shutil.rmtree(path, ignore_errors=True)
+
+
+def _is_running(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)  # Signal 0: only asks whether the process exists.
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # Another user's process.
+    return True
+  return True
 
 
 def _checked_tokenizer(path: str, vocab_size: int) -> sentencepiece.SentencePieceProcessor:
@@ -215,6 +274,10 @@ def main(argv: list[str]) -> None:
                  int(_MAX_SHARD_GIB.value * 2**30)), flush=True)
   except KeyboardInterrupt:
     console.exit_interrupted()
+  except Terminated:
+    print(f"stopped by SIGTERM; nothing was left at --out={_OUT.value}", file=sys.stderr,
+          flush=True)
+    sys.exit(128 + signal.SIGTERM)
   except (ExportError, CheckpointError) as error:
     console.exit_with_error(str(error))
 
