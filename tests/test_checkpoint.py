@@ -189,11 +189,16 @@ def _all_finite(workdir, config):
 
 
 def test_nan_stops_the_run_naming_step_and_checkpoint(tmp_path, tiny_config, monkeypatch):
-  _poison_step(monkeypatch, 13)
-  config = _config(tiny_config, **{"train.steps": 20})
-  with pytest.raises(NonFiniteError, match=r"step 13;.*last good checkpoint is step 10"):
+  """The checkpoint the failing step started from goes aside (a finite update can leave
+  weights that overflow next), and the one named is the newest a finite step followed: kept
+  beside `keep=1` until a newer one is followed."""
+  _poison_step(monkeypatch, 11)
+  config = _config(tiny_config, **{"train.steps": 20, "checkpoint.every_steps": 5,
+                                   "checkpoint.keep": 1})
+  with pytest.raises(NonFiniteError, match=r"step 11;.*checkpoint was moved to .*"
+                     r"checkpoints_unusable/10-.*; the last good checkpoint is step 5"):
     train(config, str(tmp_path))
-  assert _all_finite(tmp_path, config) == [10]
+  assert _all_finite(tmp_path, config) == [5]
 
 
 def test_nan_skip_policy_skips_the_update(tmp_path, tiny_config, monkeypatch):

@@ -127,9 +127,30 @@ def _fingerprint_table(state) -> tuple[dict[str, int], bool]:
   return {path: int(value) for path, value in zip(paths, sums)}, bool(finite)
 
 
+class _KeepNewestAndLastFollowed:
+  """Orbax's preservation policy: the `keep` newest checkpoints, and beside them the newest one
+  that a finite step followed.
+
+  A checkpoint is not known to be usable until the step after it comes out finite: an update
+  can blow the weights up without a NaN yet, and the next step then overflows. Keeping the
+  newest followed one means a run stopped by a non-finite step always has a checkpoint to
+  resume from (with `keep=1`, two exist while the newest is unproven)."""
+
+  def __init__(self, keep: int):
+    self.keep = keep
+    self.followed: int | None = None  # The newest step whose next step came out finite.
+
+  def should_preserve(self, checkpoints, *, context) -> list[bool]:
+    del context
+    steps = [info.step for info in checkpoints]
+    newest = set(sorted(steps)[-self.keep:])
+    followed = [s for s in steps if self.followed is not None and s <= self.followed]
+    return [step in newest or step == max(followed, default=None) for step in steps]
+
+
 class Checkpointer:
-  """Saves every `every_steps` (and when forced; never with 0), keeps the newest `keep`,
-  restores the newest good one."""
+  """Saves every `every_steps` (and when forced; never with 0), keeps the newest `keep` (and
+  the newest one a finite step followed), restores the newest good one."""
 
   def __init__(self, workdir: str, every_steps: int, keep: int, use_async: bool,
                read_only: bool = False):
@@ -139,10 +160,12 @@ class Checkpointer:
     self.every_steps = every_steps
     self._saving: int | None = None  # The step of the newest save started.
     self._confirmed: int | None = None  # The newest save `check` has seen committed.
+    self._policy = _KeepNewestAndLastFollowed(keep)
     self._manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
-            max_to_keep=None if read_only else keep, enable_async_checkpointing=use_async,
+            preservation_policy=None if read_only else self._policy,
+            enable_async_checkpointing=use_async,
             create=not read_only, read_only=read_only,
             cleanup_tmp_directories=not read_only,  # Leftovers of a crashed save are removed.
             save_interval_steps=1),  # The loop decides when; see `due`.
@@ -193,6 +216,25 @@ class Checkpointer:
     """Blocks until every save has committed; raises CheckpointError if one failed."""
     self._surface_errors(self._manager.wait_until_finished)
     self._surface_errors(self._manager.check_for_errors)
+
+  def step_was_finite(self, step: int) -> None:
+    """Step `step` came out finite: the state it started from, step - 1's, is usable."""
+    self._policy.followed = step - 1
+
+  def finish(self) -> None:
+    """Waits for every save of a run that ended cleanly, then keeps the newest `keep`: the
+    run's last state is its result, so no older one need stay beside it."""
+    self.wait()
+    if self._saving is not None:  # A run that saved nothing leaves older runs' steps alone.
+      for step in self.steps()[:-self._policy.keep]:
+        self._manager.delete(step)
+
+  def set_aside_what_led_to(self, step: int) -> list[str]:
+    """Moves aside the checkpoints from step `step - 1` on, after the non-finite step `step`:
+    the state it started from may be what overflowed, and a re-run must not resume from it
+    into the same failure. Waits for saves first; returns where each went."""
+    self.wait()
+    return [self._set_aside(other) for other in self.steps() if other >= step - 1]
 
   def _surface_errors(self, action) -> None:
     """Runs an Orbax call; a failed save (a full disk, say) becomes one clear error."""

@@ -19,6 +19,7 @@ from trainer.run import setup as run_setup
 from trainer.run.stage import NonFiniteError, PeriodicEvalMaker, StageRun
 from trainer.run.stop_signals import StopSignals
 from trainer.track.profiling import StepProfiler
+from trainer.track.tracking import TrackingError
 
 __all__ = ["NonFiniteError", "PeriodicEvalMaker", "train"]
 
@@ -85,15 +86,27 @@ def _train_stages(setup: run_setup.Setup, start_over: bool, signals: StopSignals
       if summary["stopped_by_signal"]:
         break
       step, data_state = stage.last_step, None
-    setup.checkpointer.wait()  # An async save that failed raises here: the exit is non-zero.
-  except BaseException:
+    setup.checkpointer.finish()  # An async save that failed raises here: the exit is non-zero.
+  except BaseException as error:
     # Let saves already started commit; the original error is the one to report.
     try:
       setup.checkpointer.wait()
-    except CheckpointError as error:
-      print(f"also: {error}", flush=True)
+    except CheckpointError as also:
+      print(f"also: {also}", flush=True)
+    if isinstance(error, (TrackingError, workdir_lock.WorkdirError)):  # A file it writes.
+      raise type(error)(f"{error}; {_where_a_rerun_resumes(setup.checkpointer)}") from error
     raise
   return _combined(summaries)
+
+
+def _where_a_rerun_resumes(checkpointer) -> str:
+  """Said after a write that stopped the run mid-way (a full disk under metrics.jsonl or
+  wandb/run.json), as a failed checkpoint save says it: the saves started have committed."""
+  latest = checkpointer.latest_committed()
+  if latest is None:
+    return f"no checkpoint is committed in {checkpointer.directory}: a re-run starts at step 0"
+  return (f"the newest committed checkpoint is step {latest} in {checkpointer.directory}, "
+          f"where a re-run resumes")
 
 
 def _combined(summaries: list[dict[str, Any]]) -> dict[str, Any]:

@@ -138,6 +138,8 @@ class StageRun:
     values = jax.device_get(metrics)
     if not values["finite"]:
       self._non_finite(step)
+    else:
+      self.setup.checkpointer.step_was_finite(step)
     if step % self.config.train.log_every and step != self.config.train.steps:
       return
     now = time.monotonic()
@@ -159,17 +161,23 @@ class StageRun:
     self.clock = (now, step)
 
   def _non_finite(self, step: int) -> None:
-    checkpointer = self.setup.checkpointer
-    last_good = checkpointer.latest_committed()
-    where = (f"the last good checkpoint is step {last_good} in {checkpointer.directory}"
-             if last_good is not None else "there is no checkpoint yet")
     if self.config.train.on_nonfinite == "skip":
       self.skipped += 1
       print(f"warning: non-finite loss or gradient at step {step}; update skipped "
             f"({self.skipped} so far)", flush=True)
       return
+    checkpointer = self.setup.checkpointer
+    # A finite update can still blow the weights up: the checkpoint the failing step started
+    # from is no good one, so it goes aside and the one named is the newest a finite step
+    # followed (kept for this; see Checkpointer).
+    moved = checkpointer.set_aside_what_led_to(step)
+    last_good = checkpointer.latest_committed()
+    where = (f"the last good checkpoint is step {last_good} in {checkpointer.directory}"
+             if last_good is not None else "there is no good checkpoint")
+    aside = (f"; step {step - 1}'s state may be what overflowed, so its checkpoint was moved "
+             f"to {moved[0]}" if moved else "")
     raise NonFiniteError(f"non-finite loss or gradient at step {step}; the update was not "
-                         f"applied and the run stops; {where}")
+                         f"applied and the run stops{aside}; {where}")
 
   def _evaluate(self, step: int, state: TrainState) -> None:
     cfg, mesh = self.config, self.setup.mesh
