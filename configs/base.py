@@ -154,7 +154,7 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
 
   config.checkpoint = ml_collections.ConfigDict()
   config.checkpoint.every_steps = 50  # Steps between checkpoints; 0 saves none (benchmarks).
-  config.checkpoint.keep = 3  # Newest checkpoints kept.
+  config.checkpoint.keep = 3  # Newest checkpoints kept, and the newest one a finite step followed.
   config.checkpoint.async_save = True  # Write checkpoints in the background.
 
   config.wandb = ml_collections.ConfigDict()
