@@ -178,6 +178,25 @@ def test_a_permission_error_is_not_damage(run, tiny_config, monkeypatch):
   assert _state_of(run) == before
 
 
+def test_a_write_that_fails_mid_run_names_the_step_a_rerun_resumes_from(run, tiny_config,
+                                                                         monkeypatch):
+  """A full disk under wandb/run.json (or metrics.jsonl) at step 5 of a run resumed from step
+  4: the one error line says where a re-run resumes, as a failed checkpoint save's does."""
+  real = tracking.JsonlTracker.log
+
+  def full_disk_at_step_5(self, record):
+    if record.get("step") == 5:
+      raise workdir.WorkdirError(f"cannot write {run}/wandb/run.json: No space left on device")
+    real(self, record)
+
+  monkeypatch.setattr(tracking.JsonlTracker, "log", full_disk_at_step_5)
+  with pytest.raises(workdir.WorkdirError) as error:
+    train(_config(tiny_config, **{"train.steps": 6}), run)
+  assert str(error.value) == (
+      f"cannot write {run}/wandb/run.json: No space left on device; the newest committed "
+      f"checkpoint is step 4 in {run}/checkpoints, where a re-run resumes")
+
+
 def test_no_fresh_start_beside_set_aside_checkpoints_unless_asked(tmp_path, tiny_config):
   run = str(tmp_path / "run")
   os.makedirs(os.path.join(run, "checkpoints_unusable", "8-1700000000"))
