@@ -16,7 +16,9 @@ import tensorstore
 
 import data
 import parallelism
-from trainer.ckpt.checkpointing import CheckpointError, Checkpointer, _first_line, open_step
+from trainer.ckpt.checkpointing import (CheckpointError, Checkpointer, _first_line, open_step,
+                                         read_step)
+from trainer.core.state import TrainState
 from trainer.core.optimizer import make_schedule
 from trainer.run import loop
 from trainer.run.loop import NonFiniteError, train
@@ -290,3 +292,37 @@ def test_an_error_line_keeps_the_os_reason_tensorstore_puts_before_its_spec(tmp_
   assert "tensorstore_spec" in str(raised.value) and len(str(raised.value)) > 300
   line = _first_line(raised.value)
   assert "Not a directory" in line and "tensorstore_spec" not in line, line
+
+
+def _tiny_state(value: float) -> TrainState:
+  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return TrainState(step=jax.device_put(np.int32(0), sharding),
+                    params={"w": jax.device_put(np.full(8, value, np.float32), sharding)},
+                    opt_state={"mu": jax.device_put(np.zeros(8, np.float32), sharding)})
+
+
+def test_a_step_the_run_removes_while_a_tool_reads_it_is_no_damage(tmp_path):
+  """A run saving every step with keep=1 deletes the step a tool beside it (sample, export,
+  needle) is reading: the tool reads the newest step instead, and says so if that goes too."""
+  run = Checkpointer(str(tmp_path), 1, 1, use_async=False)
+  run.save(1, _tiny_state(1.0), {}, {})
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          _tiny_state(0.0))
+
+  def read_while_the_run_saves(checkpointer, step):
+    run.save(step + 1, _tiny_state(step + 1.0), {}, {})  # keep=1: deletes `step`.
+    return checkpointer.read_params(step, lambda meta: abstract)[0]
+
+  def read(checkpointer, step):
+    return checkpointer.read_params(step, lambda meta: abstract)[0]
+
+  with pytest.raises(CheckpointError, match=r"checkpoints/1 was removed by the running job "
+                     r"while it was read; pick a newer --step"):
+    read_step(str(tmp_path), 1, read_while_the_run_saves, CheckpointError)
+  params, step = read_step(str(tmp_path), None, lambda c, s: (
+      read_while_the_run_saves if s == 2 else read)(c, s), CheckpointError)
+  assert step == 3 and float(params["w"][0]) == 3.0
+  with pytest.raises(CheckpointError, match=r"checkpoints/4 was removed .*, twice"):
+    read_step(str(tmp_path), None, read_while_the_run_saves, CheckpointError)
+  run.close()
+

@@ -28,7 +28,7 @@ import json
 import os
 import re
 import time
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +40,8 @@ from jax.experimental import multihost_utils
 # sum changes under any single flipped bit and under swapped elements.
 _TWICE_MULTIPLIER = np.uint32(2 * 2654435761 % 2**32)
 
+T = TypeVar("T")
+
 
 class CheckpointError(RuntimeError):
   """A checkpoint problem the run cannot continue past; the message says what to do."""
@@ -47,6 +49,11 @@ class CheckpointError(RuntimeError):
 
 class _Damaged(CheckpointError):
   """A checkpoint's own files are unreadable or fail their fingerprints."""
+
+
+class StepRemoved(CheckpointError):
+  """A step vanished while a tool read it: the run training there deleted it (it keeps the
+  newest `checkpoint.keep`). No damage: the tool reads a newer step instead."""
 
 
 # Read failures that say nothing about a checkpoint's files: moving it aside would not help.
@@ -323,11 +330,27 @@ class Checkpointer:
       self._verify(step, abstract_state.replace(step=None, params=params, opt_state=None), meta,
                    only=".params")
     except _Damaged as error:
+      if self._removed(step):
+        raise StepRemoved(f"checkpoint {self.directory}/{step} was removed by the running job "
+                          f"while it was read") from error
       others = [str(other) for other in self.steps() if other != step]
       pick = f"; --step picks another ({', '.join(others[-3:])})" if others else ""
       raise CheckpointError(f"checkpoint {self.directory}/{step} is damaged ({error}); "
                             f"nothing was moved{pick}") from error
     return params, meta
+
+  def _removed(self, step: int, patience_s: float = 5.0) -> bool:
+    """Whether `step` is gone, or going: a running job deletes a step beyond `checkpoint.keep`
+    file by file once a newer one is committed, so for a moment a step being deleted still
+    exists beside a newer one."""
+    path = os.path.join(self.directory, str(step))
+    deadline = time.monotonic() + patience_s
+    while os.path.isdir(path):
+      newer = [name for name in os.listdir(self.directory) if name.isdigit() and int(name) > step]
+      if not newer or time.monotonic() > deadline:
+        return False
+      time.sleep(0.1)
+    return True
 
   def _read(self, step: int, **items) -> Any:
     """Restores the named items of one step."""
@@ -420,7 +443,10 @@ def open_step(workdir: str, step: int | None,
   (the tool's own) with one line naming the flag. The caller closes the checkpointer."""
   if not os.path.isdir(os.path.join(workdir, "checkpoints")):
     raise error(f"--workdir={workdir} has no checkpoints/ directory")
-  checkpointer = Checkpointer(workdir, 1, 1, use_async=False, read_only=True)
+  try:
+    checkpointer = Checkpointer(workdir, 1, 1, use_async=False, read_only=True)
+  except FileNotFoundError:  # Orbax lists the steps, then reads each: a run deleted one between.
+    checkpointer = Checkpointer(workdir, 1, 1, use_async=False, read_only=True)
   steps = checkpointer.steps()
   chosen = steps[-1] if step is None and steps else step
   if not steps or chosen not in steps:
@@ -429,3 +455,32 @@ def open_step(workdir: str, step: int | None,
                 f"--step={step} is not a checkpoint of {workdir}; it holds steps "
                 f"{', '.join(map(str, steps))}")
   return checkpointer, chosen
+
+
+def read_step(workdir: str, step: int | None, read: Callable[[Checkpointer, int], T],
+              error: type[Exception]) -> tuple[T, int]:
+  """(read(checkpointer, chosen), chosen): `open_step`, then the tool's `read` of the step.
+
+  A step that the run training in `workdir` removes while it is read is no damage: without
+  `step` the newest is chosen again, once; a second removal, or a removed `--step`, raises
+  `error` in one line saying so."""
+  try:
+    return _read_once(workdir, step, read, error)
+  except StepRemoved as removed:
+    if step is not None:
+      raise error(f"{removed}; pick a newer --step (it keeps the newest checkpoint.keep)"
+                  ) from removed
+  try:
+    return _read_once(workdir, None, read, error)  # The newest again, once.
+  except StepRemoved as removed:
+    raise error(f"{removed}, twice: it saves faster than this reads; try again, or read "
+                f"after the run stops (SIGTERM saves)") from removed
+
+
+def _read_once(workdir: str, step: int | None, read: Callable[[Checkpointer, int], T],
+               error: type[Exception]) -> tuple[T, int]:
+  checkpointer, chosen = open_step(workdir, step, error)
+  try:
+    return read(checkpointer, chosen), chosen
+  finally:
+    checkpointer.close()

@@ -40,7 +40,7 @@ import data
 import parallelism
 from model import Decoder
 from model.hf_format import export_problem, hf_config_of, hf_shapes, tensor_names, to_hf
-from trainer.ckpt.checkpointing import CheckpointError, open_step
+from trainer.ckpt.checkpointing import CheckpointError, read_step
 from trainer.ckpt.resume import tokenizer_problem
 from trainer.config import stages
 from trainer.core.optimizer import make_optimizer
@@ -80,12 +80,11 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str = "bfloat
                          "is not writable (permissions, or a read-only file system)"))
   if max_shard_bytes <= 0:
     raise ExportError("--max_shard_gib must be positive")
-  checkpointer, step = open_step(workdir, step, ExportError)
-  try:
-    # Every local device on fsdp: what the parameters need, whatever mesh trained them.
-    mesh = parallelism.make_mesh({"data": 1, "fsdp": -1, "sequence": 1, "tensor": 1})
-    found = {}
+  # Every local device on fsdp: what the parameters need, whatever mesh trained them.
+  mesh = parallelism.make_mesh({"data": 1, "fsdp": -1, "sequence": 1, "tensor": 1})
+  found = {}
 
+  def read(checkpointer, step):
     def abstract_state_of(meta):
       # A staged run's step exports with its stage's RoPE and length.
       config = stages.holding(stages.resolve(ml_collections.ConfigDict(meta["config"])), step).config
@@ -104,9 +103,9 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str = "bfloat
                               mesh, rules)
 
     log(f"reading {checkpointer.directory}/{step}")
-    params, meta = checkpointer.read_params(step, abstract_state_of)
-  finally:
-    checkpointer.close()
+    return checkpointer.read_params(step, abstract_state_of)
+
+  (params, meta), step = read_step(workdir, step, read, ExportError)
 
   config, tokenizer, pieces = found["config"], found["tokenizer"], found["pieces"]
   cfg = model_config(config)

@@ -41,7 +41,7 @@ import data
 import parallelism
 from model import Decoder, ModelConfig
 from model.hf_format import HFFormatError
-from trainer.ckpt.checkpointing import CheckpointError, open_step
+from trainer.ckpt.checkpointing import CheckpointError, read_step
 from trainer.ckpt.resume import tokenizer_problem
 from trainer.config import stages
 from trainer.config.config_check import ConfigError
@@ -89,14 +89,14 @@ def load(workdir: str, config: ml_collections.ConfigDict, step: int | None = Non
   overrides applied) resolved to the stage that wrote the step. Reads with a read-only
   checkpointer, verified against the step's fingerprints; a run training there is safe."""
   from trainer.core.training import data_config  # pylint: disable=g-import-not-at-top
-  checkpointer, step = open_step(workdir, step, SampleError)
-  try:
-    config = stages.holding(stages.resolve(config), step).config
-    mesh, parts = _on_mesh(config)
+
+  def read(checkpointer, step):
+    step_config = stages.holding(stages.resolve(config), step).config
+    mesh, parts = _on_mesh(step_config)
     log(f"reading {checkpointer.directory}/{step}")
-    params, meta = checkpointer.read_params(step, lambda meta: parts.abstract_state)
-  finally:
-    checkpointer.close()
+    return step_config, mesh, *checkpointer.read_params(step, lambda meta: parts.abstract_state)
+
+  (config, mesh, params, meta), step = read_step(workdir, step, read, SampleError)
   path = data.tokenizer_path(data_config(config))
   problem = tokenizer_problem(path, meta.get("tokenizer_sha256"))
   if problem:
