@@ -132,6 +132,32 @@ def test_cli_reports_bad_overrides_in_one_line(tmp_path, override, expected):
   assert not workdir.exists()  # Stopped before any work: nothing written, nothing allocated.
 
 
+@pytest.mark.parametrize("body, expected", [
+    ("def get_config(arg=None):\n  raise ValueError('no such size')\n",
+     ", line 2: ValueError: no such size"),
+    ("import no_such_module\n", ", line 1: ModuleNotFoundError: No module named 'no_such_module'"),
+    ("def get_config(arg=None):\n  return {}['model']\n", ", line 2: KeyError: 'model'"),
+    ("def get_config(arg=None):\n  return open('/no/such/file').read()\n",
+     ", line 2: FileNotFoundError: [Errno 2] No such file or directory: '/no/such/file'"),
+    ("SIZE = 1 / 0\n", ", line 1: ZeroDivisionError: division by zero"),
+    ("def get_config(:\n", ", line 1: invalid syntax"),
+    ("import ml_collections\n", " defines no get_config(arg=None)"),
+    ("def get_config(arg=None):\n  pass\n", ": get_config returned NoneType, not an "
+     "ml_collections.ConfigDict (a missing return?)"),
+])
+def test_a_config_file_that_fails_is_one_line_naming_file_and_line(tmp_path, body, expected):
+  """Before absl parses the flags: ml_collections said 'Error whilst parsing config file' and
+  a traceback, let import errors through whole, and called a KeyError an unknown field."""
+  from trainer.config import cli
+  path = tmp_path / "broken.py"
+  path.write_text(body)
+  with pytest.raises(SystemExit) as stopped:
+    cli.parse_flags(["trainer", f"--config={path}", "--config.train.steps=3"])
+  message = str(stopped.value.code)
+  assert "\n" not in message and message.startswith("error: ") and message.endswith(expected)
+  assert str(path) in message
+
+
 @pytest.mark.parametrize("rule", [("activation_seq", "fsdp"), ("activation_kv_heads", None),
                                   ("activation_seq", ("sequence", "tensor"))])
 def test_rules_the_ring_cannot_use_are_refused(rule):
