@@ -36,6 +36,8 @@ def prepare(cfg: DataConfig) -> None:
       raise DataError(f"data.tokenizer={path} does not exist; fix the path or leave it empty "
                       f"to train one")
   elif not os.path.isfile(path):
+    sources.require_writable(cfg, "its tokenizer is not trained there yet",
+                             "set data.tokenizer to a SentencePiece model that exists")
     print(f"training a {cfg.tokenizer_type} tokenizer ({cfg.tokenizer_vocab_size} pieces) on "
           f"'{cfg.dataset}' split '{cfg.train_split}' -> {path}", flush=True)
     texts = sources.iter_texts(cfg, cfg.train_split, TOKENIZER_TRAINING_DOCUMENTS)

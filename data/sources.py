@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import sys
+import tempfile
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -87,13 +88,13 @@ def prepare_dataset(cfg: DataConfig) -> tfds.core.DatasetBuilder:
   if _is_prepared(builder):
     _check_format(cfg, builder)
     return builder
-  if cfg.dataset not in ("synthetic_longrange", "text_files"):
-    # A registered dataset may need a download; TFDS raises if it cannot get one.
-    print(f"preparing TFDS dataset '{cfg.dataset}' under {cfg.data_dir}", flush=True)
-  else:
-    print(f"preparing {cfg.dataset} ({builder.builder_config.name}) under {cfg.data_dir}",
-          flush=True)
-  os.makedirs(cfg.data_dir, exist_ok=True)
+  built_in = cfg.dataset in ("synthetic_longrange", "text_files")
+  name = (f"{cfg.dataset} ({builder.builder_config.name})" if built_in
+          else f"TFDS dataset '{cfg.dataset}'")
+  require_writable(cfg, f"{name} is not prepared there",
+                   "prepare it with this config where one is and copy it here")
+  # A registered dataset may need a download; TFDS raises if it cannot get one.
+  print(f"preparing {name} under {cfg.data_dir}", flush=True)
   # TFDS's nested bars redraw with carriage returns and cursor-up escapes: on a terminal that
   # is progress, in a job's log file it is kilobytes of escapes and blanks per split.
   tfds.display_progress_bar(sys.stderr.isatty())
@@ -104,10 +105,26 @@ def prepare_dataset(cfg: DataConfig) -> tfds.core.DatasetBuilder:
   except DataError:
     raise
   except Exception as error:  # TFDS and download errors come in many types.
-    if cfg.dataset in ("synthetic_longrange", "text_files"):
+    if built_in:
       raise
     raise _preparation_error(cfg, error) from None
   return builder
+
+
+def require_writable(cfg: DataConfig, need: str, other_way: str) -> None:
+  """Makes `cfg.data_dir` and writes a probe file there; a DataError naming the folder, the
+  OS's reason, what needed writing and how else to get it, instead of an OSError from deep in
+  TFDS or SentencePiece."""
+  try:
+    os.makedirs(cfg.data_dir, exist_ok=True)
+    fd, probe = tempfile.mkstemp(dir=cfg.data_dir, prefix=".write-check-")
+    os.close(fd)
+    os.remove(probe)
+  except OSError as error:
+    raise DataError(f"data.data_dir={cfg.data_dir} cannot be written ({error.strerror or error})"
+                    f", and {need}: set data.data_dir to a writable folder, or {other_way}"
+                    ) from None
+
 
 _NETWORK_WORDS = ("resolve", "connect", "network", "unreachable", "timed out", "timeout",
                   "name or service", "could not reach", "credentials")
