@@ -164,6 +164,7 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
   config.wandb.name = ""  # Run name; empty derives one from model size, seq_len and attention.
   config.wandb.group = ""  # Run group; empty groups by model size and seq_len.
   config.wandb.tags = ""  # Extra comma-separated tags; the attention layout is always a tag.
+  config.wandb.workspace = ""  # Links to all runs, for wandb leet; empty: wandb/ beside workdir.
 
   config.accelerator = ""  # Peak-FLOPs table entry for MFU (h100, a100, tpu_v4...); empty guesses.
   config.peak_flops_per_device = 0.0  # Peak FLOP/s of one device for MFU; 0 uses the table.

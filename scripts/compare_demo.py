@@ -16,7 +16,8 @@ minutes), then `scripts/compare_runs.py` prints the table and writes the PNG, an
 of the two layouts' median tokens/sec over both their runs is printed and appended to
 `results/compare_demo.jsonl`. The ratio to expect is the tile-level bound of 2 devices
 (1.44 for attention alone) diluted by the work that is not attention: about 1.25-1.3 on 2
-idle cores.
+idle cores. The runs log to W&B offline (unless WANDB_MODE says otherwise) into one
+workspace, `runs/compare/wandb`, that `wandb leet runs/compare/wandb` shows as a dashboard.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from configs import tiny_cpu  # noqa: E402  (what the demo trains)
 
 LAYOUTS = ("ring", "striped")
 RESULTS = os.path.join(ROOT, "results", "compare_demo.jsonl")
+WORKSPACE = os.path.join(ROOT, "runs", "compare", "wandb")  # wandb.workspace's default here.
 
 
 def _free_port() -> int:
@@ -57,7 +59,7 @@ def _overrides(args) -> list[str]:
           "--config.model.dtype=float32",  # XLA:CPU's bfloat16 matmuls are emulated, slower.
           f"--config.model.attention_tile={args.tile}",
           "--config.mesh.fsdp=1", "--config.mesh.sequence=2", "--config.cpu_devices=1",
-          "--config.wandb.mode=disabled"]
+          "--config.wandb.mode=offline", "--config.wandb.tags=compare"]
 
 
 def train_on_two_cores(layout: str, workdir: str, cores: list[int], args) -> None:
@@ -69,7 +71,7 @@ def train_on_two_cores(layout: str, workdir: str, cores: list[int], args) -> Non
       ["taskset", "-c", str(core), sys.executable, "-m", "trainer",
        "--config", f"configs/tiny_cpu.py:{layout}", f"--workdir={workdir}",
        f"--coordinator_address={address}", "--num_processes=2", f"--process_id={index}",
-       *_overrides(args)],
+       f"--config.wandb.name={os.path.basename(workdir)}", *_overrides(args)],
       cwd=ROOT, env=env, stdout=None if index == 0 else subprocess.DEVNULL,
       stderr=subprocess.STDOUT) for index, core in enumerate(cores)]
   codes = [process.wait() for process in processes]
@@ -120,6 +122,9 @@ def main() -> None:
   print(f"median tokens/sec over both runs: ring {speed['ring']:,.0f}, striped "
         f"{speed['striped']:,.0f}; striped/ring {row['striped_over_ring']:.2f}x (goal >= 1.25); "
         f"appended to {os.path.relpath(RESULTS, ROOT)}")
+  if os.path.isdir(WORKSPACE):  # Not when WANDB_MODE=disabled.
+    print(f"the four runs in W&B's terminal dashboard: .venv/bin/wandb leet "
+          f"{os.path.relpath(WORKSPACE)}")
 
 
 if __name__ == "__main__":

@@ -190,6 +190,7 @@ def test_wandb_offline_tracker_resumes_the_same_run_without_going_back(tmp_path,
   monkeypatch.setenv("WANDB_MODE", "offline")
   _plant_secrets(monkeypatch)
   config = _config(**{"wandb.name": FAKE_TOKEN})  # A secret in the config is redacted too.
+  config.wandb.workspace = str(tmp_path / "workspace")
   tracker = wandb_tracker.make(config, str(tmp_path))
   for step in (1, 2, 3):
     tracker.log(_record(step, warmup=step == 1))
@@ -208,6 +209,16 @@ def test_wandb_offline_tracker_resumes_the_same_run_without_going_back(tmp_path,
   assert len(ids) == 1  # ...one W&B run.
   assert json.loads((tmp_path / "wandb" / "run.json").read_text()) == {
       "id": ids.pop(), "last_step": 4}
+  # Another workdir, same workspace: a W&B run of its own, linked beside the first.
+  other = wandb_tracker.make(config, str(tmp_path / "other"))
+  other.log(_record(1))
+  other.close()
+  links = sorted((tmp_path / "workspace").iterdir())
+  folders = [*(tmp_path / "wandb").glob("offline-run-*"),
+             *(tmp_path / "other" / "wandb").glob("offline-run-*")]
+  assert sorted(link.resolve() for link in links) == sorted(f.resolve() for f in folders)
+  assert len({json.loads((workdir / "wandb" / "run.json").read_text())["id"]
+              for workdir in (tmp_path, tmp_path / "other")}) == 2  # Two runs, two ids.
   _assert_no_secret(tmp_path)
 
 
@@ -396,6 +407,32 @@ def test_logged_speed_and_mfu_agree_with_the_step_time(dense_run):
 def test_no_secret_in_the_workdir_the_wandb_run_or_the_console(dense_run):
   workdir, console = dense_run
   _assert_no_secret(workdir, console)
+
+
+def test_wandb_leet_reads_the_run_from_the_workspace_beside_the_workdir(dense_run, capfd,
+                                                                      monkeypatch):
+  """W&B's own reader (`wandb leet inspect --summary`, in-process) on the workspace's link."""
+  import wandb  # pylint: disable=g-import-not-at-top
+  from wandb.cli import leet  # pylint: disable=g-import-not-at-top
+
+  workdir, _ = dense_run
+  workspace = workdir.parent / "wandb"
+  folders = sorted(d for d in os.listdir(workdir / "wandb") if d.startswith("offline-run-"))
+  assert sorted(os.listdir(workspace)) == folders  # Both processes of the resumed run.
+  monkeypatch.setenv("WANDB_ERROR_REPORTING", "false")  # No telemetry upload from leet.
+  wandb.teardown()  # The service has flushed every file.
+  capfd.readouterr()
+  with pytest.raises(SystemExit) as exit_info:
+    leet.leet.main(["inspect", "--summary", "--json", str(workspace / folders[-1])],
+                   standalone_mode=False)
+  out, err = capfd.readouterr()
+  assert exit_info.value.code == 0, err
+  run = json.loads(out)
+  assert (run["state"], run["step"], run["tags"]) == ("finished", 6, ["dense"])
+  assert run["summary"]["tokens_per_sec"] > 0 and run["summary"]["_step"] == 6
+  assert run["config"]["model"]["attention"] == "dense"
+  assert run["config"]["resolved"]["num_devices"] == 8 and "commit" in run["config"]["provenance"]
+  _assert_no_secret(workdir.parent, out, err)  # The summary and every file of the runs.
 
 
 @pytest.mark.slow

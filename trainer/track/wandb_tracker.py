@@ -8,6 +8,10 @@
 - The run id and the last logged step live in `<workdir>/wandb/run.json`, so a run resumed in
   the same workdir continues the same W&B run; steps the resumed run repeats (those after
   its checkpoint and before the crash) are not logged again: W&B steps never go backwards.
+- One workspace for the project: each run's files stay in its own `<workdir>/wandb` (deleting
+  a workdir deletes its run), and a link to each process's run folder goes into the shared
+  `config.wandb.workspace` (default: `wandb/` beside the workdirs), so `wandb leet runs/wandb`
+  browses every run side by side, offline, and `wandb sync` can upload them from there.
 - Secrets: the logged config, name, group and tags are scrubbed (`tracking.scrub`), and the
   settings below turn off what W&B would otherwise collect on its own: system metadata
   (command line, user, executable, environment-derived info), git state, code, requirements,
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import json
 import netrc
+import contextlib
 import os
 import secrets
 import shutil
@@ -167,11 +172,48 @@ def make(config: ml_collections.ConfigDict, workdir: str,
   # An online run resumed on the server knows its own last step, should run.json be lost.
   resumed_step = max(resumed_step, int(getattr(run, "step", 0) or 0) - 1)
   _save_state(state_path, run.id, resumed_step)
-  where = (run.url if run.settings.mode == "online" else None) or run.dir
+  workspace = workspace_dir(config, workdir)
+  link_into_workspace(run.settings.sync_dir, workspace)
+  where = (run.url if run.settings.mode == "online" else None) or (
+      f"{run.settings.sync_dir} (every run: wandb leet {_shown(workspace)})")
   print(f"wandb: {run.settings.mode} run {run.id} ({name}, group {group})"
         + (f", resumed after step {resumed_step}" if resumed_step else "") + f": {where}",
         flush=True)
   return WandbTracker(run, state_path, resumed_step)
+
+
+def workspace_dir(config: ml_collections.ConfigDict, workdir: str) -> str:
+  """The project's shared W&B folder: `config.wandb.workspace`, or `wandb/` beside the
+  workdir (`runs/wandb` for `--workdir runs/a`), so sibling runs land in one workspace."""
+  parent = os.path.dirname(os.path.abspath(workdir))
+  return config.wandb.workspace or os.path.join(parent, "wandb")
+
+
+def link_into_workspace(run_dir: str, workspace: str) -> None:
+  """Links a run folder into the workspace, where `wandb leet` and `wandb sync` find it.
+
+  The link is relative, so a moved `runs/` folder keeps working; links whose run folder is
+  gone (a deleted workdir) are dropped, so the workspace shows only runs that exist. A
+  workspace that cannot be written costs a warning, never the run."""
+  try:
+    os.makedirs(workspace, exist_ok=True)
+    for entry in os.listdir(workspace):
+      path = os.path.join(workspace, entry)
+      if os.path.islink(path) and not os.path.exists(path):
+        with contextlib.suppress(FileNotFoundError):  # Another run may drop it first.
+          os.remove(path)
+    link = os.path.join(workspace, os.path.basename(run_dir))
+    if not os.path.lexists(link):  # The run folder itself when the workspace is its own.
+      os.symlink(os.path.relpath(run_dir, workspace), link)
+  except OSError as error:
+    _warn(f"cannot link the W&B run into {workspace} ({_first_line(error)}); its files are "
+          f"in {run_dir}")
+
+
+def _shown(path: str) -> str:
+  """`path` relative to the current folder when it lies below it (the command to copy)."""
+  relative = os.path.relpath(path)
+  return path if relative.startswith("..") else relative
 
 
 def _settings(wandb, mode: str):
