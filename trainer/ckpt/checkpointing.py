@@ -22,6 +22,7 @@ anything, unless the caller says so (`start_over`).
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import hashlib
 import json
@@ -35,12 +36,41 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
+from orbax.checkpoint._src import asyncio_utils
 
 # Position weights 2 * i * M + 1 (M is Knuth's multiplier) are odd, so a position-weighted
 # sum changes under any single flipped bit and under swapped elements.
 _TWICE_MULTIPLIER = np.uint32(2 * 2654435761 % 2**32)
 
 T = TypeVar("T")
+
+
+def _run_sync_leaving_no_tasks(coro):
+  """Orbax's `asyncio_utils._run_sync_via_new_loop`, except that on a failure the tasks the
+  coroutine leaves behind are cancelled and awaited before the loop closes.
+
+  Orbax reads an array's shards under `asyncio.gather`: the first that fails (a damaged file)
+  raises, and Orbax's own closes the loop with the other reads pending. Their TensorStore
+  callbacks then meet a closed loop, and each dropped read prints a traceback with its
+  TensorStore spec at exit: thousands of lines after the one that says what is wrong."""
+  loop = asyncio.new_event_loop()
+  try:
+    asyncio.set_event_loop(loop)
+    try:
+      return loop.run_until_complete(coro)
+    except BaseException:
+      leftovers = asyncio.all_tasks(loop)
+      for task in leftovers:
+        task.cancel()
+      # Awaited with their exceptions retrieved: none is reported as never retrieved.
+      loop.run_until_complete(asyncio.gather(*leftovers, return_exceptions=True))
+      raise
+  finally:
+    asyncio.set_event_loop(None)
+    loop.close()
+
+
+asyncio_utils._run_sync_via_new_loop = _run_sync_leaving_no_tasks  # What its `run_sync` calls.
 
 
 class CheckpointError(RuntimeError):
