@@ -25,6 +25,7 @@ from trainer.core.state import TrainState
 from trainer.core.optimizer import make_schedule
 from trainer.run import loop
 from trainer.run.loop import NonFiniteError, train
+from trainer.run.stop_signals import StopSignals, StoppedBeforeTraining
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -343,4 +344,28 @@ def test_a_failed_read_leaves_no_orbax_read_behind(monkeypatch):
     asyncio_utils.run_sync(read_array())  # What Orbax's restore runs its reads with.
   gc.collect()
   assert not dropped
+
+
+def test_a_signal_lost_in_a_gc_callback_still_stops_before_the_first_step(monkeypatch):
+  """A handler runs wherever the main thread is: SIGINT as the loop starts landed in JAX's
+  garbage-collector callback, where Python prints what it raises (a traceback) and carries on,
+  and the run trained a step. The hand-over to the loop stops it instead, with no traceback."""
+  dropped = []
+  monkeypatch.setattr(sys, "unraisablehook", dropped.append)
+
+  def interrupted_callback(phase, info):
+    del info
+    if phase == "start":
+      os.kill(os.getpid(), signal.SIGINT)  # Its handler runs at this function's next line.
+      sum(range(10))
+
+  with StopSignals() as signals:
+    gc.callbacks.append(interrupted_callback)
+    try:
+      gc.collect()
+    finally:
+      gc.callbacks.remove(interrupted_callback)
+    with pytest.raises(StoppedBeforeTraining, match="stopped by SIGINT before the first step"):
+      signals.enter_loop()
+  assert not dropped and sys.unraisablehook == dropped.append
 

@@ -89,7 +89,7 @@ class StageRun:
     steps = self.config.train.steps
     sharding = parallelism.batch_sharding(self.setup.mesh)
     self._restart_clock(start)
-    signals.in_loop = True
+    signals.enter_loop()
     stop, reached = None, start
     for step in range(start + 1, steps + 1):
       reached = step
