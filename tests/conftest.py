@@ -33,6 +33,13 @@ import importlib  # noqa: E402
 import pytest  # noqa: E402
 
 
+# The learning-rate schedule's length is a constant of the compiled step, so runs of the tiny
+# config that differ only in their number of steps share one schedule: then they compile one
+# program, which the persistent cache serves to every test after the first.
+SCHEDULE_STEPS = 100
+SCHEDULE_FLAG = f"--config.train.schedule_steps={SCHEDULE_STEPS}"
+
+
 @pytest.fixture(scope="session")
 def shared_data_dir(tmp_path_factory):
   """One prepared-data cache (dataset + tokenizer) for every test that trains."""
@@ -47,6 +54,7 @@ def tiny_config(shared_data_dir):
     config = importlib.import_module("configs.tiny_cpu").get_config(attention)
     config.data.data_dir = shared_data_dir
     config.train.eval_every = 0
+    config.train.schedule_steps = SCHEDULE_STEPS
     for path, value in overrides.items():
       group, key = path.split(".")
       config[group][key] = value

@@ -148,6 +148,7 @@ def main() -> None:
   config.train.eval_every = 0
   config.train.log_every = 1
   config.train.steps = args.steps
+  config.train.schedule_steps = 100  # tests/conftest.py's SCHEDULE_STEPS: one compiled step
   config.checkpoint.every_steps = args.every_steps
   config.checkpoint.keep = args.keep
   train(config, args.workdir)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import SCHEDULE_STEPS
 import flax.linen as nn
 
 import data
@@ -106,7 +107,7 @@ def trained_run(tmp_path_factory, shared_data_dir):
   config = importlib.import_module("configs.tiny_cpu").get_config("striped")
   config.data.data_dir = shared_data_dir
   config.train.steps = config.checkpoint.every_steps = config.train.eval_every = 2
-  config.train.warmup_steps = 1  # Within the 2 steps, as the trainer's config check wants.
+  config.train.schedule_steps = SCHEDULE_STEPS  # The step other tests compile too.
   config.train.eval_needle_lengths = "64"  # The periodic eval's needle grid, sampled too.
   config.train.eval_needle_depths = "0,1"
   workdir = str(tmp_path_factory.mktemp("sample_run"))

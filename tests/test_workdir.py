@@ -13,6 +13,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from conftest import SCHEDULE_STEPS
 
 import data
 from data import sources
@@ -30,8 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _config(tiny_config, **overrides):
-  return tiny_config(**{"train.log_every": 1, "checkpoint.every_steps": 2,
-                        "train.schedule_steps": 20, **overrides})
+  return tiny_config(**{"train.log_every": 1, "checkpoint.every_steps": 2, **overrides})
 
 
 def _state_of(run) -> dict[str, list[str]]:
@@ -47,7 +47,8 @@ def trained(tmp_path_factory, shared_data_dir):
   import importlib  # pylint: disable=g-import-not-at-top
   config = importlib.import_module("configs.tiny_cpu").get_config(None)
   config.data.data_dir, config.train.eval_every = shared_data_dir, 0
-  config.train.log_every, config.checkpoint.every_steps, config.train.schedule_steps = 1, 2, 20
+  config.train.log_every, config.checkpoint.every_steps = 1, 2
+  config.train.schedule_steps = SCHEDULE_STEPS
   config.train.steps = 4
   run = str(tmp_path_factory.mktemp("trained") / "run")
   train(config, run)
