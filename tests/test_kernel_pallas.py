@@ -84,8 +84,9 @@ def _fwd_bwd(kernel, schedule, **config):
 _UNEVEN = kernel_pallas.KernelConfig(fwd_q=16, fwd_k=8, dkv_q=16, dkv_k=8, dq_q=8, dq_k=16)
 
 
-# GQA group 2 runs with the uneven tiles (each case is ~15 s of interpret-mode compiles).
-@pytest.mark.parametrize("group, config", [(1, None), (4, None), (2, _UNEVEN)])
+# GQA (group 2) runs with the uneven tiles (each case is ~15 s of interpret-mode compiles;
+# wider groups add nothing here: a group only indexes K/V heads, as in the xla kernel).
+@pytest.mark.parametrize("group, config", [(1, None), (2, _UNEVEN)])
 def test_block_matches_xla(group, config):
   rng = np.random.default_rng(group)
   kv_shape = (2, BLOCK, HEADS // group, HEAD_DIM)

@@ -100,8 +100,9 @@ def seq_mesh(n, *extra):
                        devices=jax.devices()[:n])
 
 
+# Ring sizes 2 and 3 run in test_three_devices, tests/test_windows.py and test_strategies.py.
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("n", [1, 4, 8])
 def test_matches_dense(layout, n):
   inputs = make_inputs(seq_len=128)
   got = ring_in_layout(layout, seq_mesh(n, "data"), *inputs, packed=False, tile_size=8)
@@ -116,7 +117,7 @@ def test_three_devices(layout):
   assert_close(got, reference(*inputs), **_F32_TOL)
 
 
-@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("group", [1, 4])  # 2 is the default of make_inputs and the tiny config
 def test_gqa_ratios(group):
   inputs = make_inputs(num_heads=4, num_kv=4 // group, seq_len=64, head_dim=32)
   got = ring_in_layout("striped", seq_mesh(4), *inputs, packed=False, tile_size=8)
