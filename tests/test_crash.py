@@ -6,13 +6,14 @@ that kills itself with SIGKILL during the save of step 8:
 - start:  the step's temporary directory was just created;
 - write:  TensorStore has written some arrays of the step, not all;
 - commit: everything is written and finalized, the temporary directory not yet renamed;
-- delete: step 8 committed; Orbax's removal of step 4 is half done;
+- delete: Orbax's removal of step 4 is half done (at the save of step 12: step 4 stays
+          until a finite step has followed step 8);
 
 and once more at `commit` of the first save (step 4), where there is nothing to resume from.
 
 The files on disk are checked to show the kill hit that moment. Then the same run is started
-again in a fresh process: it must resume from the newest committed step (4, or 8 once 8 has
-committed, or start afresh), finish, leave no temporary directory behind, and end with the same losses,
+again in a fresh process: it must resume from the newest committed step (4, or 12 once the
+kill comes after its commit, or start afresh), finish, leave no temporary directory behind, and end with the same losses,
 bitwise, as an uninterrupted run.
 
 The subprocesses share a JAX compilation cache in the test's temporary directory: only the
@@ -123,7 +124,7 @@ CASES = {
     "start": ("start", KILL_STEP, _at_start, KILL_STEP - EVERY),
     "write": ("write", KILL_STEP, _during_write, KILL_STEP - EVERY),
     "commit": ("commit", KILL_STEP, _before_commit, KILL_STEP - EVERY),
-    "delete": ("delete", KILL_STEP, _while_deleting, KILL_STEP),
+    "delete": ("delete", KILL_STEP, _while_deleting, KILL_STEP + EVERY),
     # The first save, complete but for its rename, is no checkpoint: start again from 0.
     "commit_first": ("commit", EVERY, _before_commit, None),
 }

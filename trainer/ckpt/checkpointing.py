@@ -262,7 +262,7 @@ class Checkpointer:
     """Waits for every save of a run that ended cleanly, then keeps the newest `keep`: the
     run's last state is its result, so no older one need stay beside it."""
     self.wait()
-    if self._saving is not None:  # A run that saved nothing leaves older runs' steps alone.
+    if self.saves:  # With saves off (benchmarks) the workdir's checkpoints are left alone.
       for step in self.steps()[:-self._policy.keep]:
         self._manager.delete(step)
 
