@@ -4,9 +4,12 @@ The cache is what a prefill with ring attention leaves behind: each layer's rope
 values for `capacity` positions, in the layout's order, sharded over the ring's mesh axis
 (the cache slot of position p is `layouts.inverse_permutation(layout, capacity, N)[p]`).
 Decoding position p writes the new key/value into the slot that holds p, on whichever device
-owns it, and attends to every slot whose position is not after p. Each device computes its
-partial softmax over its own slots; the parts merge by log-sum-exp (a max and two sums over
-the ring axis), so no device ever holds another device's keys or values.
+owns it (one slot written, not the cache rewritten), and attends to every slot whose position
+is not after p. Each device computes its partial softmax over its own slots; the parts merge
+by log-sum-exp (a max and two sums over the ring axis), so no device ever holds another
+device's keys or values. A local layer's step (a window w shorter than a device's share of
+the cache) gathers only the slots of positions p-w+1..p that the device holds, so its cost is
+that of the window, not of the capacity.
 
 During decoding the one-token activations are not split along the sequence: the rules
 table's `activation_seq` entry moves to `activation_cache_seq` (`decode_rules`), which only
@@ -21,7 +24,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from parallelism.layouts import permutation
+from parallelism.layouts import inverse_permutation, permutation
 from parallelism.mesh import Rules, as_axes, logical_to_spec, spec_on_mesh
 from parallelism.tiles import visible
 
@@ -64,37 +67,64 @@ def decode_attention(q_B1HD: jax.Array, k_B1KD: jax.Array, v_B1KD: jax.Array,
   # each ring block further, so the slots' order is the ring's.
   ring_shards = mesh.shape[seq_axes[0]] if seq_axes else 1
   slot_positions_C = jnp.asarray(cache_positions(layout, capacity, ring_shards))
+  slot_of_position_C = jnp.asarray(inverse_permutation(layout, capacity, ring_shards))
 
-  def per_device(q, k, v, key_cache, value_cache, slot_positions, position):
-    return _local_attention(q, k, v, key_cache, value_cache, slot_positions, position,
-                            seq_axes, window, softcap)
+  def per_device(q, k, v, key_cache, value_cache, slot_positions, slot_of_position, position):
+    return _local_attention(q, k, v, key_cache, value_cache, slot_positions, slot_of_position,
+                            position, seq_axes, window, softcap)
 
+  args = (q_B1HD, k_B1KD, v_B1KD, key_cache_BCKD, value_cache_BCKD, slot_positions_C,
+          slot_of_position_C, position_B)
   if mesh.empty:
-    return per_device(q_B1HD, k_B1KD, v_B1KD, key_cache_BCKD, value_cache_BCKD,
-                      slot_positions_C, position_B)
+    return per_device(*args)
   batch, _, heads, _ = cache_spec
   token_spec = P(batch, None, heads, None)
   return jax.shard_map(
       per_device, mesh=mesh,
       in_specs=(token_spec, token_spec, token_spec, cache_spec, cache_spec,
-                P(cache_spec[1]), P(batch)),
-      out_specs=(token_spec, cache_spec, cache_spec), check_vma=False)(
-          q_B1HD, k_B1KD, v_B1KD, key_cache_BCKD, value_cache_BCKD, slot_positions_C,
-          position_B)
+                P(cache_spec[1]), P(), P(batch)),
+      out_specs=(token_spec, cache_spec, cache_spec), check_vma=False)(*args)
+
+
+def _local_slots(positions_BW, slot_of_position_C, local_capacity, seq_axes):
+  """This device's cache slots of `positions_BW` (clipped into range) and whether it holds
+  them: slot s of the whole cache lies on device s // local_capacity along `seq_axes`."""
+  device = lax.axis_index(seq_axes) if seq_axes else 0
+  local_BW = slot_of_position_C[jnp.clip(positions_BW, 0)] - device * local_capacity
+  held_BW = (positions_BW >= 0) & (local_BW >= 0) & (local_BW < local_capacity)
+  return jnp.clip(local_BW, 0, local_capacity - 1), held_BW
+
+
+def _write_token(cache_BcKD, new_B1KD, slot_B, held_B):
+  """The cache with the new token's key (or value) in its slot, where this device holds it."""
+  rows_B = jnp.arange(cache_BcKD.shape[0])
+  kept_BKD = jnp.where(held_B[:, None, None], new_B1KD[:, 0], cache_BcKD[rows_B, slot_B])
+  return cache_BcKD.at[rows_B, slot_B].set(kept_BKD)
 
 
 def _local_attention(q_B1HD, k_B1KD, v_B1KD, key_cache_BcKD, value_cache_BcKD,
-                     slot_positions_c, position_B, seq_axes, window, softcap):
+                     slot_positions_c, slot_of_position_C, position_B, seq_axes, window,
+                     softcap):
   """One device's slots: write, then a partial softmax merged over `seq_axes`."""
   batch, _, num_heads, head_dim = q_B1HD.shape
   num_kv = k_B1KD.shape[2]
-  holds_new_Bc = slot_positions_c[None, :] == position_B[:, None]
-  key_cache_BcKD = jnp.where(holds_new_Bc[:, :, None, None], k_B1KD, key_cache_BcKD)
-  value_cache_BcKD = jnp.where(holds_new_Bc[:, :, None, None], v_B1KD, value_cache_BcKD)
-  visible_Bc = visible(position_B[:, None], slot_positions_c[None, :], window)
+  local_capacity = key_cache_BcKD.shape[1]
+  slot_B1, held_B1 = _local_slots(position_B[:, None], slot_of_position_C, local_capacity,
+                                  seq_axes)
+  key_cache_BcKD = _write_token(key_cache_BcKD, k_B1KD, slot_B1[:, 0], held_B1[:, 0])
+  value_cache_BcKD = _write_token(value_cache_BcKD, v_B1KD, slot_B1[:, 0], held_B1[:, 0])
+  if window is not None and window < local_capacity:  # Only the window's slots are read.
+    positions_BW = position_B[:, None] - jnp.arange(window)[None, :]
+    slots_BW, visible_Bc = _local_slots(positions_BW, slot_of_position_C, local_capacity,
+                                        seq_axes)
+    keys_BcKD = jnp.take_along_axis(key_cache_BcKD, slots_BW[:, :, None, None], axis=1)
+    values_BcKD = jnp.take_along_axis(value_cache_BcKD, slots_BW[:, :, None, None], axis=1)
+  else:
+    keys_BcKD, values_BcKD = key_cache_BcKD, value_cache_BcKD
+    visible_Bc = visible(position_B[:, None], slot_positions_c[None, :], window)
 
   q_BKGD = q_B1HD.reshape(batch, num_kv, num_heads // num_kv, head_dim)
-  scores_BKGc = jnp.einsum("bkgd,bckd->bkgc", q_BKGD, key_cache_BcKD,
+  scores_BKGc = jnp.einsum("bkgd,bckd->bkgc", q_BKGD, keys_BcKD,
                            preferred_element_type=jnp.float32) / jnp.sqrt(head_dim)
   if softcap:
     scores_BKGc = softcap * jnp.tanh(scores_BKGc / softcap)
@@ -105,8 +135,8 @@ def _local_attention(q_B1HD, k_B1KD, v_B1KD, key_cache_BcKD, value_cache_BcKD,
   global_max_BKG = lax.pmax(local_max_BKG, seq_axes) if seq_axes else local_max_BKG
   weights_BKGc = jnp.exp(scores_BKGc - global_max_BKG[..., None])
   denom_BKG = jnp.sum(weights_BKGc, axis=-1)
-  out_BKGD = jnp.einsum("bkgc,bckd->bkgd", weights_BKGc.astype(value_cache_BcKD.dtype),
-                        value_cache_BcKD, preferred_element_type=jnp.float32)
+  out_BKGD = jnp.einsum("bkgc,bckd->bkgd", weights_BKGc.astype(values_BcKD.dtype),
+                        values_BcKD, preferred_element_type=jnp.float32)
   if seq_axes:
     denom_BKG, out_BKGD = lax.psum((denom_BKG, out_BKGD), seq_axes)
   # The token sees at least itself, so the denominator is positive.

@@ -183,3 +183,58 @@ def test_local_and_global_layers_in_one_scan_match_dense_in_a_ring_cut_short():
   for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
     scale = float(np.abs(np.asarray(w)).max())
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5 * scale)
+
+
+def _decode_step(layout, num_shards, capacity, window):
+  """`decode_attention` on a sequence mesh of `num_shards`, jitted, for a cache in layout."""
+  from parallelism import decoding  # pylint: disable=g-import-not-at-top
+  rules = decoding.decode_rules((("activation_batch", None), ("activation_seq", "sequence"),
+                                 ("activation_heads", None), ("activation_kv_heads", None)))
+  mesh = jax.make_mesh((num_shards,), ("sequence",), (jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:num_shards])  # as parallelism.make_mesh's
+  return mesh, jax.jit(functools.partial(decoding.decode_attention, layout=layout, rules=rules,
+                                         mesh=mesh, window=window))
+
+
+def _cache_sharding(mesh):
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "sequence"))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_local_decode_step_reads_the_window_and_matches_dense(layout):
+  """A decode step of a local layer, at positions before, at and well past the window, sees
+  exactly the w positions up to its own (the cache in the layout's order, 4 devices); its
+  compiled cost does not grow with the cache's capacity."""
+  from parallelism.layouts import permutation  # pylint: disable=g-import-not-at-top
+  window, heads, kv, dim, capacity = 5, 4, 2, 8, 64
+  rng = np.random.default_rng(7)
+  keys, values = (rng.standard_normal((2, capacity, kv, dim), np.float32) for _ in range(2))
+  mesh, step = _decode_step(layout, 4, capacity, window)
+  order = permutation(layout, capacity, 4)
+  for position in (0, 3, 4, 5, 30, 63):
+    q, k, v = (rng.standard_normal((2, 1, h, dim), np.float32) for h in (heads, kv, kv))
+    positions = np.array([position, max(position - 2, 0)], np.int32)  # rows differ
+    cache = [jax.device_put(c[:, order], _cache_sharding(mesh)) for c in (keys, values)]
+    with jax.set_mesh(mesh):
+      out, key_cache, _ = step(q, k, v, *cache, positions)
+    for row, p in enumerate(positions):
+      k_all, v_all = keys[row].copy(), values[row].copy()
+      k_all[p], v_all[p] = k[row, 0], v[row, 0]
+      seen = slice(max(p - window + 1, 0), p + 1)
+      scores = np.einsum("kgd,ckd->kgc", q[row, 0].reshape(kv, heads // kv, dim),
+                         k_all[seen]) / np.sqrt(dim)
+      weights = np.exp(scores - scores.max(-1, keepdims=True))
+      want = np.einsum("kgc,ckd->kgd", weights / weights.sum(-1, keepdims=True), v_all[seen])
+      np.testing.assert_allclose(np.asarray(out)[row, 0], want.reshape(heads, dim), **_F32_TOL)
+      np.testing.assert_array_equal(np.asarray(key_cache)[row, np.argsort(order)[p]], k[row, 0])
+
+  def flops(capacity):
+    mesh, step = _decode_step(layout, 4, capacity, window)
+    token, cache = ((2, 1, h, dim) for h in (heads, kv, kv)), (2, capacity, kv, dim)
+    args = [*(jax.ShapeDtypeStruct(s, jnp.float32) for s in token),
+            *(jax.ShapeDtypeStruct(cache, jnp.float32, sharding=_cache_sharding(mesh))
+              for _ in range(2)), jax.ShapeDtypeStruct((2,), jnp.int32)]
+    with jax.set_mesh(mesh):
+      return step.lower(*args).compile().cost_analysis()["flops"]
+
+  assert flops(1024) == flops(64)
