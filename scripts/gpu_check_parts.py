@@ -29,6 +29,7 @@ import parallelism  # noqa: E402
 from parallelism import kernel_pallas, kernel_xla  # noqa: E402
 from parallelism import kernels  # noqa: E402
 from parallelism.ring_attention import ring_attention  # noqa: E402
+from parallelism.schedule import ring_schedule  # noqa: E402
 
 F32 = jnp.float32
 ERROR_OK = 2e-2  # bf16 operands against a float32 reference: rounding, not a wrong mask.
@@ -53,6 +54,12 @@ def _flops(seq_len: int, heads: int, head_dim: int) -> float:
   """Forward FLOPs of causal attention, B=1 (QK^T and PV, half of them); a forward and
   backward is 3.5x (FlashAttention's count), the same for every kernel compared."""
   return 4 * heads * seq_len ** 2 * head_dim / 2
+
+
+def _window_flops(seq_len: int, window: int, heads: int, head_dim: int) -> float:
+  """Forward FLOPs of a sliding window of `window` keys (the query's own included), B=1."""
+  seen = np.minimum(np.arange(1, seq_len + 1), window).sum()
+  return 4 * heads * float(seen) * head_dim
 
 
 def _documents(seq_len: int, count: int = 5) -> np.ndarray:
@@ -95,6 +102,32 @@ def part_kernels(record, smoke: bool) -> None:
                   dict(seq_len=seq_len, shape="causal_packed", **cudnn))
       _dense_row(record, (q, k, v, dout), segments, smoke, flops, dict(seq_len=seq_len,
                                                                        **cudnn))
+      _window_rows(record, (q, k, v, dout), 32 if smoke else 1024, names, smoke)
+
+
+def _window_rows(record, inputs, window: int, kernel_names, smoke: bool) -> None:
+  """A local layer's block (a ring of one, `window` keys per query) in each kernel, against
+  cuDNN's own sliding window (`local_window_size=(window - 1, 0)`: the same keys), whose
+  output is checked against the float32 reference too (`cudnn_rel_err_out`)."""
+  q, k, v, dout = inputs
+  seq_len, heads, head_dim = q.shape[1], q.shape[2], q.shape[3]
+  flops = _window_flops(seq_len, window, heads, head_dim)
+  baseline = functools.partial(jax.nn.dot_product_attention, is_causal=True,
+                               local_window_size=(window - 1, 0),
+                               implementation="xla" if smoke else "cudnn")
+  base_f = jax.jit(baseline)
+  base_fb = jax.jit(lambda q, k, v, dout: jax.vjp(baseline, q, k, v)[1](dout))
+  schedule = ring_schedule("ring", seq_len, 1, window)
+  reference = jax.jit(bench_kernel.fwd_bwd(kernel_xla.block_fwd, kernel_xla.block_bwd,
+                                           schedule, min(bench_kernel.TILE, seq_len)))
+  with jax.default_matmul_precision("highest"):
+    (_, o_ref, _) = reference(*(x.astype(F32) for x in inputs), jnp.int32(0), None, None)
+  where = dict(seq_len=seq_len, shape=f"window_{window}", window=window,
+               cudnn_rel_err_out=bench_kernel.rel_err(base_f(q, k, v), o_ref),
+               cudnn_fwd_tflops=flops / bench_kernel.median_time(base_f, q, k, v) / 1e12,
+               cudnn_fwd_bwd_tflops=3.5 * flops / bench_kernel.median_time(
+                   base_fb, q, k, v, dout) / 1e12)
+  _block_rows(record, schedule, jnp.int32(0), inputs, None, kernel_names, flops, where)
 
 
 def _errors(got, want) -> dict:
