@@ -8,7 +8,8 @@ part that fails is recorded with its first error line and the next one runs:
 - kernels: the block kernels (`pallas`, `cudnn`, `auto`) against cuDNN flash attention on
   the same inputs, bf16, B=1, 32 heads, head_dim 128, 8k/16k/32k, causal and strictly
   causal blocks and a packed row, forward and forward+backward TFLOP/s, each checked
-  against the xla kernel in float32; dense cuDNN attention of the packed row likewise.
+  against the xla kernel in float32; dense cuDNN attention of the packed row likewise; at 8k,
+  a 1,024-token window against cuDNN's sliding window (its output checked too).
 - ring: the one-GPU emulation of an N=8 ring, blocks of 16k and 32k: striped against ring.
 - e2e: `python -m trainer` on the 1B config, one device, 8k and 32k, striped/auto against
   dense (cuDNN): tokens/sec and MFU from metrics.jsonl, losses, no checkpoint written.
