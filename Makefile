@@ -15,7 +15,7 @@ ARGS ?=
 PLAN_GPU := .plan_gpu
 PLAN_GPU_STAMP := $(PLAN_GPU)/.installed-cuda13
 
-.PHONY: train test bench compare plan_gpu gpu_check
+.PHONY: train test bench compare plan_gpu gpu_check slurm_packages
 
 train: $(STAMP)
 	$(VENV)/bin/python -m trainer --config configs/tiny_cpu.py $(ARGS)
@@ -24,7 +24,7 @@ train: $(STAMP)
 # Whole modules to a worker (a module-scoped fixture runs once), in the order
 # tests/conftest.py sets: modules with slow tests first, the slowest first.
 TEST_WORKERS ?= 2
-test: $(STAMP) $(PLAN_GPU_STAMP)
+test: $(STAMP) $(PLAN_GPU_STAMP) slurm_packages
 	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder $(ARGS)
 
 # Striped vs ring with one process per core (scripts/compare_demo.py): the gain the tiny
@@ -33,6 +33,22 @@ compare: $(STAMP)
 	$(VENV)/bin/python scripts/compare_demo.py $(ARGS)
 
 plan_gpu: $(PLAN_GPU_STAMP)
+
+# Debian's slurm-wlm and munge, for tests/test_slurm.py (a one-node Slurm cluster of its own),
+# installed once where they are missing and apt-get runs as root. Never fails: without them
+# the test skips and says why.
+SLURM_PACKAGES := slurm-wlm munge
+slurm_packages:
+	@export PATH="$$PATH:/usr/sbin:/sbin" DEBIAN_FRONTEND=noninteractive; \
+	if ! { command -v munged && command -v slurmctld && command -v slurmd && \
+	       command -v sbatch; } >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing $(SLURM_PACKAGES) for tests/test_slurm.py"; \
+	    { apt-get install -y -qq $(SLURM_PACKAGES) || { apt-get update -qq && \
+	      apt-get install -y -qq $(SLURM_PACKAGES); }; } >/dev/null 2>&1 || \
+	      echo "could not install $(SLURM_PACKAGES): tests/test_slurm.py will skip"; \
+	  fi; \
+	fi
 
 # Every GPU figure in one call (scripts/gpu_check.py): on a GPU machine with the image's
 # Python and the wheels of scripts/gpu_wheels.sh in .gpu_wheels/; SMOKE=1 runs the same
