@@ -276,7 +276,7 @@ def _log_since(runs: str, job_id: str, start: int) -> str:
   return _output(runs, job_id)[start:]
 
 
-@pytest.mark.slow(70)
+@pytest.mark.slow(90)
 def test_a_slurm_job_preempted_killed_and_requeued_trains_the_losses_of_one_process(
     tiny_config, shared_data_dir):
   with tempfile.TemporaryDirectory(prefix="slurm-runs-") as runs, _slurm_cluster() as cluster:
