@@ -19,8 +19,8 @@ from orbax.checkpoint._src import asyncio_utils
 import data
 import parallelism
 from conftest import SCHEDULE_FLAG
-from trainer.ckpt.checkpointing import (CheckpointError, Checkpointer, _first_line, open_step,
-                                         read_step)
+from trainer.ckpt.checkpointing import CheckpointError, Checkpointer, _first_line
+from trainer.ckpt.tool_reads import open_step, read_step
 from trainer.core.state import TrainState
 from trainer.core.optimizer import make_schedule
 from trainer.run import loop

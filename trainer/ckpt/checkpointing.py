@@ -22,55 +22,27 @@ anything, unless the caller says so (`start_over`).
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import hashlib
 import json
 import os
 import re
 import time
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
-from orbax.checkpoint._src import asyncio_utils
+
+from trainer.ckpt import orbax_reads  # noqa: F401  (Orbax reads that fail leave no task behind)
 
 # Position weights 2 * i * M + 1 (M is Knuth's multiplier) are odd, so a position-weighted
 # sum changes under any single flipped bit and under swapped elements.
 _TWICE_MULTIPLIER = np.uint32(2 * 2654435761 % 2**32)
 
-T = TypeVar("T")
 
-
-def _run_sync_leaving_no_tasks(coro):
-  """Orbax's `asyncio_utils._run_sync_via_new_loop`, except that on a failure the tasks the
-  coroutine leaves behind are cancelled and awaited before the loop closes.
-
-  Orbax reads an array's shards under `asyncio.gather`: the first that fails (a damaged file)
-  raises, and Orbax's own closes the loop with the other reads pending. Their TensorStore
-  callbacks then meet a closed loop, and each dropped read prints a traceback with its
-  TensorStore spec at exit: thousands of lines after the one that says what is wrong."""
-  loop = asyncio.new_event_loop()
-  try:
-    asyncio.set_event_loop(loop)
-    try:
-      return loop.run_until_complete(coro)
-    except BaseException:
-      leftovers = asyncio.all_tasks(loop)
-      for task in leftovers:
-        task.cancel()
-      # Awaited with their exceptions retrieved: none is reported as never retrieved.
-      loop.run_until_complete(asyncio.gather(*leftovers, return_exceptions=True))
-      raise
-  finally:
-    asyncio.set_event_loop(None)
-    loop.close()
-
-
-asyncio_utils._run_sync_via_new_loop = _run_sync_leaving_no_tasks  # What its `run_sync` calls.
 
 
 class CheckpointError(RuntimeError):
@@ -463,54 +435,3 @@ class Checkpointer:
 
   def close(self) -> None:
     self._manager.close()
-
-
-def open_step(workdir: str, step: int | None,
-              error: type[Exception]) -> tuple[Checkpointer, int]:
-  """A read-only checkpointer on `workdir` and the step to read from it (default the newest),
-  for tools beside a run (export, sampling): a run training in the workdir is not disturbed.
-  A workdir without checkpoints, without a committed step, or without `step` raises `error`
-  (the tool's own) with one line naming the flag. The caller closes the checkpointer."""
-  if not os.path.isdir(os.path.join(workdir, "checkpoints")):
-    raise error(f"--workdir={workdir} has no checkpoints/ directory")
-  try:
-    checkpointer = Checkpointer(workdir, 1, 1, use_async=False, read_only=True)
-  except FileNotFoundError:  # Orbax lists the steps, then reads each: a run deleted one between.
-    checkpointer = Checkpointer(workdir, 1, 1, use_async=False, read_only=True)
-  steps = checkpointer.steps()
-  chosen = steps[-1] if step is None and steps else step
-  if not steps or chosen not in steps:
-    checkpointer.close()
-    raise error(f"--workdir={workdir} holds no committed checkpoint" if not steps else
-                f"--step={step} is not a checkpoint of {workdir}; it holds steps "
-                f"{', '.join(map(str, steps))}")
-  return checkpointer, chosen
-
-
-def read_step(workdir: str, step: int | None, read: Callable[[Checkpointer, int], T],
-              error: type[Exception]) -> tuple[T, int]:
-  """(read(checkpointer, chosen), chosen): `open_step`, then the tool's `read` of the step.
-
-  A step that the run training in `workdir` removes while it is read is no damage: without
-  `step` the newest is chosen again, once; a second removal, or a removed `--step`, raises
-  `error` in one line saying so."""
-  try:
-    return _read_once(workdir, step, read, error)
-  except StepRemoved as removed:
-    if step is not None:
-      raise error(f"{removed}; pick a newer --step (it keeps the newest checkpoint.keep)"
-                  ) from removed
-  try:
-    return _read_once(workdir, None, read, error)  # The newest again, once.
-  except StepRemoved as removed:
-    raise error(f"{removed}, twice: it saves faster than this reads; try again, or read "
-                f"after the run stops (SIGTERM saves)") from removed
-
-
-def _read_once(workdir: str, step: int | None, read: Callable[[Checkpointer, int], T],
-               error: type[Exception]) -> tuple[T, int]:
-  checkpointer, chosen = open_step(workdir, step, error)
-  try:
-    return read(checkpointer, chosen), chosen
-  finally:
-    checkpointer.close()

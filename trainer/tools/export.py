@@ -40,7 +40,8 @@ import data
 import parallelism
 from model import Decoder
 from model.hf_format import export_problem, hf_config_of, hf_shapes, tensor_names, to_hf
-from trainer.ckpt.checkpointing import CheckpointError, read_step
+from trainer.ckpt.checkpointing import CheckpointError
+from trainer.ckpt.tool_reads import read_step
 from trainer.ckpt.resume import tokenizer_problem
 from trainer.config import stages
 from trainer.core.optimizer import make_optimizer

@@ -41,7 +41,8 @@ import data
 import parallelism
 from model import Decoder, ModelConfig
 from model.hf_format import HFFormatError
-from trainer.ckpt.checkpointing import CheckpointError, read_step
+from trainer.ckpt.checkpointing import CheckpointError
+from trainer.ckpt.tool_reads import read_step
 from trainer.ckpt.resume import tokenizer_problem
 from trainer.config import stages
 from trainer.config.config_check import ConfigError
