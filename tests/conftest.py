@@ -1,8 +1,10 @@
 """Gives JAX 8 simulated CPU devices before it starts, for every test."""
 
 import atexit
+import contextlib
 import os
 import shutil
+import subprocess
 import tempfile
 
 # The suite spends most of its time compiling tiny programs, so it compiles them the cheaper
@@ -38,6 +40,21 @@ import pytest  # noqa: E402
 # program, which the persistent cache serves to every test after the first.
 SCHEDULE_STEPS = 100
 SCHEDULE_FLAG = f"--config.train.schedule_steps={SCHEDULE_STEPS}"
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(path, options: str):
+  """A tmpfs mounted at `path` (made here) with mount `options` ("size=1M", "ro,size=1M")
+  for as long as the block runs; the test skips where it cannot mount (needs root, as in CI's
+  container)."""
+  path.mkdir()
+  if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                    capture_output=True).returncode:
+    pytest.skip(f"cannot mount a tmpfs ({options}) here (needs root)")
+  try:
+    yield path
+  finally:
+    subprocess.run(["umount", str(path)], check=False)
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ from orbax.checkpoint._src import asyncio_utils
 
 import data
 import parallelism
-from conftest import SCHEDULE_FLAG
+from conftest import SCHEDULE_FLAG, mounted_tmpfs
 from trainer.ckpt.checkpointing import CheckpointError, Checkpointer, _first_line
 from trainer.ckpt.tool_reads import open_step, read_step
 from trainer.core.state import TrainState
@@ -250,13 +250,8 @@ def test_full_disk_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path, tin
                                                                    shared_data_dir):
   """`python -m trainer` on a disk that holds one checkpoint: the failed async save of step 20
   stops the run at the next step with one error line (exit 1), Orbax's echoes folded."""
-  mount_point = tmp_path / "small_disk"
-  mount_point.mkdir()
   # One checkpoint of the tiny model is ~6 MB; the second cannot fit.
-  if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=9M", "tmpfs", str(mount_point)],
-                    capture_output=True).returncode:
-    pytest.skip("cannot mount a small tmpfs here (needs root)")
-  try:
+  with mounted_tmpfs(tmp_path / "small_disk", "size=9M") as mount_point:
     workdir = str(mount_point / "run")
     process = _cli(workdir, "--config.train.steps=30", "--config.checkpoint.every_steps=10",
                    SCHEDULE_FLAG, f"--config.data.data_dir={shared_data_dir}",
@@ -275,8 +270,6 @@ def test_full_disk_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path, tin
     assert checkpointer._manager.all_steps() == [10]
     checkpointer.close()
     assert _checkpoint_values(workdir, _config(tiny_config), (1, 2, 4, 1, 1))[0] == 10
-  finally:
-    subprocess.run(["umount", str(mount_point)], check=False)
 
 
 def test_an_error_line_keeps_the_os_reason_tensorstore_puts_before_its_spec(tmp_path):

@@ -277,13 +277,8 @@ def test_registered_name_missing_or_empty_data_dir(tmp_path, make_dir):
 
 def test_a_read_only_data_dir_that_needs_preparation_says_what_to_do(tmp_path):
   """Was an OSError traceback from TFDS (or os.makedirs) deep in the preparation."""
-  import subprocess  # pylint: disable=g-import-not-at-top
-  read_only = tmp_path / "ro"
-  read_only.mkdir()
-  if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1M", "tmpfs", str(read_only)],
-                    capture_output=True).returncode:
-    pytest.skip("cannot mount a read-only tmpfs here (needs root)")
-  try:
+  from conftest import mounted_tmpfs  # pylint: disable=g-import-not-at-top
+  with mounted_tmpfs(tmp_path / "ro", "ro,size=1M") as read_only:
     for data_dir in (read_only, read_only / "new"):  # There, or still to be made.
       cfg = data.DataConfig(data_dir=str(data_dir), num_documents=4, num_eval_documents=2)
       with pytest.raises(data.DataError) as error:
@@ -292,8 +287,6 @@ def test_a_read_only_data_dir_that_needs_preparation_says_what_to_do(tmp_path):
           f"data.data_dir={data_dir} cannot be written (Read-only file system), and "
           f"synthetic_longrange (n4_e2_len1024_seed0) is not prepared there: set data.data_dir "
           f"to a writable folder, or prepare it with this config where one is and copy it here")
-  finally:
-    subprocess.run(["umount", str(read_only)], check=False)
 
 
 def test_unknown_name(tmp_path):

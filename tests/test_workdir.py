@@ -1,6 +1,7 @@
 """The workdir never loses or mixes a run: config changes on resume, damage, the lock,
 metrics.jsonl after a crash or a full disk, and the one-line errors around them."""
 
+import contextlib
 import json
 import logging
 import os
@@ -13,7 +14,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from conftest import SCHEDULE_STEPS
+from conftest import SCHEDULE_STEPS, mounted_tmpfs
 
 import data
 from data import sources
@@ -272,13 +273,8 @@ def test_non_finite_values_are_written_as_null(tmp_path):
 @pytest.fixture
 def small_disk(tmp_path):
   """A 1 MiB tmpfs (needs root, as in CI's container)."""
-  mount_point = tmp_path / "small_disk"
-  mount_point.mkdir()
-  if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mount_point)],
-                    capture_output=True).returncode:
-    pytest.skip("cannot mount a small tmpfs here (needs root)")
-  yield mount_point
-  subprocess.run(["umount", str(mount_point)], check=False)
+  with mounted_tmpfs(tmp_path / "small_disk", "size=1M") as mount_point:
+    yield mount_point
 
 
 def _fill(disk) -> None:
@@ -325,27 +321,21 @@ def _cli(*args, timeout=120, **popen):
 @pytest.mark.parametrize("case", ["missing_config", "workdir_is_a_file", "read_only_workdir",
                                   "data_error"])
 def test_bad_input_is_one_line(case, tmp_path):
-  config, extra = "configs/tiny_cpu.py", []
+  config, extra, mounts = "configs/tiny_cpu.py", [], contextlib.ExitStack()
   if case == "missing_config":
     config, expected = str(tmp_path / "nope.py"), "does not exist"
   elif case == "workdir_is_a_file":
     (tmp_path / "file").write_text("")
     extra, expected = [f"--workdir={tmp_path / 'file'}"], "is not a directory"
   elif case == "read_only_workdir":
-    (tmp_path / "ro").mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1M", "tmpfs", str(tmp_path / "ro")],
-                      capture_output=True).returncode:
-      pytest.skip("cannot mount a read-only tmpfs here (needs root)")
+    mounts.enter_context(mounted_tmpfs(tmp_path / "ro", "ro,size=1M"))
     extra, expected = [f"--workdir={tmp_path / 'ro' / 'run'}"], "Read-only file system"
   else:  # A data error after Orbax would have started: no background-thread traceback.
     extra = [f"--workdir={tmp_path / 'run'}", "--config.data.dataset=text_files",
              f"--config.data.path={tmp_path / 'no_such_corpus'}"]
     expected = "no_such_corpus"
-  try:
+  with mounts:
     result = _cli("--config", config, *extra)
-  finally:
-    if case == "read_only_workdir":
-      subprocess.run(["umount", str(tmp_path / "ro")], check=False)
   assert result.returncode == 1, result.stderr
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
