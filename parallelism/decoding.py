@@ -9,7 +9,8 @@ is not after p. Each device computes its partial softmax over its own slots; the
 by log-sum-exp (a max and two sums over the ring axis), so no device ever holds another
 device's keys or values. A local layer's step (a window w shorter than a device's share of
 the cache) gathers only the slots of positions p-w+1..p that the device holds, so its cost is
-that of the window, not of the capacity.
+that of the window, not of the capacity. With per-head spans the window is the widest, and
+each query head masks the slots beyond its own span.
 
 During decoding the one-token activations are not split along the sequence: the rules
 table's `activation_seq` entry moves to `activation_cache_seq` (`decode_rules`), which only
@@ -48,12 +49,14 @@ def cache_positions(layout: str, capacity: int, num_shards: int) -> np.ndarray:
 def decode_attention(q_B1HD: jax.Array, k_B1KD: jax.Array, v_B1KD: jax.Array,
                      key_cache_BCKD: jax.Array, value_cache_BCKD: jax.Array,
                      position_B: jax.Array, *, layout: str, rules: Rules,
-                     mesh=None, window: int | None = None, softcap: float = 0.0
+                     mesh=None, window: int | None = None, softcap: float = 0.0,
+                     spans: jax.Array | None = None
                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Attention of the token at `position_B` (one per row) over the cache, after writing its
   own key and value into it, seeing the `window` positions up to its own (None: every one
-  before it), logits capped at `softcap` (0: not). Returns (out [B,1,Hq,D] in q's dtype,
-  key cache, value cache).
+  before it; with per-head spans `spans` [Hq], query head h sees `spans[h]` <= `window`),
+  logits capped at `softcap` (0: not). Returns (out [B,1,Hq,D] in q's dtype, key cache,
+  value cache).
 
   `rules` are the decode rules (`decode_rules`); the cache shards as `CACHE_NAMES` map, q
   and the new key/value as the heads do. `mesh=None` uses the mesh set by `jax.set_mesh`;
@@ -69,12 +72,13 @@ def decode_attention(q_B1HD: jax.Array, k_B1KD: jax.Array, v_B1KD: jax.Array,
   slot_positions_C = jnp.asarray(cache_positions(layout, capacity, ring_shards))
   slot_of_position_C = jnp.asarray(inverse_permutation(layout, capacity, ring_shards))
 
-  def per_device(q, k, v, key_cache, value_cache, slot_positions, slot_of_position, position):
+  def per_device(q, k, v, key_cache, value_cache, slot_positions, slot_of_position, position,
+                 *spans_H):
     return _local_attention(q, k, v, key_cache, value_cache, slot_positions, slot_of_position,
-                            position, seq_axes, window, softcap)
+                            position, seq_axes, window, softcap, *spans_H)
 
   args = (q_B1HD, k_B1KD, v_B1KD, key_cache_BCKD, value_cache_BCKD, slot_positions_C,
-          slot_of_position_C, position_B)
+          slot_of_position_C, position_B) + (() if spans is None else (spans,))
   if mesh.empty:
     return per_device(*args)
   batch, _, heads, _ = cache_spec
@@ -82,7 +86,7 @@ def decode_attention(q_B1HD: jax.Array, k_B1KD: jax.Array, v_B1KD: jax.Array,
   return jax.shard_map(
       per_device, mesh=mesh,
       in_specs=(token_spec, token_spec, token_spec, cache_spec, cache_spec,
-                P(cache_spec[1]), P(), P(batch)),
+                P(cache_spec[1]), P(), P(batch)) + (() if spans is None else (P(heads),)),
       out_specs=(token_spec, cache_spec, cache_spec), check_vma=False)(*args)
 
 
@@ -104,7 +108,7 @@ def _write_token(cache_BcKD, new_B1KD, slot_B, held_B):
 
 def _local_attention(q_B1HD, k_B1KD, v_B1KD, key_cache_BcKD, value_cache_BcKD,
                      slot_positions_c, slot_of_position_C, position_B, seq_axes, window,
-                     softcap):
+                     softcap, spans_H=None):
   """One device's slots: write, then a partial softmax merged over `seq_axes`."""
   batch, _, num_heads, head_dim = q_B1HD.shape
   num_kv = k_B1KD.shape[2]
@@ -119,16 +123,22 @@ def _local_attention(q_B1HD, k_B1KD, v_B1KD, key_cache_BcKD, value_cache_BcKD,
                                         seq_axes)
     keys_BcKD = jnp.take_along_axis(key_cache_BcKD, slots_BW[:, :, None, None], axis=1)
     values_BcKD = jnp.take_along_axis(value_cache_BcKD, slots_BW[:, :, None, None], axis=1)
+    behind_Bc = jnp.broadcast_to(jnp.arange(window), positions_BW.shape)
   else:
     keys_BcKD, values_BcKD = key_cache_BcKD, value_cache_BcKD
     visible_Bc = visible(position_B[:, None], slot_positions_c[None, :], window)
+    behind_Bc = position_B[:, None] - slot_positions_c[None, :]
+  visible_BKGc = visible_Bc[:, None, None, :]
+  if spans_H is not None:  # Each query head its own span (the window is the widest).
+    spans_KG = spans_H.reshape(num_kv, -1)
+    visible_BKGc = visible_BKGc & (behind_Bc[:, None, None, :] < spans_KG[None, :, :, None])
 
   q_BKGD = q_B1HD.reshape(batch, num_kv, num_heads // num_kv, head_dim)
   scores_BKGc = jnp.einsum("bkgd,bckd->bkgc", q_BKGD, keys_BcKD,
                            preferred_element_type=jnp.float32) / jnp.sqrt(head_dim)
   if softcap:
     scores_BKGc = softcap * jnp.tanh(scores_BKGc / softcap)
-  scores_BKGc = jnp.where(visible_Bc[:, None, None, :], scores_BKGc, -jnp.inf)
+  scores_BKGc = jnp.where(visible_BKGc, scores_BKGc, -jnp.inf)
   # The merge: the global max first (a device may see nothing: -inf, kept out of the max),
   # then the weights' sum and the weighted values summed over the ring.
   local_max_BKG = jnp.max(scores_BKGc, axis=-1)

@@ -17,7 +17,10 @@ computed tile. GQA: q head h reads kv head h // G; K/V are never repeated.
 The metadata tables are padded to powers of 2 (Triton's block shapes) and read by scalar
 loads. Softmax runs in base 2 (exp2 with log2(e) folded into the scale); lse is converted
 back. With `softcap` > 0 the logits are capped, `softcap * tanh(logits / softcap)`, before
-the base change, and the backward multiplies by the cap's slope.
+the base change, and the backward multiplies by the cap's slope. With per-head spans
+(`spans_H`) a MASKED tile's mask is narrowed to `q - k < span[h]` of its program's query
+head, the distances from the pair's token indices (`RingSchedule.pair_index`), which come in
+as two more operands beside the spans.
 """
 
 from __future__ import annotations
@@ -104,19 +107,29 @@ def _whole(x):
   return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
 
 
-def _visible(masks_ref, mask_id, q_seg_t, k_seg_t):
-  """Visibility [tq, tk] of a tile pair, or None when every query sees every key."""
+def _visible(masks_ref, mask_id, q_seg_t, k_seg_t, narrow=None):
+  """Visibility [tq, tk] of a tile pair, or None when every query sees every key;
+  `narrow()` gives a MASKED tile's per-head span test (per-head spans only)."""
   seen = None if q_seg_t is None else q_seg_t[:, None] == k_seg_t[None, :]
   if mask_id is None:
     return seen
   mask = masks_ref[mask_id] != 0
+  if narrow is not None:
+    mask = mask & narrow()
   return mask if seen is None else mask & seen
 
 
-def _split_refs(refs, has_seg: bool, num_out: int):
-  """(segment refs or (None, None), tile lists, masks ref, output refs) of a kernel."""
+def _within(q_index_t, k_index_t, span):
+  """Per-head span test of a tile pair: `q - k < span` (the mask says `q - k >= 0`)."""
+  return q_index_t[:, None] - k_index_t[None, :] < span
+
+
+def _split_refs(refs, has_seg: bool, has_spans: bool, num_out: int):
+  """(segment refs or (None, None), tile lists, masks ref, span refs (query indices, key
+  indices, spans) or None, output refs) of a kernel."""
   seg_refs, refs = (refs[:2], refs[2:]) if has_seg else ((None, None), refs)
-  return seg_refs, TileLists(*refs[:5]), refs[5], refs[6:6 + num_out]
+  span_refs, rest = (refs[6:9], refs[9:]) if has_spans else (None, refs[6:])
+  return seg_refs, TileLists(*refs[:5]), refs[5], span_refs, rest[:num_out]
 
 
 def _logits(q_tD, k_kD, scale: float, softcap: float):
@@ -129,11 +142,15 @@ def _logits(q_tD, k_kD, scale: float, softcap: float):
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, *refs, scale: float, softcap: float, block_k: int,
-                has_seg: bool):
-  (q_seg_ref, k_seg_ref), lists, masks_ref, (o_ref, lse_ref) = _split_refs(refs, has_seg, 2)
+                has_seg: bool, has_spans: bool):
+  (q_seg_ref, k_seg_ref), lists, masks_ref, span_refs, (o_ref, lse_ref) = _split_refs(
+      refs, has_seg, has_spans, 2)
   row = _query_tile(pl.program_id(0), pl.num_programs(0))
   q_tD = q_ref[...]
   q_seg_t = q_seg_ref[...] if has_seg else None
+  # Read outside the tile loops: interpret mode cannot lower a program id inside them.
+  span = span_refs[2][pl.program_id(2)] if has_spans else None
+  narrow = None
 
   def visit(j, carry, mask_id):
     keys = pl.ds(j * block_k, block_k)
@@ -143,7 +160,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, scale: float, softcap: float, block_
       s_tk = _logits(q_tD, k_kD, scale, softcap)[0] * _LOG2E
     else:  # base-2 logits in one multiply: exp2(s * log2 e) == exp(s)
       s_tk = _dot(q_tD, k_kD, 1) * (scale * _LOG2E)
-    mask = _visible(masks_ref, mask_id, q_seg_t, k_seg_ref[keys] if has_seg else None)
+    if has_spans:
+      narrow = lambda: _within(span_refs[0][...], span_refs[1][keys], span)
+    mask = _visible(masks_ref, mask_id, q_seg_t, k_seg_ref[keys] if has_seg else None, narrow)
     if mask is not None:
       s_tk = jnp.where(mask, s_tk, -jnp.inf)
     m_new = jnp.maximum(m_t, jnp.max(s_tk, axis=1))
@@ -179,9 +198,10 @@ def _lse2(lse_t):
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, scale: float,
-                softcap: float, block_q: int, group: int, has_seg: bool):
-  (q_seg_ref, k_seg_ref), lists, masks_ref, (dk_ref, dv_ref) = _split_refs(refs, has_seg, 2)
-  row = pl.program_id(0)
+                softcap: float, block_q: int, group: int, has_seg: bool, has_spans: bool):
+  (q_seg_ref, k_seg_ref), lists, masks_ref, span_refs, (dk_ref, dv_ref) = _split_refs(
+      refs, has_seg, has_spans, 2)
+  row, kv_head = pl.program_id(0), pl.program_id(2)
   k_kD, v_kD = k_ref[...], v_ref[...]
   k_seg_t = k_seg_ref[...] if has_seg else None
 
@@ -189,7 +209,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, scale: f
     rows = pl.ds(i * block_q, block_q)
     dk_kD, dv_kD = carry
     q_tD, do_tD = q_ref[rows, g, :], do_ref[rows, g, :]
-    mask = _visible(masks_ref, mask_id, q_seg_ref[rows] if has_seg else None, k_seg_t)
+    narrow = None
+    if has_spans:  # This program's kv head's query head g.
+      narrow = lambda: _within(span_refs[0][rows], span_refs[1][...],
+                               span_refs[2][kv_head * group + g])
+    mask = _visible(masks_ref, mask_id, q_seg_ref[rows] if has_seg else None, k_seg_t, narrow)
     p_tk, ds_tk = _bwd_tile(q_tD, k_kD, v_kD, do_tD, _lse2(lse_ref[rows, g]),
                             delta_ref[rows, g], scale, softcap, mask)
     dv_kD = dv_kD + _dot_tn(p_tk.astype(do_tD.dtype), do_tD)
@@ -205,17 +229,22 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, scale: f
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, scale: float,
-               softcap: float, block_k: int, has_seg: bool):
-  (q_seg_ref, k_seg_ref), lists, masks_ref, (dq_ref,) = _split_refs(refs, has_seg, 1)
+               softcap: float, block_k: int, has_seg: bool, has_spans: bool):
+  (q_seg_ref, k_seg_ref), lists, masks_ref, span_refs, (dq_ref,) = _split_refs(
+      refs, has_seg, has_spans, 1)
   row = _query_tile(pl.program_id(0), pl.num_programs(0))
   q_tD, do_tD = q_ref[...], do_ref[...]
   lse2_t, delta_t = _lse2(lse_ref[...]), delta_ref[...]
   q_seg_t = q_seg_ref[...] if has_seg else None
+  span = span_refs[2][pl.program_id(2)] if has_spans else None
 
   def visit(j, dq_tD, mask_id):
     keys = pl.ds(j * block_k, block_k)
     k_kD = k_ref[keys, :]
-    mask = _visible(masks_ref, mask_id, q_seg_t, k_seg_ref[keys] if has_seg else None)
+    narrow = None
+    if has_spans:
+      narrow = lambda: _within(span_refs[0][...], span_refs[1][keys], span)
+    mask = _visible(masks_ref, mask_id, q_seg_t, k_seg_ref[keys] if has_seg else None, narrow)
     _, ds_tk = _bwd_tile(q_tD, k_kD, v_ref[keys, :], do_tD, lse2_t, delta_t, scale, softcap,
                          mask)
     return dq_tD + _dot(ds_tk.astype(k_kD.dtype), k_kD, 0)
@@ -289,15 +318,37 @@ def _q_grid_specs(num_q: int, block_q: int, head_dim: int):
           pl.BlockSpec((None, block_q), lambda i, b, h: (b, tile(i))))
 
 
-def _segments_and_tables(seg_args, seg_specs, tables):
-  """Operands and specs after the dense ones: segment ids when given, then the tables."""
+def _index_specs(block_q: int, len_k: int, num_q: int):
+  """Specs of the pair's token indices for grid (query tile, b, q head): the query tile's,
+  the whole key block's."""
+  return (pl.BlockSpec((block_q,), lambda i, b, h: (_query_tile(i, num_q),)),
+          pl.BlockSpec((len_k,), lambda i, b, h: (0,)))
+
+
+def _segments_and_tables(seg_args, seg_specs, tables, span_args=None, span_specs=()):
+  """Operands and specs after the dense ones: segment ids when given, then the tables, then
+  (per-head spans) the pair's query and key indices and the spans."""
   args = [*seg_args, *tables] if seg_args[0] is not None else list(tables)
   specs = [*seg_specs] if seg_args[0] is not None else []
-  return args, specs + [_whole(t) for t in tables]
+  specs += [_whole(t) for t in tables]
+  if span_args is not None:
+    args += span_args
+    specs += [*span_specs, _whole(span_args[2])]
+  return args, specs
+
+
+def _span_args(schedule: RingSchedule, pair, spans_H):
+  """The pair's query and key token indices ([T] int32 each) and the spans padded to a power
+  of 2, or None without per-head spans."""
+  if spans_H is None:
+    return None
+  heads = spans_H.shape[0]
+  return [*(jnp.asarray(index_PT)[pair] for index_PT in schedule.pair_index),
+          jnp.pad(spans_H.astype(jnp.int32), (0, _pow2(heads) - heads))]
 
 
 def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSchedule, pair,
-              tile: int, softcap: float = 0.0,
+              tile: int, softcap: float = 0.0, spans_H=None,
               config: KernelConfig = DEFAULT_CONFIG) -> tuple[jax.Array, jax.Array]:
   """Attention of a query block on a key block: (out [B,Tq,Hq,D] f32, lse [B,Tq,Hq] f32)."""
   _check_shapes(q_BTHD.shape, k_BTKD.shape, tile, q_BTHD.dtype, config)
@@ -311,12 +362,15 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSched
   q_spec, stat_spec, seg_spec = _q_grid_specs(num_q, block_q, head_dim)
   kv_spec = pl.BlockSpec((None, len_k, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
   k_row_spec = pl.BlockSpec((None, len_k), lambda i, b, h: (b, 0))
-  rest, rest_specs = _segments_and_tables((q_seg_BT, k_seg_BT), (seg_spec, k_row_spec),
-                                          _pair_tables(tables.by_query, tables.masks, pair))
+  rest, rest_specs = _segments_and_tables(
+      (q_seg_BT, k_seg_BT), (seg_spec, k_row_spec),
+      _pair_tables(tables.by_query, tables.masks, pair), _span_args(schedule, pair, spans_H),
+      _index_specs(block_q, len_k, num_q))
   out_shape = [jax.ShapeDtypeStruct(q_BTHD.shape, _F32),
                jax.ShapeDtypeStruct((batch, len_q, num_heads), _F32)]
   kernel = functools.partial(_fwd_kernel, scale=head_dim ** -0.5, softcap=softcap,
-                             block_k=block_k, has_seg=q_seg_BT is not None)
+                             block_k=block_k, has_seg=q_seg_BT is not None,
+                             has_spans=spans_H is not None)
   return _call(kernel, (num_q, batch, num_heads), [q_spec, kv_spec, kv_spec, *rest_specs],
                [q_spec, stat_spec], out_shape, config.fwd_warps, config.fwd_stages,
                "block_fwd")(q_BTHD, k_BTKD, v_BTKD, *rest)
@@ -324,6 +378,7 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSched
 
 def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k_seg_BT, *,
               schedule: RingSchedule, pair, tile: int, out_BTHD=None, softcap: float = 0.0,
+              spans_H=None,
               config: KernelConfig = DEFAULT_CONFIG) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Gradient contributions (dq, dk, dv, all float32) of one query block x key block.
 
@@ -335,7 +390,8 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
   len_k, num_kv = k_BTKD.shape[1], k_BTKD.shape[2]
   group = num_heads // num_kv
   scale = head_dim ** -0.5
-  has_seg = q_seg_BT is not None
+  has_seg, has_spans = q_seg_BT is not None, spans_H is not None
+  span_args = _span_args(schedule, pair, spans_H)
   args = (q_BTHD, k_BTKD, v_BTKD, dout_BTHD.astype(q_BTHD.dtype), lse_BTH.astype(_F32),
           delta_BTH.astype(_F32))
 
@@ -349,9 +405,11 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
   rest, rest_specs = _segments_and_tables(
       (q_seg_BT, k_seg_BT), (pl.BlockSpec((None, len_q), lambda j, b, h: (b, 0)),
                              pl.BlockSpec((None, block_k), lambda j, b, h: (b, j))),
-      _pair_tables(tables.by_key, tables.masks, pair))
+      _pair_tables(tables.by_key, tables.masks, pair), span_args,
+      (pl.BlockSpec((len_q,), lambda j, b, h: (0,)),
+       pl.BlockSpec((block_k,), lambda j, b, h: (j,))))
   kernel = functools.partial(_dkv_kernel, scale=scale, softcap=softcap, block_q=block_q,
-                             group=group, has_seg=has_seg)
+                             group=group, has_seg=has_seg, has_spans=has_spans)
   dk_BTKD, dv_BTKD = _call(
       kernel, (len_k // block_k, batch, num_kv),
       [q_spec, k_spec, k_spec, q_spec, stat_spec, stat_spec, *rest_specs], [k_spec, k_spec],
@@ -367,9 +425,10 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
   kv_spec = pl.BlockSpec((None, len_k, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
   rest, rest_specs = _segments_and_tables(
       (q_seg_BT, k_seg_BT), (seg_spec, pl.BlockSpec((None, len_k), lambda i, b, h: (b, 0))),
-      _pair_tables(tables.by_query, tables.masks, pair))
+      _pair_tables(tables.by_query, tables.masks, pair), span_args,
+      _index_specs(block_q, len_k, num_q))
   kernel = functools.partial(_dq_kernel, scale=scale, softcap=softcap, block_k=block_k,
-                             has_seg=has_seg)
+                             has_seg=has_seg, has_spans=has_spans)
   dq_BTHD = _call(kernel, (num_q, batch, num_heads),
                   [q_spec, kv_spec, kv_spec, q_spec, stat_spec, stat_spec, *rest_specs], q_spec,
                   jax.ShapeDtypeStruct(q_BTHD.shape, _F32), config.bwd_warps,

@@ -22,7 +22,10 @@ keeps K/V un-repeated: q head h = kv_head * G + g (the pairing of `jnp.repeat(k,
 Matmuls take the input dtype (bf16 ok) and accumulate in float32. Log-sum-exp is the
 natural log, float32, `[B, Tq, Hq]`; a query that sees no key gets output 0 and lse -inf.
 With `softcap` > 0 the logits are `softcap * tanh(scale * q.k / softcap)` (Gemma 2's cap),
-and the backward multiplies by the cap's slope.
+and the backward multiplies by the cap's slope. With per-head spans (`spans_H`, [Hq] int32)
+a MASKED tile's mask is narrowed per query head to `q - k < span[h]`, the distances read
+from the pair's token indices (`RingSchedule.pair_index`); UNMASKED tiles need no narrowing
+(the schedule classifies them by the narrowest span).
 """
 
 from __future__ import annotations
@@ -70,6 +73,11 @@ def pair_rows(lists: TileLists, pair) -> TileLists:
   return TileLists(*(jnp.asarray(table)[pair] for table in lists))
 
 
+def _spans_KG(spans_H, num_kv: int):
+  """Per-query-head spans as [Hkv, G] (q head h = kv_head * G + g), or None."""
+  return None if spans_H is None else spans_H.reshape(num_kv, -1)
+
+
 def visibility(mask_tt, row_seg_Bt, col_seg_Bt):
   """What a tile pair's queries see, [B or 1, rows, cols]; None when they see every key.
 
@@ -93,8 +101,8 @@ def _fwd_update(carry, q_BKGtD, k_BKtD, v_BKtD, visible, *, scale: float, softca
   if softcap:
     s = softcap * jnp.tanh(s * (scale / softcap))
   scale = _max_scale(scale, softcap)
-  if visible is not None:
-    s = jnp.where(visible[:, None, None], s, -jnp.inf)
+  if visible is not None:  # [B or 1, Hkv or 1, G or 1, tq, tk]
+    s = jnp.where(visible, s, -jnp.inf)
   m_new = jnp.maximum(m_BKGt, s.max(axis=-1))
   # A row with nothing visible yet keeps m = -inf; shift by 0 so exp gives 0, not NaN.
   m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
@@ -120,16 +128,25 @@ def _fwd_update_in_halves(carry, q_BKGtD, k_BKtD, v_BKtD, visible, *, scale: flo
   first, second = (tuple(lax.slice_in_dim(c, start, stop, axis=_Q_AXIS) for c in carry)
                    for start, stop in ((0, h), (h, 2 * h)))
   first = _fwd_update(first, q_BKGtD[:, :, :, :h], k_BKtD[:, :, :h], v_BKtD[:, :, :h],
-                      visible[:, :h, :h], scale=scale, softcap=softcap)
-  second = _fwd_update(second, q_BKGtD[:, :, :, h:], k_BKtD, v_BKtD, visible[:, h:],
+                      visible[..., :h, :h], scale=scale, softcap=softcap)
+  second = _fwd_update(second, q_BKGtD[:, :, :, h:], k_BKtD, v_BKtD, visible[..., h:, :],
                        scale=scale, softcap=softcap)
   return tuple(jnp.concatenate(pair, axis=_Q_AXIS) for pair in zip(first, second))
 
 
+def _pair_index(schedule: RingSchedule, pair, spans_H):
+  """The pair's query and key token indices ([T] int32 each), when spans narrow masks."""
+  if spans_H is None:
+    return None, None
+  return tuple(jnp.asarray(index_PT)[pair] for index_PT in schedule.pair_index)
+
+
 def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSchedule, pair,
-              tile: int, softcap: float = 0.0) -> tuple[jax.Array, jax.Array]:
+              tile: int, softcap: float = 0.0, spans_H=None) -> tuple[jax.Array, jax.Array]:
   """Attention of a query block on a key block: (out [B,Tq,Hq,D] f32, lse [B,Tq,Hq] f32)."""
   num_kv = k_BTKD.shape[2]
+  spans_KG = _spans_KG(spans_H, num_kv)
+  q_index_T, k_index_T = _pair_index(schedule, pair, spans_H)
   scale = q_BTHD.shape[3] ** -0.5
   tables = schedule.tiles(tile)
   lists, masks = pair_rows(tables.by_query, pair), jnp.asarray(tables.masks)
@@ -145,6 +162,11 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSched
       k_BKtD, v_BKtD = (_tile_of(x, j, tile, axis=2) for x in (k_BKTD, v_BKTD))
       visible = visibility(None if mask_id is None else masks[mask_id], q_seg_Bt,
                            _tile_of(k_seg_BT, j, tile) if segments else None)
+      visible = None if visible is None else visible[:, None, None]
+      if mask_id is not None and spans_KG is not None:
+        behind_tt = (_tile_of(q_index_T, i, tile, 0)[:, None]
+                     - _tile_of(k_index_T, j, tile, 0)[None, :])
+        visible = visible & (behind_tt < spans_KG[:, :, None, None])
       update = _fwd_update_in_halves if mask_id is not None and halves else _fwd_update
       return update(carry, q_BKGtD, k_BKtD, v_BKtD, visible, scale=scale, softcap=softcap)
 
@@ -185,8 +207,8 @@ def _bwd_update(carry, q_xs, k_xs, visible_T, *, scale: float, softcap: float):
     capped_T = jnp.tanh(logits_T / softcap)
     logits_T, slope = softcap * capped_T, scale * (1.0 - capped_T * capped_T)
   p_T = jnp.exp(logits_T - lse_BKGt[:, :, None])
-  if visible_T is not None:
-    p_T = jnp.where(visible_T[:, None, :, None, :], p_T, 0.0)
+  if visible_T is not None:  # [B or 1, Hkv or 1, tk, G or 1, tq]
+    p_T = jnp.where(visible_T, p_T, 0.0)
   dv_BKtD = dv_BKtD + jnp.einsum("bhkgq,bhgqd->bhkd", p_T.astype(do_BKGtD.dtype), do_BKGtD,
                                  preferred_element_type=_F32)
   dp_T = jnp.einsum("bhkd,bhgqd->bhkgq", v_BKtD, do_BKGtD, preferred_element_type=_F32)
@@ -209,12 +231,12 @@ def _bwd_update_in_halves(carry, q_xs, k_xs, visible_T, *, scale: float, softcap
                                    for x, axis in zip(k_xs, k_axes))
                              for start, stop in ((0, h), (h, 2 * h)))
   dk_first, dv_first, dq_BKDGt = _bwd_update(
-      (dk_BKtD[:, :, :h], dv_BKtD[:, :, :h], dq_BKDGt), q_xs, first_keys, visible_T[:, :h],
-      scale=scale, softcap=softcap)
+      (dk_BKtD[:, :, :h], dv_BKtD[:, :, :h], dq_BKDGt), q_xs, first_keys,
+      visible_T[:, :, :h], scale=scale, softcap=softcap)
   second_queries = tuple(lax.slice_in_dim(x, h, 2 * h, axis=_Q_AXIS) for x in q_xs)
   dk_second, dv_second, dq_second = _bwd_update(
       (dk_BKtD[:, :, h:], dv_BKtD[:, :, h:], dq_BKDGt[..., h:]), second_queries, second_keys,
-      visible_T[:, h:, h:], scale=scale, softcap=softcap)
+      visible_T[:, :, h:, :, h:], scale=scale, softcap=softcap)
   return (jnp.concatenate([dk_first, dk_second], axis=2),
           jnp.concatenate([dv_first, dv_second], axis=2),
           jnp.concatenate([dq_BKDGt[..., :h], dq_second], axis=-1))
@@ -222,7 +244,7 @@ def _bwd_update_in_halves(carry, q_xs, k_xs, visible_T, *, scale: float, softcap
 
 def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k_seg_BT, *,
               schedule: RingSchedule, pair, tile: int, out_BTHD=None,
-              softcap: float = 0.0) -> tuple[jax.Array, jax.Array, jax.Array]:
+              softcap: float = 0.0, spans_H=None) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Gradient contributions (dq, dk, dv, all float32) of one query block x key block.
 
   `lse_BTH` is the GLOBAL log-sum-exp of the queries (merged over all key blocks) and
@@ -231,6 +253,8 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
   """
   num_kv = k_BTKD.shape[2]
   scale = q_BTHD.shape[3] ** -0.5
+  spans_KG = _spans_KG(spans_H, num_kv)
+  q_index_T, k_index_T = _pair_index(schedule, pair, spans_H)
   tables = schedule.tiles(tile)
   # Key-major masks, transposed on the host: a traced mask id's gather is not folded away
   # as a lone constant mask is, and transposing each gathered mask cost striped's backward 2%.
@@ -254,6 +278,11 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
       q_xs = tuple(_tile_of(x, i, tile, axis=_Q_AXIS) for x in per_head)
       visible_T = visibility(None if mask_id is None else masks_T[mask_id], k_seg_Bt,
                              _tile_of(q_seg_BT, i, tile) if segments else None)
+      visible_T = None if visible_T is None else visible_T[:, None, :, None, :]
+      if mask_id is not None and spans_KG is not None:
+        behind_tt = (_tile_of(q_index_T, i, tile, 0)[None, :]
+                     - _tile_of(k_index_T, j, tile, 0)[:, None])
+        visible_T = visible_T & (behind_tt[None, :, None, :] < spans_KG[:, None, :, None])
       update = _bwd_update_in_halves if mask_id is not None and halves else _bwd_update
       dk, dv, dq_BKDGt = update((dk, dv, dq_BKDGt), q_xs, k_xs, visible_T, scale=scale,
                                 softcap=softcap)

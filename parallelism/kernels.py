@@ -4,9 +4,10 @@ A block kernel computes attention of one device's query block on one K/V block, 
 the static schedule (`parallelism.schedule`) gives that device at that ring step:
 
     block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule, pair, tile,
-              softcap=0.0) -> (out_BTHD, lse_BTH)
+              softcap=0.0[, spans_H]) -> (out_BTHD, lse_BTH)
     block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k_seg_BT, *,
-              schedule, pair, tile, out_BTHD=None, softcap=0.0) -> (dq_BTHD, dk_BTKD, dv_BTKD)
+              schedule, pair, tile, out_BTHD=None, softcap=0.0[, spans_H])
+              -> (dq_BTHD, dk_BTKD, dv_BTKD)
 
 - q [B, Tq, Hq, D], k/v [B, Tk, Hkv, D], Hq % Hkv == 0 (q head h reads kv head
   h // (Hq / Hkv)), in the compute dtype; segment ids [B, T] int32 or None (one document).
@@ -14,6 +15,9 @@ the static schedule (`parallelism.schedule`) gives that device at that ring step
   reads its tile tables at its own tile sizes, no coarser than `tile`, or branches once per
   call on the pair's mask shape (`schedule.shapes[p]`) with `lax.switch`.
 - `softcap` > 0 caps each logit (scaled q.k) at `softcap * tanh(logit / softcap)` (Gemma 2).
+- `spans_H` ([Hq] int32, only with per-head spans; xla and pallas): query head h sees keys
+  fewer than `spans_H[h]` positions back; MASKED tiles narrow their mask by it (the
+  schedule's `narrowest` and `window` bound the spans; `RingSchedule.pair_index`).
 - Forward: the block's output and natural-log log-sum-exp, float32; a query that sees no key
   gets output 0 and lse -inf, never NaN. Backward: from the GLOBAL lse and `delta = sum(dout
   * out, -1)` (and the global output `out_BTHD`, for cuDNN, whose backward forms delta
@@ -70,15 +74,17 @@ def describe(name: str, backend: str | None = None) -> str:
   return kernel if kernel == name else f"{name} on {backend}: {kernel}"
 
 
-def choose(name: str, q_shape, k_shape, tile: int, dtype,
-           softcap: float = 0.0) -> tuple[str, str | None]:
+def choose(name: str, q_shape, k_shape, tile: int, dtype, softcap: float = 0.0,
+           head_spans: bool = False) -> tuple[str, str | None]:
   """The kernel that runs `name` on blocks of these shapes, and why it is not the one `name`
   resolves to (None when it is): blocks Triton cannot take run `xla` under `auto`; operands
-  cuDNN cannot take, or capped logits, run `pallas` under `cudnn`. Decided once per
-  attention setup (`parallelism.split`), never per call."""
+  cuDNN cannot take, capped logits or per-head spans (`head_spans`) run `pallas` under
+  `cudnn`. Decided once per attention setup (`parallelism.split`), never per call."""
   chosen = resolve(name)
   if chosen == "cudnn" and softcap:
     return "pallas", "the cudnn kernel has no logit soft-capping (model.attention_softcap)"
+  if chosen == "cudnn" and head_spans:
+    return "pallas", "the cudnn kernel has no per-head windows (model.head_spans)"
   if name == AUTO and chosen == "pallas":
     reason = kernel_pallas.gpu_unsupported(q_shape, k_shape, tile, dtype)
     return ("xla", f"the pallas kernel cannot take these attention blocks ({reason})"

@@ -120,9 +120,10 @@ class RingDevice:
   the steps one by one."""
 
   def __init__(self, schedule: RingSchedule, device, kernel: str, tile: int,
-               softcap: float = 0.0):
+               softcap: float = 0.0, spans_H=None):
     self.schedule, self.tile, self.kernel = schedule, tile, kernels.KERNELS[kernel]
-    self.softcap = softcap
+    # Per-head spans reach the kernels only when given (the cudnn kernel takes none).
+    self.options = dict(softcap=softcap) | ({} if spans_H is None else dict(spans_H=spans_H))
     self.pair_S = jnp.asarray(schedule.pair)[device]
     self.empty_S = jnp.asarray(schedule.empty)[device]
 
@@ -139,7 +140,7 @@ class RingDevice:
     skips the kernel and the merge."""
     attend = lambda: self.kernel.fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT,
                                      schedule=self.schedule, pair=self.pair_S[step],
-                                     tile=self.tile, softcap=self.softcap)
+                                     tile=self.tile, **self.options)
     if out_lse is None:
       return attend()  # a query always sees itself: the own block is never empty
     return self._unless_empty(step, out_lse, lambda: merge(*out_lse, *attend()))
@@ -151,7 +152,7 @@ class RingDevice:
     grads = lambda: self.kernel.bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH,
                                     q_seg_BT, k_seg_BT, schedule=self.schedule,
                                     pair=self.pair_S[step], tile=self.tile, out_BTHD=out_BTHD,
-                                    softcap=self.softcap)
+                                    **self.options)
     if dq_dkv is None:
       return grads()
 
@@ -178,9 +179,11 @@ def device_index(axis: str, num_shards: int):
 
 
 def forward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, *, axis: str, schedule: RingSchedule,
-                 tile: int, kernel: str, softcap: float = 0.0):
-  """Per-device forward ring: returns (out f32 [B,T,Hq,D], lse f32 [B,T,Hq])."""
-  ring = RingDevice(schedule, device_index(axis, schedule.num_shards), kernel, tile, softcap)
+                 tile: int, kernel: str, softcap: float = 0.0, spans_H=None):
+  """Per-device forward ring: returns (out f32 [B,T,Hq,D], lse f32 [B,T,Hq]); `spans_H`: this
+  device's query heads' spans ([Hq] int32), or None."""
+  ring = RingDevice(schedule, device_index(axis, schedule.num_shards), kernel, tile, softcap,
+                    spans_H)
   step = lambda s, out_lse, k_b, v_b, *seg_b: ring.forward_step(
       s, out_lse, q_BTHD, k_b, v_b, seg_BT, seg_b[0] if seg_b else None)
   with jax.named_scope("ring_forward"):  # how tests find its collectives in compiled HLO
@@ -190,10 +193,11 @@ def forward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, *, axis: str, schedule: RingSch
 
 
 def backward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, dout_BTHD, *, axis: str,
-                  schedule: RingSchedule, tile: int, kernel: str, softcap: float = 0.0):
+                  schedule: RingSchedule, tile: int, kernel: str, softcap: float = 0.0,
+                  spans_H=None):
   """Per-device backward ring: returns (dq, dk, dv) in float32."""
   num_shards = schedule.num_shards
-  ring = RingDevice(schedule, device_index(axis, num_shards), kernel, tile, softcap)
+  ring = RingDevice(schedule, device_index(axis, num_shards), kernel, tile, softcap, spans_H)
   delta_BTH = softmax_delta(dout_BTHD, out_BTHD)
   step = lambda s, carry, k_b, v_b, *seg_b: ring.backward_step(
       s, carry, q_BTHD, k_b, v_b, out_BTHD, dout_BTHD, lse_BTH, delta_BTH, seg_BT,

@@ -63,56 +63,72 @@ class _Passes:
     return jax.shard_map(per_device, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
                          check_vma=False)
 
-  def forward(self, q_BSHD, k_BSKD, v_BSKD, seg_BS):
+  def _optional_specs(self, seg_BS, spans_H) -> tuple:
+    """Specs of the optional operands given: segment ids, then per-head spans (as heads)."""
+    q_spec, _, seg_spec = self.specs or (None,) * 3
+    heads_spec = None if q_spec is None else P(q_spec[2])
+    return _if(seg_BS, seg_spec) + _if(spans_H, heads_spec)
+
+  def forward(self, q_BSHD, k_BSKD, v_BSKD, seg_BS, spans_H=None):
     """(out in q's dtype, lse float32 [B, S, Hq]), global arrays."""
-    q_spec, kv_spec, seg_spec = self.specs or (None,) * 3
+    q_spec, kv_spec, _ = self.specs or (None,) * 3
     lse_spec = None if q_spec is None else P(*q_spec[:3])
 
-    def per_device(q, k, v, *seg):
-      out, lse = self.strategy.forward(q, k, v, seg[0] if seg else None)
+    def per_device(q, k, v, *optional):
+      seg, spans = _split_optional(optional, seg_BS, spans_H)
+      out, lse = self.strategy.forward(q, k, v, seg, spans)
       return out.astype(q.dtype), lse
 
-    run = self._on_devices(per_device, (q_spec, kv_spec, kv_spec) + _if(seg_BS, seg_spec),
-                           (q_spec, lse_spec))
-    return run(q_BSHD, k_BSKD, v_BSKD, *_if(seg_BS, seg_BS))
+    run = self._on_devices(per_device, (q_spec, kv_spec, kv_spec)
+                           + self._optional_specs(seg_BS, spans_H), (q_spec, lse_spec))
+    return run(q_BSHD, k_BSKD, v_BSKD, *_if(seg_BS, seg_BS), *_if(spans_H, spans_H))
 
-  def backward(self, q_BSHD, k_BSKD, v_BSKD, seg_BS, out_BSHD, lse_BSH, dout_BSHD):
+  def backward(self, q_BSHD, k_BSKD, v_BSKD, seg_BS, spans_H, out_BSHD, lse_BSH, dout_BSHD):
     """(dq, dk, dv) in the dtypes of q, k, v, global arrays."""
-    q_spec, kv_spec, seg_spec = self.specs or (None,) * 3
+    q_spec, kv_spec, _ = self.specs or (None,) * 3
     lse_spec = None if q_spec is None else P(*q_spec[:3])
 
-    def per_device(q, k, v, out, lse, dout, *seg):
-      dq, dk, dv = self.strategy.backward(q, k, v, seg[0] if seg else None, out, lse, dout)
+    def per_device(q, k, v, out, lse, dout, *optional):
+      seg, spans = _split_optional(optional, seg_BS, spans_H)
+      dq, dk, dv = self.strategy.backward(q, k, v, seg, out, lse, dout, spans)
       return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
     run = self._on_devices(
-        per_device, (q_spec, kv_spec, kv_spec, q_spec, lse_spec, q_spec) + _if(seg_BS, seg_spec),
-        (q_spec, kv_spec, kv_spec))
-    return run(q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BSH, dout_BSHD, *_if(seg_BS, seg_BS))
+        per_device, (q_spec, kv_spec, kv_spec, q_spec, lse_spec, q_spec)
+        + self._optional_specs(seg_BS, spans_H), (q_spec, kv_spec, kv_spec))
+    return run(q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BSH, dout_BSHD, *_if(seg_BS, seg_BS),
+               *_if(spans_H, spans_H))
 
 
-def _if(segment_ids, value) -> tuple:
-  """(value,) when documents are packed (segment ids given), else ()."""
-  return () if segment_ids is None else (value,)
+def _if(optional, value) -> tuple:
+  """(value,) when an optional operand (segment ids, spans) is given, else ()."""
+  return () if optional is None else (value,)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attention(q_BSHD, k_BSKD, v_BSKD, seg_BS, passes: _Passes):
-  return passes.forward(q_BSHD, k_BSKD, v_BSKD, seg_BS)[0]
+def _split_optional(operands, seg_BS, spans_H):
+  """(segment ids, spans) of a device from the optional operands given, None for the rest."""
+  operands = list(operands)
+  seg = operands.pop(0) if seg_BS is not None else None
+  return seg, (operands.pop(0) if spans_H is not None else None)
 
 
-def _attention_fwd(q_BSHD, k_BSKD, v_BSKD, seg_BS, passes: _Passes):
-  out_BSHD, lse_BSH = passes.forward(q_BSHD, k_BSKD, v_BSKD, seg_BS)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _attention(q_BSHD, k_BSKD, v_BSKD, seg_BS, spans_H, passes: _Passes):
+  return passes.forward(q_BSHD, k_BSKD, v_BSKD, seg_BS, spans_H)[0]
+
+
+def _attention_fwd(q_BSHD, k_BSKD, v_BSKD, seg_BS, spans_H, passes: _Passes):
+  out_BSHD, lse_BSH = passes.forward(q_BSHD, k_BSKD, v_BSKD, seg_BS, spans_H)
   # Named so that a remat policy can keep them (SAVED_NAMES); the output is saved in q's
   # dtype (what the caller holds anyway), lse in float32.
   out_BSHD = checkpoint_name(out_BSHD, SAVED_NAMES[0])
   lse_BSH = checkpoint_name(lse_BSH, SAVED_NAMES[1])
-  return out_BSHD, (q_BSHD, k_BSKD, v_BSKD, seg_BS, out_BSHD, lse_BSH)
+  return out_BSHD, (q_BSHD, k_BSKD, v_BSKD, seg_BS, spans_H, out_BSHD, lse_BSH)
 
 
 def _attention_bwd(passes: _Passes, residuals, dout_BSHD):
-  # Integer segment ids get no cotangent.
-  return (*passes.backward(*residuals, dout_BSHD), None)
+  # Integer segment ids and spans get no cotangent.
+  return (*passes.backward(*residuals, dout_BSHD), None, None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -150,7 +166,8 @@ def operand_specs(mesh, rules: Rules, q_shape, num_kv: int) -> tuple[P, P, P]:
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None,
                    *, layout: str, mesh=None, rules: Rules | None = None, kernel: str = "auto",
                    tile_size: int = 512, strategy: str = "ring",
-                   window: int | None = None, softcap: float = 0.0) -> jax.Array:
+                   window: int | None = None, softcap: float = 0.0,
+                   spans: jax.Array | None = None, narrowest: int | None = None) -> jax.Array:
   """Causal attention, exact, of q [B,S,Hq,D] on k/v [B,S,Hkv,D] sharded along S in `layout`.
 
   The sequence axis holds the tokens in the order of `layout` (`parallelism.layouts`) over
@@ -159,6 +176,9 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
   position is not after i's (and, with a `window` of w keys, fewer than w before it:
   `parallelism.tiles`) and their segment ids match (`segment_ids=None`: one document
   per row). `softcap` > 0 caps the logits at `softcap * tanh(logit / softcap)` (Gemma 2).
+  Per-head spans (MoA): `spans` [Hq] int32 (may be traced: a scanned layer's) gives each query
+  head its own window, between the static `narrowest` and `window` (the widest), which the
+  schedule is built for.
   Batch and heads shard as `rules` map `activation_batch` and
   `activation_heads`/`activation_kv_heads` (no rules: `DEFAULT_RULES`). `mesh=None` uses
   the mesh set by `jax.set_mesh`, or, when none is set, computes locally as one block.
@@ -172,21 +192,26 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
   rules = rules or DEFAULT_RULES
   _check_shapes(q, k, v, segment_ids)
   segment_ids = None if segment_ids is None else segment_ids.astype(jnp.int32)
+  spans = None if spans is None else jnp.asarray(spans, jnp.int32)
+  if spans is not None and (narrowest is None or spans.shape != (q.shape[2],)):
+    raise ValueError(f"per-head spans {spans.shape} must be [query heads] = [{q.shape[2]}], "
+                     f"with narrowest= and window= the narrowest and widest of them")
   context_mesh = mesh is None
   mesh = jax.sharding.get_abstract_mesh() if context_mesh else mesh
   seq_len = q.shape[1]
   if context_mesh and mesh.empty:
     # No mesh anywhere (a single-device script, model.init outside a mesh): one block, local.
     local = local_strategy(layout, seq_len, tile_size, kernel, q.shape, k.shape, q.dtype,
-                           window, softcap)
-    return _attention(q, k, v, segment_ids, _Passes(local))
+                           window, softcap, _narrowest(spans, narrowest))
+    return _attention(q, k, v, segment_ids, spans, _Passes(local))
   specs = operand_specs(mesh, rules, q.shape, k.shape[2])
   passes = _Passes(split_attention(strategy, layout, seq_len, tile_size, kernel, mesh, rules,
                                    q.shape[2], k.shape[2], q.shape[3], q.dtype,
-                                   window=window, softcap=softcap),
+                                   window=window, softcap=softcap,
+                                   narrowest=_narrowest(spans, narrowest)),
                    None if context_mesh else mesh, specs)
   if not any(t == AxisType.Explicit for t in mesh.axis_types):
-    return _attention(q, k, v, segment_ids, passes)
+    return _attention(q, k, v, segment_ids, spans, passes)
   # Explicit-sharding meshes make shard_map demand inputs already laid out as in_specs;
   # the output goes back to q's sharding so the caller sees the type it passed in.
   out_spec = jax.typeof(q).sharding.spec
@@ -195,7 +220,15 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
              for x, spec in ((q, q_spec), (k, kv_spec), (v, kv_spec)))
   if segment_ids is not None:
     segment_ids = jax.reshard(segment_ids, _sharding(mesh, seg_spec))
-  return jax.reshard(_attention(q, k, v, segment_ids, passes), _sharding(mesh, out_spec))
+  if spans is not None:
+    spans = jax.reshard(spans, _sharding(mesh, P(q_spec[2])))
+  return jax.reshard(_attention(q, k, v, segment_ids, spans, passes),
+                     _sharding(mesh, out_spec))
+
+
+def _narrowest(spans, narrowest: int | None) -> int | None:
+  """The schedule's narrowest span: only with per-head spans."""
+  return None if spans is None else narrowest
 
 
 def _sharding(mesh, spec: P):

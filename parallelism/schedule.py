@@ -22,7 +22,13 @@ tracing; this module works it out once with NumPy, by the rule of `parallelism.t
 
 Packed documents are not part of the schedule: segment ids differ per batch and stay an
 elementwise mask inside the kernels. The schedule is cached per (layout, seq_len, shards,
-window) and per tile size, so it is built once per compile, not per layer or step.
+window, narrowest) and per tile size, so it is built once per compile, not per layer or step.
+
+Per-head spans (`narrowest` < `window`, `parallelism.tiles`): one schedule covers every span
+between the two, so a scan over layers with different spans shares it. Block pairs are then
+told apart by their token distances (not only by what the widest window shows), so that the
+indices of a pair's representative blocks (`pair_index`) give every device's distances;
+kernels narrow a MASKED tile's mask per head with them.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import hashlib
 from typing import NamedTuple
 
 import numpy as np
@@ -92,6 +99,7 @@ class RingSchedule:
   pair_blocks: tuple[tuple[int, int], ...]  # a (query block, key block) of each distinct pair
   shapes: tuple[str, ...]  # the mask shape of each distinct pair, one of MASK_SHAPES
   window: int | None = None  # keys each query sees, itself included (`parallelism.tiles`)
+  narrowest: int | None = None  # per-head spans: the narrowest (the widest is `window`)
   _tables: dict = dataclasses.field(default_factory=dict, repr=False)
 
   @property
@@ -114,8 +122,27 @@ class RingSchedule:
     """Block-sparse metadata at these tile sizes (built on first use, then cached)."""
     key = (tile_q, tile_q if tile_k is None else tile_k)
     if key not in self._tables:
-      self._tables[key] = _tile_tables(self.order, self.pair_blocks, *key, self.window)
+      self._tables[key] = _tile_tables(self.order, self.pair_blocks, *key, self.window,
+                                       self.narrowest)
     return self._tables[key]
+
+  @functools.cached_property
+  def pair_index(self) -> tuple[np.ndarray, np.ndarray]:
+    """([P, T], [P, T]) int32: the original token index of each query and key position of
+    each distinct pair (its representative blocks); with per-head spans, the distances
+    `q - k` kernels compare with each head's span are the same for every device and step
+    that computes the pair."""
+    blocks_P2 = np.asarray(self.pair_blocks)
+    return tuple(self.order[blocks_P2[:, side]].astype(np.int32) for side in (0, 1))
+
+  @property
+  def span_text(self) -> str:
+    """'causal', 'window 64' or 'spans 16..64'."""
+    if self.window is None:
+      return "causal"
+    if self.narrowest is None:
+      return f"window {self.window}"
+    return f"spans {self.narrowest}..{self.window}"
 
   def computed_tiles(self, tile: int) -> np.ndarray:
     """[N steps, N devices]: tile pairs each device computes (not SKIP) at each step."""
@@ -134,16 +161,19 @@ def critical_path(work_SN) -> float:
 
 
 @functools.lru_cache(maxsize=32)
-def ring_schedule(layout: str, seq_len: int, num_shards: int,
-                  window: int | None = None) -> RingSchedule:
-  """The schedule of a named layout (`parallelism.layouts`); `window` as in `parallelism.tiles`."""
-  return schedule_of_order(permutation(layout, seq_len, num_shards), num_shards, layout, window)
+def ring_schedule(layout: str, seq_len: int, num_shards: int, window: int | None = None,
+                  narrowest: int | None = None) -> RingSchedule:
+  """The schedule of a named layout (`parallelism.layouts`); `window` and `narrowest` (per-head
+  spans between them) as in `parallelism.tiles`."""
+  return schedule_of_order(permutation(layout, seq_len, num_shards), num_shards, layout, window,
+                           narrowest)
 
 
 def schedule_of_order(order_S: np.ndarray, num_shards: int, name: str = "custom",
-                      window: int | None = None) -> RingSchedule:
+                      window: int | None = None, narrowest: int | None = None) -> RingSchedule:
   """The schedule of any order of the sequence (`order_S[p]`: original index at position p)."""
-  tiles.check_window(window)
+  tiles.check_band(window, narrowest)
+  narrowest = None if narrowest == window else narrowest
   order_S = np.asarray(order_S)
   seq_len = order_S.shape[0]
   if seq_len % num_shards:
@@ -163,26 +193,36 @@ def schedule_of_order(order_S: np.ndarray, num_shards: int, name: str = "custom"
       seen = np.searchsorted(sorted_keys, order_NT[device], side="right")
       gone = (np.zeros_like(seen) if window is None else
               np.searchsorted(sorted_keys, order_NT[device] - window, side="right"))
+      gone_narrow = gone
       key = key_order[kb].tobytes() + seen.tobytes() + gone.tobytes()
+      if narrowest is not None and (seen > gone).any():
+        gone_narrow = np.searchsorted(sorted_keys, order_NT[device] - narrowest, side="right")
+        # Pairs alike under both bounds may still differ in the spans between: tell them
+        # apart by their distances (equal iff both blocks' indices differ by one shift).
+        shift = order_NT[device][0]
+        key += hashlib.blake2b((order_NT[device] - shift).tobytes()
+                               + (order_NT[kb] - shift).tobytes()).digest()
       if key not in distinct:
         distinct[key] = len(pair_blocks)
         pair_blocks.append((device, kb))
-        shapes.append(_mask_shape(seen, gone, key_order[kb]))
+        shapes.append(_mask_shape(seen, gone, key_order[kb], gone_narrow))
       pair[device, step] = distinct[key]
   for array in (order_NT, pair):
     array.setflags(write=False)
   return RingSchedule(name, seq_len, num_shards, order_NT, pair, tuple(pair_blocks),
-                      tuple(shapes), window)
+                      tuple(shapes), window, narrowest)
 
 
-def _mask_shape(seen_T: np.ndarray, gone_T: np.ndarray, key_order_T: np.ndarray) -> str:
+def _mask_shape(seen_T: np.ndarray, gone_T: np.ndarray, key_order_T: np.ndarray,
+                gone_narrow_T: np.ndarray) -> str:
   """The block pair's mask as a library kernel names it, from the count of keys at or
-  before each query (`seen_T`), of those before its window (`gone_T`), and the keys'
-  sorted order: each query sees the keys [gone, seen) of that order."""
+  before each query (`seen_T`), of those before its window (`gone_T`; before the narrowest
+  span, `gone_narrow_T`), and the keys' sorted order: each query sees the keys [gone, seen)
+  of that order (with per-head spans, some heads fewer: then it is `general`)."""
   num_keys = key_order_T.shape[0]
   if (seen_T == gone_T).all():
     return "empty"
-  if gone_T.any():
+  if gone_narrow_T.any():
     return "general"
   if (seen_T == num_keys).all():
     return "full"
@@ -196,7 +236,7 @@ def _mask_shape(seen_T: np.ndarray, gone_T: np.ndarray, key_order_T: np.ndarray)
 
 
 def _tile_tables(order_NT: np.ndarray, pair_blocks, tile_q: int, tile_k: int,
-                 window: int | None) -> TileTables:
+                 window: int | None, narrowest: int | None) -> TileTables:
   block_len = order_NT.shape[1]
   for name, tile in (("query", tile_q), ("key", tile_k)):
     if tile <= 0 or block_len % tile:
@@ -204,14 +244,16 @@ def _tile_tables(order_NT: np.ndarray, pair_blocks, tile_q: int, tile_k: int,
   classes, mask_ids, masks = [], [], {}
   for q_block, k_block in pair_blocks:
     q_T, k_T = order_NT[q_block], order_NT[k_block]
-    classes_QK = tiles.classify_all(q_T, k_T, tile_q, tile_k, window)
+    classes_QK = tiles.classify_all(q_T, k_T, tile_q, tile_k, window, narrowest)
     ids_QK = np.full(classes_QK.shape, -1, np.int32)
     for i, j in zip(*np.nonzero(classes_QK == tiles.MASKED)):
-      mask = tiles.visible(q_T[i * tile_q:(i + 1) * tile_q, None],
-                           k_T[None, j * tile_k:(j + 1) * tile_k], window)
-      # The ranges the classes read can straddle a window that no token pair meets.
-      if not mask.any() or mask.all():
-        classes_QK[i, j] = tiles.UNMASKED if mask.all() else tiles.SKIP
+      q_t1, k_1t = q_T[i * tile_q:(i + 1) * tile_q, None], k_T[None, j * tile_k:(j + 1) * tile_k]
+      mask = tiles.visible(q_t1, k_1t, window)
+      # The ranges the classes read can straddle a window that no token pair meets. With
+      # per-head spans a tile is UNMASKED only if the narrowest head sees every key.
+      every = mask.all() if narrowest is None else tiles.visible(q_t1, k_1t, narrowest).all()
+      if not mask.any() or every:
+        classes_QK[i, j] = tiles.UNMASKED if every else tiles.SKIP
         continue
       ids_QK[i, j] = masks.setdefault(np.packbits(mask).tobytes(), len(masks))
     classes.append(classes_QK)
@@ -279,8 +321,8 @@ def describe(schedule: RingSchedule, tile: int) -> str:
   computed_SN = schedule.computed_tiles(tile)
   masked_SN = schedule.masked_tiles(tile)
   per_block = (schedule.block_len // tile) ** 2
-  window = "causal" if schedule.window is None else f"window {schedule.window}"
-  lines = [f"{schedule.layout}: {schedule.seq_len} tokens on {n} devices, {window}, blocks of "
+  lines = [f"{schedule.layout}: {schedule.seq_len} tokens on {n} devices, "
+           f"{schedule.span_text}, blocks of "
            f"{schedule.block_len}, tiles of {tile} ({per_block} tile pairs per block pair)",
            "", "distinct block pairs (query block, key block), each with its mask shape and "
            "tiles computed (of them masked):"]
@@ -306,13 +348,15 @@ def describe(schedule: RingSchedule, tile: int) -> str:
 
 
 def compare_layouts(seq_len: int, num_shards: int, tile: int,
-                    windows: tuple[int | None, ...] = (None,)) -> tuple[str, str]:
+                    windows: tuple = (None,)) -> tuple[str, str]:
   """Each layout's critical path (tiles, summed over `windows`: one per layer of a model's
-  pattern) as a table, and the layout with the shortest."""
+  pattern, each a window, None, or (widest, narrowest) of per-head spans) as a table, and
+  the layout with the shortest."""
+  bands = [w if isinstance(w, tuple) else (w, None) for w in windows]
   paths = {}
   for layout in LAYOUTS:
-    paths[layout] = sum(critical_path(ring_schedule(layout, seq_len, num_shards, w)
-                                      .computed_tiles(tile)) for w in windows)
+    paths[layout] = sum(critical_path(ring_schedule(layout, seq_len, num_shards, *band)
+                                      .computed_tiles(tile)) for band in bands)
   best = min(paths, key=paths.get)
   rows = [f"{'layout':<9}{'critical path (tiles)':>24}{'vs best':>10}"]
   rows += [f"{layout:<9}{path:>24,.0f}{path / paths[best]:>9.2f}x"
@@ -328,13 +372,18 @@ def main() -> None:
   parser.add_argument("--shards", type=int, default=8)
   parser.add_argument("--tile", type=int, default=512, help="clipped to the block")
   parser.add_argument("--window", type=int, default=None,
-                      help="keys each query sees, itself included (default: causal)")
+                      help="keys each query sees, itself included (default: causal); with "
+                           "per-head spans the widest")
+  parser.add_argument("--narrowest", type=int, default=None,
+                      help="per-head spans: the narrowest (default: every head sees --window)")
   args = parser.parse_args()
   try:
-    schedule = ring_schedule(args.layout, args.seq_len, args.shards, args.window)
+    schedule = ring_schedule(args.layout, args.seq_len, args.shards, args.window,
+                             args.narrowest)
     tile = min(args.tile, schedule.block_len)
     print(describe(schedule, tile))
-    table, best = compare_layouts(args.seq_len, args.shards, tile, (args.window,))
+    table, best = compare_layouts(args.seq_len, args.shards, tile,
+                                  ((args.window, args.narrowest),))
     print(f"\nevery layout at these sizes:\n{table}\nshortest: {best}")
   except ValueError as error:
     raise SystemExit(f"error: {error}") from None

@@ -59,16 +59,16 @@ def shortest_ring_length(length: int, layout: str, num_shards: int, tile_size: i
 def split_attention(strategy: str, layout: str, seq_len: int, tile_size: int, kernel: str,
                     mesh, rules: Rules, num_heads: int, num_kv_heads: int, head_dim: int,
                     dtype, names: Names = Names(), window: int | None = None,
-                    softcap: float = 0.0) -> Strategy:
+                    softcap: float = 0.0, narrowest: int | None = None) -> Strategy:
   """Each device's side of `strategy` for `layout` on `mesh` (concrete or abstract), its
   sequence over the axes `rules` map `activation_seq` to, each query seeing the `window`
-  keys up to itself (None: causal), logits capped at `softcap` (0: not); a ValueError says
-  why not."""
+  keys up to itself (None: causal; with per-head spans the widest, `narrowest` the
+  narrowest), logits capped at `softcap` (0: not); a ValueError says why not."""
   if strategy not in STRATEGIES:
     raise ValueError(f"unknown sequence-parallel strategy '{strategy}' ({names.strategy}); "
                      f"choose one of {STRATEGIES}")
   kernels.check_name(kernel)
-  tiles.check_window(window)
+  tiles.check_band(window, narrowest)
   if softcap < 0:
     raise ValueError(f"attention soft cap {softcap} must be >= 0 (0: none)")
   axis, ulysses_axis = _sequence_axes(mesh, rules, strategy, names)
@@ -104,22 +104,26 @@ def split_attention(strategy: str, layout: str, seq_len: int, tile_size: int, ke
   block = seq_len // num_shards
   chosen, fallback = kernels.choose(
       kernel, (1, block, local_heads // ulysses, head_dim),
-      (1, block, local_kv * repeat // ulysses, head_dim), tile, dtype, softcap)
-  return Strategy(strategy, ring_schedule(layout, seq_len, num_shards, window), axis, tile,
-                  chosen, ulysses_axis, repeat, fallback, softcap)
+      (1, block, local_kv * repeat // ulysses, head_dim), tile, dtype, softcap,
+      narrowest is not None)
+  return Strategy(strategy, ring_schedule(layout, seq_len, num_shards, window, narrowest), axis,
+                  tile, chosen, ulysses_axis, repeat, fallback, softcap)
 
 
 def local_strategy(layout: str, seq_len: int, tile_size: int, kernel: str, q_shape, k_shape,
-                   dtype, window: int | None = None, softcap: float = 0.0) -> Strategy:
+                   dtype, window: int | None = None, softcap: float = 0.0,
+                   narrowest: int | None = None) -> Strategy:
   """Without a mesh: the whole row as one block, in its original order (a ring of one)."""
   check_seq_len(seq_len, layout, 1)
   tile = block_tile(seq_len, 1, tile_size)
   if seq_len % tile:
     raise ValueError(f"sequence length {seq_len} must be divisible by sequence shards x tile "
                      f"= 1 x {tile} = {tile}")
-  chosen, fallback = kernels.choose(kernel, q_shape, k_shape, tile, dtype, softcap)
-  return Strategy("ring", ring_schedule(layout, seq_len, 1, window), "sequence", tile, chosen,
-                  kernel_fallback=fallback, softcap=softcap)
+  tiles.check_band(window, narrowest)
+  chosen, fallback = kernels.choose(kernel, q_shape, k_shape, tile, dtype, softcap,
+                                    narrowest is not None)
+  return Strategy("ring", ring_schedule(layout, seq_len, 1, window, narrowest), "sequence",
+                  tile, chosen, kernel_fallback=fallback, softcap=softcap)
 
 
 def _sequence_axes(mesh, rules: Rules, strategy: str, names: Names) -> tuple[str, str | None]:

@@ -70,34 +70,36 @@ class Strategy:
   kernel_fallback: str | None = None  # why `kernel` is not the one the setup named
   softcap: float = 0.0  # logit soft cap (`parallelism.kernels`), 0: none
 
-  def forward(self, q_BTHD, k_BTKD, v_BTKD, seg_BT):
-    """(out, lse) of this device's queries, float32; out [B,T,Hq,D], lse [B,T,Hq].
+  def forward(self, q_BTHD, k_BTKD, v_BTKD, seg_BT, spans_H=None):
+    """(out, lse) of this device's queries, float32; out [B,T,Hq,D], lse [B,T,Hq];
+    `spans_H`: the per-head spans of this device's query heads, or None.
 
     Under Ulysses the ring runs on L = T x U tokens (the ring block) of h = Hq / U query
     and k = Hkv x repeat / U key/value heads."""
     if self.ulysses_axis is None:
       run = _gathered_forward_pass if self._gathers else ring.forward_pass
-      return run(q_BTHD, k_BTKD, v_BTKD, seg_BT, **self._ring_args())
+      return run(q_BTHD, k_BTKD, v_BTKD, seg_BT, **self._ring_args(spans_H))
     q_BLhD = self._to_heads(q_BTHD)
     k_BLkD, v_BLkD = (self._to_heads(self._repeat(x)) for x in (k_BTKD, v_BTKD))
     out_BLhD, lse_BLh = ring.forward_pass(q_BLhD, k_BLkD, v_BLkD, self._whole_block(seg_BT),
-                                          **self._ring_args())
+                                          **self._ring_args(self._head_shard(spans_H)))
     # The output moves in q's dtype (half the bytes at bf16); it is cast to it anyway.
     out_BTHD = self._to_sequence(out_BLhD.astype(q_BTHD.dtype)).astype(jnp.float32)
     return out_BTHD, self._to_sequence(lse_BLh)
 
-  def backward(self, q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, dout_BTHD):
+  def backward(self, q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, dout_BTHD,
+               spans_H=None):
     """(dq, dk, dv) of this device's blocks, float32 (shapes as in `forward`)."""
     if self.ulysses_axis is None:
       run = _gathered_backward_pass if self._gathers else ring.backward_pass
       return run(q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, dout_BTHD,
-                 **self._ring_args())
+                 **self._ring_args(spans_H))
     k_BLkD, v_BLkD = (self._to_heads(self._repeat(x)) for x in (k_BTKD, v_BTKD))
     q_BLhD, out_BLhD, lse_BLh, dout_BLhD = map(self._to_heads,
                                                (q_BTHD, out_BTHD, lse_BTH, dout_BTHD))
     dq_BLhD, dk_BLkD, dv_BLkD = ring.backward_pass(
         q_BLhD, k_BLkD, v_BLkD, self._whole_block(seg_BT), out_BLhD, lse_BLh, dout_BLhD,
-        **self._ring_args())
+        **self._ring_args(self._head_shard(spans_H)))
     # Each moves in its input's dtype (half the bytes at bf16), cast to it anyway, except
     # the dK/dV of repeated heads: their copies are summed after the move, in float32, so
     # that they are rounded once, as the ring rounds them.
@@ -112,9 +114,16 @@ class Strategy:
     """All-gather K/V: `allgather` with more than one device (one device is a ring of one)."""
     return self.name == "allgather" and self.schedule.num_shards > 1
 
-  def _ring_args(self) -> dict:
+  def _ring_args(self, spans_H=None) -> dict:
     return dict(axis=self.axis, schedule=self.schedule, tile=self.tile, kernel=self.kernel,
-                softcap=self.softcap)
+                softcap=self.softcap, spans_H=spans_H)
+
+  def _head_shard(self, spans_H):
+    """The spans of the query heads `_to_heads` leaves this device (its Ulysses shard)."""
+    if spans_H is None:
+      return None
+    size = spans_H.shape[0] // lax.axis_size(self.ulysses_axis)
+    return lax.dynamic_slice_in_dim(spans_H, lax.axis_index(self.ulysses_axis) * size, size)
 
   def _to_heads(self, x_BTH):
     """[B, T, H, ...] sequence shard of all heads -> [B, T x U, H / U, ...]: the ring block
@@ -163,11 +172,12 @@ def _over_needed_steps(schedule: RingSchedule, visit, carry):
 
 
 def _gathered_forward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, *, axis: str,
-                           schedule: RingSchedule, tile: int, kernel: str, softcap: float):
+                           schedule: RingSchedule, tile: int, kernel: str, softcap: float,
+                           spans_H=None):
   """All-gather forward: the ring's steps in order, each block read from the gathered K/V."""
   num_shards = schedule.num_shards
   device = lax.axis_index(axis)
-  runner = ring.RingDevice(schedule, device, kernel, tile, softcap)
+  runner = ring.RingDevice(schedule, device, kernel, tile, softcap, spans_H)
   block = _every_block(k_BTKD, v_BTKD, seg_BT, axis)
 
   def visit(step, out_lse):
@@ -180,12 +190,12 @@ def _gathered_forward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, *, axis: str,
 
 def _gathered_backward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, dout_BTHD, *,
                             axis: str, schedule: RingSchedule, tile: int, kernel: str,
-                            softcap: float):
+                            softcap: float, spans_H=None):
   """All-gather backward: dK/dV of every block accumulate here, then one reduce-scatter
   sends each block's sum to its owner."""
   num_shards = schedule.num_shards
   device = lax.axis_index(axis)
-  runner = ring.RingDevice(schedule, device, kernel, tile, softcap)
+  runner = ring.RingDevice(schedule, device, kernel, tile, softcap, spans_H)
   block = _every_block(k_BTKD, v_BTKD, seg_BT, axis)
   delta_BTH = ring.softmax_delta(dout_BTHD, out_BTHD)
   grads = lambda step, carry, k_b, v_b, seg_b: runner.backward_step(

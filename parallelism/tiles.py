@@ -15,6 +15,11 @@ summarised by the range of differences `d = q - k` in `[q_min - k_max, q_max - k
   MASKED tile whose mask is empty into SKIP (under striped, a window can fall between the
   tokens a tile holds).
 
+Per-head spans (MoA) make the window a band: each query head h has its own span, between
+`narrowest` and `window` (the widest). A tile is SKIP by the widest (no head sees a key) and
+UNMASKED by the narrowest (every head sees every key); the rest are MASKED, and there the
+kernels narrow the widest's mask per head (`q - k < span[h]`).
+
 Under `ring` this skips whole future blocks (and, with a window, whole past ones); under
 `striped` and `zigzag` it skips the upper triangle of tiles inside each block. Token
 indices are fixed by (layout, seq_len, ring size), so the rule runs once on the host, in
@@ -36,6 +41,15 @@ def check_window(window: int | None) -> None:
                      f"query itself counts), or None for causal attention")
 
 
+def check_band(window: int | None, narrowest: int | None) -> None:
+  """Per-head spans lie between `narrowest` and `window`, both whole numbers of keys."""
+  check_window(window)
+  if narrowest is not None:
+    check_window(narrowest)
+    if window is None or narrowest > window:
+      raise ValueError(f"the narrowest span {narrowest} must not exceed the widest {window}")
+
+
 def visible(q_index: np.ndarray, k_index: np.ndarray, window: int | None = None) -> np.ndarray:
   """The elementwise rule the classes summarise: query sees key (broadcasts like NumPy; also
   on JAX arrays, as dense attention and decoding apply it)."""
@@ -51,19 +65,22 @@ def tile_ranges(index_T: np.ndarray, tile: int) -> tuple[np.ndarray, np.ndarray]
   return chunks.min(axis=1), chunks.max(axis=1)
 
 
-def classify_tile(q_min, q_max, k_min, k_max, window: int | None = None) -> np.ndarray:
-  """SKIP, UNMASKED or MASKED (int8) for tile pairs; broadcasts like NumPy."""
+def classify_tile(q_min, q_max, k_min, k_max, window: int | None = None,
+                  narrowest: int | None = None) -> np.ndarray:
+  """SKIP, UNMASKED or MASKED (int8) for tile pairs; broadcasts like NumPy. With per-head
+  spans, `window` is the widest and `narrowest` the narrowest (None: `window`)."""
   d_lo, d_hi = q_min - k_max, q_max - k_min
-  if window is None:
-    skip, unmasked = d_hi < 0, d_lo >= 0
-  else:
-    skip, unmasked = (d_hi < 0) | (d_lo >= window), (d_lo >= 0) & (d_hi < window)
+  narrowest = window if narrowest is None else narrowest
+  skip, unmasked = d_hi < 0, d_lo >= 0
+  if window is not None:
+    skip, unmasked = skip | (d_lo >= window), unmasked & (d_hi < narrowest)
   return np.where(skip, SKIP, np.where(unmasked, UNMASKED, MASKED)).astype(np.int8)
 
 
 def classify_all(q_index_T: np.ndarray, k_index_T: np.ndarray, tile_q: int, tile_k: int,
-                 window: int | None = None) -> np.ndarray:
+                 window: int | None = None, narrowest: int | None = None) -> np.ndarray:
   """Classes of all tile pairs of a query block and a key block, [num_q_tiles, num_k_tiles]."""
   q_min, q_max = tile_ranges(q_index_T, tile_q)
   k_min, k_max = tile_ranges(k_index_T, tile_k)
-  return classify_tile(q_min[:, None], q_max[:, None], k_min[None, :], k_max[None, :], window)
+  return classify_tile(q_min[:, None], q_max[:, None], k_min[None, :], k_max[None, :], window,
+                       narrowest)
