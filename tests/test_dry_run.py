@@ -7,6 +7,8 @@ import sys
 
 import flax.linen as nn
 import jax
+from absl import flags
+from absl.testing import flagsaver
 import numpy as np
 import pytest
 
@@ -16,7 +18,7 @@ from trainer.config import flops
 from trainer.config.config_check import ConfigError
 from trainer.core.state import init_state
 from trainer.core.training import build_training
-from trainer.plan import dry_run, plan_report, plan_target
+from trainer.plan import command, dry_run, plan_report, plan_target
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -72,18 +74,31 @@ def test_cli_dry_run_prints_verdict():
   assert "fits in 16 GiB per device (" in result.stdout, result.stdout
 
 
+@pytest.mark.parametrize("args, message", [
+    (("--dry_run", "--device_memory_gib=-5"), "--device_memory_gib=-5 must be positive"),
+    (("--dry_run", "--compare_strategies", "--intra_node_gbps=nan"),
+     "--intra_node_gbps=nan must be positive"),
+    (("--plan_compiler=cpu",), "--plan_compiler plans: pass it with --dry_run"),  # Trained.
+    (("--find_max_seq_len",), "--find_max_seq_len plans: pass it with --dry_run"),
+    (("--dry_run", "--find_max_seq_len", "--plan_mfu=0.5"),
+     "--plan_mfu is read by a plain --dry_run and --compare_strategies only"),  # Was ignored.
+    (("--dry_run", "--node_size=4"), "--node_size is read by --compare_strategies only"),
+    (("--dry_run", "--find_max_seq_len", "--compare_strategies"),
+     "pass one of --find_max_seq_len and --compare_strategies"),
+])
+def test_plan_flags_out_of_place_or_range_are_named(args, message):
+  """What `python -m trainer` prints as its one error line for the planner's flags (the
+  command line's own test is below, with one of these)."""
+  with flagsaver.flagsaver():
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS(["trainer", *args])
+    assert command.flags_problem() == message
+
+
 @pytest.mark.parametrize("args, wandb_mode, message", [
     (("--dry_run", "--plan_mfu=0"), "", "--plan_mfu=0 must be in (0, 1]"),  # Was a ZeroDivision.
-    (("--dry_run", "--device_memory_gib=-5"), "", "--device_memory_gib=-5 must be positive"),
-    (("--dry_run", "--compare_strategies", "--intra_node_gbps=nan"), "",
-     "--intra_node_gbps=nan must be positive"),
     (("--dry_run", "--plan_accelerator=tpu_v6"), "", "flag --plan_accelerator=tpu_v6: value "
      "should be one of <h100|h100_pcie|h200|a100|tpu_v4|tpu_v5e|tpu_v5p>"),  # Was a KeyError.
-    (("--plan_compiler=cpu",), "", "--plan_compiler plans: pass it with --dry_run"),  # Trained.
-    (("--find_max_seq_len",), "", "--find_max_seq_len plans: pass it with --dry_run"),
-    (("--dry_run", "--find_max_seq_len", "--plan_mfu=0.5"), "",
-     "--plan_mfu is read by a plain --dry_run and --compare_strategies only"),  # Was ignored.
-    (("--dry_run", "--node_size=4"), "", "--node_size is read by --compare_strategies only"),
     (("--config.init.from_hf=tests/hf_fixtures/llama_gqa_sharded", "--config.model.num_layers=4"),
      "", "--config.model.num_layers=4, but init.from_hf=tests/hf_fixtures/llama_gqa_sharded has "
      "2: the checkpoint sets the model's shape (only its RoPE and local attention may be "
