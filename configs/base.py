@@ -46,6 +46,9 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
   config.model.local_rope_theta = 0.0
   # Attention logits capped at c * tanh(logit / c) in every layer (Gemma 2: 50); 0: none.
   config.model.attention_softcap = 0.0
+  # A JSON plan of per-(layer, query head) spans, MoA's alpha + beta * data.seq_len
+  # (model/spans.py); it decides which layers are local. Empty: none.
+  config.model.head_spans = ""
   config.model.norm_eps = 1e-5  # RMSNorm epsilon.
   config.model.tie_embeddings = False  # Share the input embedding with the output projection.
   config.model.init_std = 0.02  # Std of the normal initialiser of every matrix.

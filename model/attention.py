@@ -27,10 +27,11 @@ from model.rope import RopeScaling, apply_rope, frequencies
 
 def dense_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
                     segment_ids_BS: jax.Array, window: int | None = None,
-                    softcap: float = 0.0) -> jax.Array:
+                    softcap: float = 0.0, spans_H: jax.Array | None = None) -> jax.Array:
   """Masked softmax attention over the whole row, in its original order (a token's index
-  is its place), each query seeing the `window` keys up to itself (None: all before it),
-  logits capped at `softcap` (0: not); K/V heads are shared by query groups.
+  is its place), each query seeing the `window` keys up to itself (None: all before it; with
+  per-head spans `spans_H` [Hq], query head h sees `spans_H[h]`), logits capped at
+  `softcap` (0: not); K/V heads are shared by query groups.
 
   Scores and softmax are float32. A query that sees no key gets zeros, not NaN.
   """
@@ -46,6 +47,10 @@ def dense_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
                                      window)
                  & (segment_ids_BS[:, None, :] == segment_ids_BS[:, :, None]))
   visible_B11ST = visible_BST[:, None, None]
+  if spans_H is not None:
+    behind_ST = token_index_BS[0][:, None] - token_index_BS[0][None, :]
+    spans_KG11 = spans_H.reshape(num_kv_heads, -1)[:, :, None, None]
+    visible_B11ST = visible_B11ST & (behind_ST < spans_KG11)[None]
   scores_BKGST = jnp.where(visible_B11ST, scores_BKGST, -jnp.inf)
   row_max_BKGS1 = jnp.max(scores_BKGST, axis=-1, keepdims=True)
   row_max_BKGS1 = jnp.where(jnp.isfinite(row_max_BKGS1), row_max_BKGS1, 0.0)
@@ -57,7 +62,8 @@ def dense_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
   return out_BSKGD.reshape(q_BSHD.shape).astype(q_BSHD.dtype)
 
 
-def _whole_rows(cfg: ModelConfig, q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, window):
+def _whole_rows(cfg: ModelConfig, q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, window,
+                spans_H=None):
   """`dense` attention: cuDNN's flash attention on a CUDA GPU (each packed document apart;
   a row of more documents than its packed layout takes runs the block kernels as a ring of
   one, and so do a local layer and capped logits, which cuDNN's packed call is not given),
@@ -65,13 +71,14 @@ def _whole_rows(cfg: ModelConfig, q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, window
   position and cuDNN's causal mask the rule."""
   if parallelism.cudnn_dense_reason(q_BSHD.shape, q_BSHD.dtype):
     return dense_attention(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, window,
-                           cfg.attention_softcap)
+                           cfg.attention_softcap, spans_H)
   fallback = functools.partial(
       parallelism.ring_attention, layout="ring", rules=nn.get_logical_axis_rules(),
       tile_size=math.gcd(q_BSHD.shape[1], cfg.attention_tile), window=window,
       softcap=cfg.attention_softcap)
   if window is not None or cfg.attention_softcap:
-    return fallback(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS)
+    return fallback(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, spans=spans_H,
+                    narrowest=cfg.narrowest_span if spans_H is not None else None)
   return parallelism.cudnn_dense_attention(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, fallback)
 
 
@@ -95,8 +102,9 @@ class Attention(nn.Module):
 
   `local` (a traced bool, one per layer of the decoder's scan) says whether this layer is
   local; when the model's layers are all of one kind it is ignored and nothing branches.
-  A local layer sees `cfg.window` keys and, with `cfg.local_rope_theta`, rotates by its
-  own RoPE base (unscaled, as Gemma 3's local layers).
+  A local layer sees `cfg.window` keys (with a span plan, each query head its own span:
+  `spans_H`, this layer's row of the scanned plan) and, with `cfg.local_rope_theta`,
+  rotates by its own RoPE base (unscaled, as Gemma 3's local layers).
 
   A prefill (an apply, not an init) with the `cache` collection mutable stores each layer's
   roped keys and values there, in the row's layout order; a decode step writes the new
@@ -109,7 +117,8 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x_BSE: jax.Array, positions_BS: jax.Array, segment_ids_BS: jax.Array,
-               local: jax.Array | None = None) -> jax.Array:
+               local: jax.Array | None = None,
+               spans_H: jax.Array | None = None) -> jax.Array:
     cfg = self.cfg
 
     def project(heads, names, name):
@@ -133,12 +142,15 @@ class Attention(nn.Module):
       k_BSKD = constrain(apply_rope(k_BSKD, positions_BS, inv_freq_F, rope_factor),
                          ("activation_batch", "activation_seq", "activation_kv_heads", None))
       window = cfg.window_of(kind)
+      # Per-head spans narrow a local layer's window per head (the widest is `window`).
+      spans = spans_H if kind == LOCAL else None
       if self.decode:
         return parallelism.decode_attention(
             q_BSHD, k_BSKD, v_BSKD, *cache, positions_BS[:, 0], layout=cfg.layout,
-            rules=nn.get_logical_axis_rules(), window=window, softcap=cfg.attention_softcap)
+            rules=nn.get_logical_axis_rules(), window=window, softcap=cfg.attention_softcap,
+            spans=spans)
       if cfg.attention == "dense":
-        out_BSHD = _whole_rows(cfg, q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, window)
+        out_BSHD = _whole_rows(cfg, q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, window, spans)
       else:
         # The ring's shardings come from the rules table the activations above are pinned
         # by; its schedule from the layout the data pipeline permuted the batch into.
@@ -146,7 +158,8 @@ class Attention(nn.Module):
             q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, layout=cfg.layout,
             rules=nn.get_logical_axis_rules(), kernel=cfg.kernel,
             tile_size=cfg.attention_tile, strategy=cfg.sequence_parallel, window=window,
-            softcap=cfg.attention_softcap)
+            softcap=cfg.attention_softcap, spans=spans,
+            narrowest=None if spans is None else cfg.narrowest_span)
       return out_BSHD, k_BSKD, v_BSKD
 
     kinds = set(cfg.layer_kinds)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import parallelism
+from model import spans as span_plans
 from model.rope import RopeScaling
 
 ATTENTIONS = ("dense", "ring", "striped", "zigzag")
@@ -41,6 +42,8 @@ class ModelConfig:
   layer_pattern: str = ""  # L (local) and G (global) per layer, repeated; "": all alike.
   local_rope_theta: float = 0.0  # RoPE base of local layers (unscaled); 0: the global RoPE.
   attention_softcap: float = 0.0  # Logits capped at c * tanh(logit / c) (Gemma 2); 0: none.
+  head_spans: str = ""  # A plan of per-(layer, head) spans (model/spans.py); "": none.
+  span_length: int = 0  # The row length the plan resolves at (data.seq_len; the trainer's).
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
   init_std: float = 0.02
@@ -57,6 +60,15 @@ class ModelConfig:
     # `config.model.to_dict()` hands the nested block over as a dict; unknown keys fail here.
     if isinstance(self.rope_scaling, dict):
       object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+    # The span plan is read once, here (a ValueError says what is wrong with it, when asked).
+    object.__setattr__(self, "_spans", ())
+    if self.head_spans and self.span_length >= 1:
+      try:
+        plan = span_plans.resolve(self.head_spans, self.num_layers, self.num_heads,
+                                  self.span_length)
+      except ValueError as error:
+        plan = error
+      object.__setattr__(self, "_spans", plan)
 
   @property
   def head_size(self) -> int:
@@ -69,16 +81,52 @@ class ModelConfig:
   @property
   def layer_kinds(self) -> str:
     """LOCAL or GLOBAL for each layer: `layer_pattern` repeated over the layers, or every
-    layer local when only `window` is set (Mistral), global when neither is."""
+    layer local when only `window` is set (Mistral), global when neither is. With a span
+    plan, a layer is local when one of its heads sees fewer keys than the row."""
+    if self.head_spans:
+      return "".join(LOCAL if min(row) < self.span_length else GLOBAL for row in self.spans)
     pattern = self.layer_pattern or (LOCAL if self.window else GLOBAL)
     return "".join(pattern[i % len(pattern)] for i in range(self.num_layers))
 
+  @property
+  def spans(self) -> tuple[tuple[int, ...], ...]:
+    """Per-(layer, query head) spans of the plan at `span_length` (model/spans.py); ()."""
+    if not self.head_spans:
+      return ()
+    if self.span_length < 1:
+      raise ValueError(f"model.head_spans='{self.head_spans}' needs the row length it "
+                       f"resolves at (data.seq_len)")
+    if isinstance(self._spans, ValueError):
+      raise self._spans
+    return self._spans
+
+  def _local_spans(self) -> list[int]:
+    return [s for row in self.spans if min(row) < self.span_length for s in row]
+
   def window_of(self, kind: str) -> int | None:
-    """The attention window of a layer of this kind (None: causal over the whole row)."""
-    return self.window if kind == LOCAL else None
+    """The attention window of a layer of this kind (None: causal over the whole row); with
+    per-head spans the widest of any local layer's head (what the schedule skips by)."""
+    if kind != LOCAL:
+      return None
+    return max(self._local_spans()) if self.head_spans else self.window
+
+  @property
+  def narrowest_span(self) -> int | None:
+    """With per-head spans that differ, the narrowest of any local layer's head (what the
+    schedule computes without a mask by); else None (one window per local layer)."""
+    local = self._local_spans()
+    return min(local) if local and min(local) < max(local) else None
 
   def pattern_problem(self) -> str:
     """What makes the window and layer pattern unusable, naming the field; empty if fine."""
+    if self.head_spans:
+      if self.window or self.layer_pattern:
+        return (f"model.head_spans='{self.head_spans}' gives every layer's spans: leave "
+                f"model.window at 0 and model.layer_pattern empty")
+      try:
+        self.spans  # pylint: disable=pointless-statement
+      except ValueError as error:
+        return str(error)
     if self.window < 0:
       return f"model.window={self.window} must be >= 0 (0: no local layers)"
     if set(self.layer_pattern) - {LOCAL, GLOBAL}:

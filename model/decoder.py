@@ -24,12 +24,12 @@ class Block(nn.Module):
   decode: bool = False
 
   @nn.compact
-  def __call__(self, x_BSE, positions_BS, segment_ids_BS, local=None):
+  def __call__(self, x_BSE, positions_BS, segment_ids_BS, local=None, spans_H=None):
     cfg = self.cfg
     x_BSE = checkpoint_name(x_BSE, BLOCK_INPUT)  # What remat 'offload' keeps in host memory.
     h_BSE = RMSNorm(cfg, name="attention_norm")(x_BSE)
     x_BSE = x_BSE + Attention(cfg, self.decode, name="attention")(
-        h_BSE, positions_BS, segment_ids_BS, local)
+        h_BSE, positions_BS, segment_ids_BS, local, spans_H)
     h_BSE = RMSNorm(cfg, name="mlp_norm")(x_BSE)
     x_BSE = constrain(x_BSE + SwiGLU(cfg, name="mlp")(h_BSE), _ACTIVATION_BSE)
     return x_BSE, None
@@ -99,15 +99,18 @@ class Decoder(nn.Module):
     block = Block
     if cfg.remat != "none":
       block = nn.remat(Block, policy=_remat_policy(cfg.remat), prevent_cse=False)
+    # Which layers are local (`ModelConfig.layer_pattern`) and, with a span plan whose spans
+    # differ, each layer's per-head spans: scanned with the blocks, so the stack stays one
+    # scan whatever the pattern.
+    scanned = [jnp.asarray([kind == LOCAL for kind in cfg.layer_kinds])]
+    if cfg.narrowest_span is not None:
+      scanned.append(jnp.asarray(cfg.spans, jnp.int32))  # [L, Hq]
     blocks = nn.scan(
         block, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True},
-        in_axes=(nn.broadcast, nn.broadcast, 0), length=cfg.num_layers,
+        in_axes=(nn.broadcast, nn.broadcast, *[0] * len(scanned)), length=cfg.num_layers,
         metadata_params={nn.PARTITION_NAME: "layers"})
-    # Which layers are local (`ModelConfig.layer_pattern`): scanned with the blocks, so the
-    # stack stays one scan whatever the pattern.
-    local_L = jnp.asarray([kind == LOCAL for kind in cfg.layer_kinds])
     x_BSE, _ = blocks(cfg, self.decode, name="blocks")(
-        x_BSE, positions_BS, segment_ids_BS, local_L)
+        x_BSE, positions_BS, segment_ids_BS, *scanned)
     x_BSE = RMSNorm(cfg, name="final_norm")(x_BSE)
 
     if cfg.tie_embeddings:

@@ -178,6 +178,9 @@ def _rope(hf_config: dict[str, Any], require) -> tuple[float, RopeScaling]:
 
 def export_problem(cfg: ModelConfig) -> str:
   """Why `cfg` has no LLaMA or Mistral config.json; empty when it has one."""
+  if cfg.head_spans:
+    return (f"model.head_spans='{cfg.head_spans}': per-head spans have no LLaMA or Mistral "
+            f"config.json")
   if cfg.attention_softcap:
     return (f"model.attention_softcap={cfg.attention_softcap:g}: capped attention logits "
             f"have no LLaMA or Mistral config.json")

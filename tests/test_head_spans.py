@@ -5,11 +5,16 @@ Shapes and tolerances as tests/test_windows.py (which these reuse), so that the 
 few and small.
 """
 
+import functools
+import json
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from model import ModelConfig
 from parallelism import tiles
 from parallelism.layouts import LAYOUTS
 from parallelism.schedule import held_block, ring_schedule
@@ -93,3 +98,106 @@ def test_tile_counts_of_a_band_lie_between_its_bounds():
   np.testing.assert_array_equal(band.computed_tiles(tile), widest.computed_tiles(tile))
   assert band.masked_tiles(tile).sum() > widest.masked_tiles(tile).sum()
   assert band.needed_steps == widest.needed_steps == (0, 1)
+
+
+def test_dense_attention_with_spans_is_each_head_alone():
+  """The model's dense path (and the reference of the model test below)."""
+  from model.attention import dense_attention as model_dense  # pylint: disable=g-import-not-at-top
+  q, k, v, dout, index, seg = _packed_inputs(64)
+  got = model_dense(q, k, v, seg, max(SPANS), spans_H=jnp.asarray(SPANS))
+  np.testing.assert_allclose(got, per_head_reference(q, k, v, dout, index, seg, SPANS)[0],
+                             **_F32_TOL)
+
+
+def _plan(tmp_path, alpha, beta, name="plan.json"):
+  path = tmp_path / name
+  path.write_text(json.dumps({"alpha": alpha, "beta": beta}))
+  return str(path)
+
+
+def test_a_span_plan_resolves_at_the_row_length_and_a_bad_one_is_one_line(tmp_path):
+  fields = dict(num_layers=2, d_model=32, num_heads=2, num_kv_heads=1, d_ff=32, vocab_size=64,
+                span_length=64)
+  plan = _plan(tmp_path, [[1, 8], [100, 64]], [[1 / 32, 0.25], [0, 0]])
+  cfg = ModelConfig(**fields, head_spans=plan)
+  assert cfg.spans == ((3, 24), (64, 64)) and cfg.layer_kinds == "LG"
+  assert (cfg.window_of("L"), cfg.narrowest_span, cfg.window_of("G")) == (24, 3, None)
+  for alpha, beta, match in (
+      ([[1, 8]], [[0, 0]], "'alpha' must have one row per layer, 2 .* it has 1"),
+      ([[1, 8], [1, 8]], [[0, 0], [0]], "'beta' row 1 must have one entry per query head, 2"),
+      ([[1, 8], [0, 8]], [[0, 0], [0, 0]], "layer 1 head 0 has span 0 at length 64"),
+      ([[1, 8], [1, "x"]], [[0, 0], [0, 0]], "'alpha' row 1 must hold numbers")):
+    problem = ModelConfig(**fields, head_spans=_plan(tmp_path, alpha, beta)).pattern_problem()
+    assert re.search(match, problem) and "\n" not in problem, problem
+  missing = ModelConfig(**fields, head_spans=str(tmp_path / "none.json")).pattern_problem()
+  assert "cannot read the plan" in missing and "\n" not in missing
+  assert "leave model.window at 0" in ModelConfig(**fields, head_spans=plan,
+                                                  window=8).pattern_problem()
+
+
+def test_a_decoder_with_a_span_plan_matches_dense_in_zigzag(tmp_path):
+  """Three layers 'LGL' from a plan (a global layer: every span the row), per-head spans
+  scanned with the blocks: zigzag on 4 devices gives dense's logits, and the spans change
+  them. (Forward only: the ring tests above check the gradients of the same passes.)"""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  from jax.sharding import AxisType  # pylint: disable=g-import-not-at-top
+  from model import Decoder  # pylint: disable=g-import-not-at-top
+  from parallelism.layouts import permute, unpermute  # pylint: disable=g-import-not-at-top
+
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(0, 101, (2, 64)), jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(64, dtype=jnp.int32), (2, 64))
+  segments = jnp.asarray(np.where(np.arange(64) < 20, 0, 1)[None].repeat(2, 0), jnp.int32)
+  plan = _plan(tmp_path, [[3, 12, 9, 20], [64] * 4, [5, 5, 30, 2]], [[0] * 4] * 3)
+  fields = dict(num_layers=3, d_model=64, num_heads=4, num_kv_heads=2, d_ff=96,
+                vocab_size=101, dtype="float32", head_spans=plan, span_length=64,
+                attention_tile=8)
+  dense = Decoder(ModelConfig(**fields))
+  assert dense.cfg.layer_kinds == "LGL" and dense.cfg.narrowest_span == 2
+  params = dense.init(jax.random.key(0), tokens, positions, segments)
+  want = np.asarray(dense.apply(params, tokens, positions, segments))
+  widest = _plan(tmp_path, [[20] * 4, [64] * 4, [30] * 4], [[0] * 4] * 3, "widest.json")
+  one_window = Decoder(ModelConfig(**{**fields, "head_spans": widest}))
+  assert np.abs(np.asarray(one_window.apply(params, tokens, positions, segments))
+                - want).max() > 1e-2
+
+  mesh = jax.make_mesh((4,), ("sequence",), axis_types=(AxisType.Auto,),
+                       devices=jax.devices()[:4])
+  zigzag = Decoder(ModelConfig(**fields, attention="zigzag", kernel="xla"))
+  perm = functools.partial(permute, layout="zigzag", num_shards=4)
+  with jax.set_mesh(mesh), nn.logical_axis_rules((("activation_seq", "sequence"),)):
+    logits = jax.jit(zigzag.apply)(params, perm(tokens), perm(positions), perm(segments))
+  np.testing.assert_allclose(unpermute(np.asarray(logits), "zigzag", 4), want, **_F32_TOL)
+
+
+def test_a_decode_step_with_per_head_spans_matches_each_head_alone():
+  """Zigzag cache on 4 devices, window 5 (the widest), heads of spans 2, 5, 3, 4; positions
+  before, at and past the window."""
+  from parallelism import decoding  # pylint: disable=g-import-not-at-top
+  from parallelism.layouts import permutation  # pylint: disable=g-import-not-at-top
+  spans, heads, kv, dim, capacity = (2, 5, 3, 4), 4, 2, 8, 64
+  rules = decoding.decode_rules((("activation_batch", None), ("activation_seq", "sequence"),
+                                 ("activation_heads", None), ("activation_kv_heads", None)))
+  mesh = jax.make_mesh((4,), ("sequence",), (jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:4])
+  step = jax.jit(functools.partial(decoding.decode_attention, layout="zigzag", rules=rules,
+                                   mesh=mesh, window=max(spans)))
+  rng = np.random.default_rng(7)
+  keys, values = (rng.standard_normal((2, capacity, kv, dim), np.float32) for _ in range(2))
+  order = permutation("zigzag", capacity, 4)
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "sequence"))
+  for position in (1, 4, 40):
+    q, k, v = (rng.standard_normal((2, 1, h, dim), np.float32) for h in (heads, kv, kv))
+    positions = np.array([position, position + 3], np.int32)
+    cache = [jax.device_put(c[:, order], sharding) for c in (keys, values)]
+    with jax.set_mesh(mesh):
+      out = np.asarray(step(q, k, v, *cache, positions, spans=jnp.asarray(spans))[0])
+    for row, p in enumerate(positions):
+      k_all, v_all = keys[row].copy(), values[row].copy()
+      k_all[p], v_all[p] = k[row, 0], v[row, 0]
+      for h, span in enumerate(spans):
+        seen = slice(max(p - span + 1, 0), p + 1)
+        scores = k_all[seen, h // 2] @ q[row, 0, h] / np.sqrt(dim)
+        weights = np.exp(scores - scores.max())
+        want = weights @ v_all[seen, h // 2] / weights.sum()
+        np.testing.assert_allclose(out[row, 0, h], want, **_F32_TOL)

@@ -70,7 +70,8 @@ def _check_one(config: ml_collections.ConfigDict, num_devices: int) -> None:
            f"(or set model.head_dim)")
   rope_problem = RopeScaling(**m.rope_scaling.to_dict()).problem()
   _require(not rope_problem, rope_problem)
-  pattern_problem = ModelConfig(**m.to_dict()).pattern_problem()
+  pattern_problem = ModelConfig(**m.to_dict(), span_length=config.data.seq_len
+                                ).pattern_problem()
   _require(not pattern_problem, pattern_problem)
   _require(head_size % 2 == 0, f"head size {head_size} must be even for rotary embeddings "
                                f"(model.head_dim or model.d_model / model.num_heads)")
@@ -198,7 +199,7 @@ def attention_split(config: ml_collections.ConfigDict, num_devices: int):
   `parallelism.split_attention`, its errors a ConfigError naming config fields. The split of
   the first layer's kind: the others differ only in their window."""
   m = config.model
-  cfg = ModelConfig(**m.to_dict())
+  cfg = ModelConfig(**m.to_dict(), span_length=config.data.seq_len)
   shape = dict(zip(parallelism.MESH_AXES,
                    parallelism.resolve_mesh_shape(config.mesh, num_devices)))
   mesh = jax.sharding.AbstractMesh(tuple(shape.values()), tuple(shape))
@@ -207,7 +208,8 @@ def attention_split(config: ml_collections.ConfigDict, num_devices: int):
         m.sequence_parallel, layout_of(m.attention), config.data.seq_len, m.attention_tile,
         m.kernel, mesh, config.mesh.rules, m.num_heads, m.num_kv_heads, cfg.head_size,
         jnp.dtype(m.dtype), CONFIG_NAMES, window=cfg.window_of(cfg.layer_kinds[0]),
-        softcap=cfg.attention_softcap)
+        softcap=cfg.attention_softcap,
+        narrowest=cfg.narrowest_span if cfg.layer_kinds[0] == "L" else None)
   except ValueError as error:
     raise ConfigError(str(error)) from None
 

@@ -37,7 +37,11 @@ MEMORY_GIB = {"tpu_v4": 32, "tpu_v5e": 16, "tpu_v5p": 95}
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-  keys = sum(_keys_per_query(cfg.window_of(kind), seq_len) for kind in cfg.layer_kinds)
+  if cfg.head_spans:  # Per-head spans: each head counts the keys it sees.
+    keys = sum(sum(_keys_per_query(span, seq_len) for span in row) / len(row)
+               for row in cfg.spans)
+  else:
+    keys = sum(_keys_per_query(cfg.window_of(kind), seq_len) for kind in cfg.layer_kinds)
   return 6 * cfg.matmul_params() + 12 * cfg.num_heads * cfg.head_size * keys
 
 

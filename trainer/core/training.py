@@ -20,7 +20,8 @@ from trainer.core.step import jit_train_step
 
 
 def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
-  return ModelConfig(**config.model.to_dict(), remat=config.train.remat,
+  return ModelConfig(**config.model.to_dict(), span_length=config.data.seq_len,
+                     remat=config.train.remat,
                      loss_chunk=config.train.loss_chunk)
 
 

@@ -155,14 +155,17 @@ def plan(config: ml_collections.ConfigDict, device_memory_gib: float | None = No
 
 def layout_choice(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, Any]:
   """Each layout's attention critical path for the config's layers (their windows summed
-  over the layers) on its ring, and the shortest: {} for dense attention."""
+  over the layers; with per-head spans, every local layer's schedule is the one the model
+  runs, SKIP by the widest span of any local head) on its ring, and the shortest: {} for
+  dense attention."""
   if config.model.attention == "dense":
     return {}
   split = attention_split(config, num_devices)
   cfg = model_config(config)
   table, best = parallelism.compare_layouts(
       config.data.seq_len, split.schedule.num_shards, split.tile,
-      tuple(cfg.window_of(kind) for kind in cfg.layer_kinds))
+      tuple((cfg.window_of(kind), cfg.narrowest_span if kind == "L" else None)
+            for kind in cfg.layer_kinds))
   return {"layout_table": table, "best_layout": best}
 
 
