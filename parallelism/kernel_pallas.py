@@ -150,7 +150,6 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, scale: float, softcap: float, block_
   q_seg_t = q_seg_ref[...] if has_seg else None
   # Read outside the tile loops: interpret mode cannot lower a program id inside them.
   span = span_refs[2][pl.program_id(2)] if has_spans else None
-  narrow = None
 
   def visit(j, carry, mask_id):
     keys = pl.ds(j * block_k, block_k)
@@ -160,6 +159,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, scale: float, softcap: float, block_
       s_tk = _logits(q_tD, k_kD, scale, softcap)[0] * _LOG2E
     else:  # base-2 logits in one multiply: exp2(s * log2 e) == exp(s)
       s_tk = _dot(q_tD, k_kD, 1) * (scale * _LOG2E)
+    narrow = None
     if has_spans:
       narrow = lambda: _within(span_refs[0][...], span_refs[1][keys], span)
     mask = _visible(masks_ref, mask_id, q_seg_t, k_seg_ref[keys] if has_seg else None, narrow)

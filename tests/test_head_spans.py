@@ -201,3 +201,24 @@ def test_a_decode_step_with_per_head_spans_matches_each_head_alone():
         weights = np.exp(scores - scores.max())
         want = weights @ v_all[seen, h // 2] / weights.sum()
         np.testing.assert_allclose(out[row, 0, h], want, **_F32_TOL)
+
+
+def test_the_pallas_kernels_with_spans_lower_to_triton_for_cuda(monkeypatch):
+  """Cross-lowering (no GPU needed), as tests/test_kernel_pallas.py does for windows: the
+  per-head span test in MASKED tiles is a construct Triton's lowering takes."""
+  from parallelism import kernel_pallas  # pylint: disable=g-import-not-at-top
+  from tests.test_kernel_pallas import _export_for_cuda  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(kernel_pallas, "_interpret", lambda: False)
+  schedule = ring_schedule("striped", 1024, 4, 300, 40)
+  q = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+  seg = jax.ShapeDtypeStruct((1, 256), jnp.int32)
+
+  def fwd_bwd(q, k, v, seg, pair, spans):
+    attend = dict(schedule=schedule, pair=pair, tile=256, spans_H=spans)
+    out, lse = kernel_pallas.block_fwd(q, k, v, seg, seg, **attend)
+    return kernel_pallas.block_bwd(q, k, v, q, lse, jnp.sum(out, axis=-1), seg, seg, **attend)
+
+  exported = _export_for_cuda(fwd_bwd, q, kv, kv, seg, jax.ShapeDtypeStruct((), jnp.int32),
+                              jax.ShapeDtypeStruct((4,), jnp.int32))
+  assert exported.mlir_module().count("__gpu$xla.gpu.triton") == 3  # fwd, dK/dV, dQ
