@@ -132,7 +132,7 @@ class ModelConfig:
     if set(self.layer_pattern) - {LOCAL, GLOBAL}:
       return (f"model.layer_pattern='{self.layer_pattern}' must be letters {LOCAL} (local) "
               f"and {GLOBAL} (global), e.g. 'LLLLLG' for five local layers per global one")
-    if LOCAL in self.layer_kinds and not self.window:
+    if LOCAL in self.layer_kinds and not self.window and not self.head_spans:
       return (f"model.layer_pattern='{self.layer_pattern}' has local layers: set "
               f"model.window to the keys they see")
     if self.window and LOCAL not in self.layer_kinds:

@@ -98,6 +98,21 @@ def test_impossible_values_name_the_field(overrides, field):
   assert field in message and "\n" not in message
 
 
+def test_a_span_plan_alone_makes_its_layers_local(tmp_path):
+  """`model.head_spans` decides the local layers: no `model.window` or pattern with it (the
+  check asked for a window and stopped every run with a plan)."""
+  import json
+  plan = tmp_path / "spans.json"
+  plan.write_text(json.dumps({"alpha": [[16, 48, 32, 256], [256] * 4],
+                              "beta": [[0, 0, 0.0625, 0], [0] * 4]}))
+  config = _load("tiny_cpu", "zigzag")
+  config.model.head_spans = str(plan)
+  check_config(config, num_devices=8)
+  config.model.window = 32
+  with pytest.raises(ConfigError, match="leave model.window at 0"):
+    check_config(config, num_devices=8)
+
+
 def test_evals_off_need_no_eval_steps():
   """train.eval_steps counts only when evals run; the synthetic corpus's validation split is
   built at preparation whether or not evals run, so data.num_eval_documents counts always."""

@@ -16,6 +16,7 @@ from jax.experimental import multihost_utils
 import data
 import parallelism
 from model import ModelConfig, dense_line
+from model.config import LOCAL
 from trainer.ckpt.checkpointing import Checkpointer
 from trainer.ckpt.resume import (checkpoint_meta, compatibility_check, config_dict, config_path,
                                  file_sha256, start_warning)
@@ -168,10 +169,17 @@ def _kernel_line(config: ml_collections.ConfigDict, model_cfg: ModelConfig) -> s
 
 
 def _local_part(model_cfg: ModelConfig) -> str:
-  """'; local layers LGLG (L: window 32)' and the soft cap, when the model has them."""
+  """'; local layers LGLG (L: window 32)' (or the range of a span plan's heads) and the soft
+  cap, when the model has them."""
   kinds = model_cfg.layer_kinds
-  local = (f"; local layers {kinds} (L: window {model_cfg.window})" if model_cfg.window
-           else "")
+  local = ""
+  if model_cfg.head_spans and LOCAL in kinds:
+    widest = model_cfg.window_of(LOCAL)
+    narrowest = model_cfg.narrowest_span or widest
+    local = (f"; local layers {kinds} (L: per-head spans of {narrowest}-{widest} keys from "
+             f"{model_cfg.head_spans})")
+  elif model_cfg.window:
+    local = f"; local layers {kinds} (L: window {model_cfg.window})"
   cap = (f"; logits soft-capped at {model_cfg.attention_softcap:g}"
          if model_cfg.attention_softcap else "")
   return local + cap
