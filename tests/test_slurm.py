@@ -7,8 +7,9 @@ why. One job of 2 tasks x 4 CPU devices, submitted once with sbatch and requeued
 
   1. preempted by `scancel --signal=TERM` (what `--signal=TERM@300` does before the time
      limit): both processes save one agreed step and exit 0;
-  2. requeued: it resumes from that step; then one task is killed with kill -9 and
-     `--kill-on-bad-exit` ends the job, the committed checkpoint untouched;
+  2. requeued: it resumes from that step; then one task is killed with kill -9: the other
+     names it in one line and exits 1, `--kill-on-bad-exit` ends the job, and the
+     committed checkpoint is untouched;
   3. requeued again: it resumes and finishes.
 
 The losses of the three runs, step by step, are those of one process with 8 devices; a
@@ -303,8 +304,13 @@ def test_a_slurm_job_preempted_killed_and_requeued_trains_the_losses_of_one_proc
     assert resume_line in killed_log, killed_log[-3000:]
     assert ended["JobState"] == "FAILED", killed_log[-3000:]
     assert "srun: error: localhost: task 1: Killed\n" in killed_log, killed_log[-3000:]
-    # The survivor's own one line naming process 1 is issue #39's (item 10); today it prints
-    # Gloo's "Connection reset by peer" and srun's --kill-on-bad-exit ends it.
+    # The survivor names the dead process in one line (trainer/run/peers.py) and exits 1
+    # before srun's --kill-on-bad-exit reaches it: no Gloo traceback, no C++ abort.
+    survivor = [line for line in killed_log.splitlines() if "stopped answering" in line]
+    assert len(survivor) == 1 and survivor[0].startswith(
+        "error: process 1 of 2 stopped answering: it was killed"), killed_log[-3000:]
+    for noise in ("Traceback", "Gloo AllGather failed", "Check failure"):
+      assert noise not in killed_log, killed_log[-3000:]
     assert _saved_steps(workdir) == [preempted], killed_log[-3000:]
 
     cluster.requeue(job)

@@ -106,6 +106,7 @@ def main(argv: list[str]) -> None:
   except ValueError as error:
     sys.exit(f"error: {error}")
   overrides = config_flags.get_override_values(flags.FLAGS["config"])
+  watch = None
   try:
     if config.init.from_hf:  # Sets the model's shape and tokenizer: before any check or plan.
       print(hf_import.apply_to_config(config, overrides), flush=True)
@@ -122,12 +123,14 @@ def main(argv: list[str]) -> None:
       return
     if config.cpu_devices:
       jax.config.update("jax_num_cpu_devices", config.cpu_devices)
-    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    watch = distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     if jax.process_count() > 1:  # `train` installs no handler then (see stop_signals.StopSignals):
       signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is an error exit.
     name = os.path.splitext(os.path.basename(config_flags.get_config_filename(
         flags.FLAGS["config"])))[0]
     workdir = _WORKDIR.value or os.path.join("runs", name)
+    if watch:  # Named in the line said when another process dies.
+      watch.checkpoints = os.path.join(os.path.abspath(workdir), "checkpoints")
     distributed.same_settings({**_shared_fields(config), "--workdir": os.path.abspath(workdir)})
     check_config(config, jax.device_count())
     # WANDB_MODE too, which the config check does not read: before the workdir exists. Each
@@ -142,6 +145,10 @@ def main(argv: list[str]) -> None:
           periodic_evals=(needle.periodic_eval,))
   except StoppedBeforeTraining as stopped:
     print(stopped, flush=True)
+  except jax.errors.JaxRuntimeError:
+    if watch:  # Gloo's "Connection reset by peer": the watch's one line, not this traceback.
+      watch.wait_for_loss(seconds=10)
+    raise
   except (ConfigError, data.DataError, CheckpointError, NonFiniteError, WorkdirError,
           TrackingError, HFFormatError) as error:
     sys.exit(f"error: {error}")

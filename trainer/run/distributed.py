@@ -3,7 +3,9 @@
 `initialize` calls `jax.distributed.initialize` when the command line names a coordinator,
 or when the environment shows a multi-process cluster (SLURM with several tasks, Open MPI,
 a TPU pod slice); JAX then detects the coordinator, process count and id itself. A plain
-single-process run is left alone. It must run before anything touches a JAX backend.
+single-process run is left alone. It must run before anything touches a JAX backend. The
+processes then watch each other (trainer/run/peers.py), so that one that dies is named at
+once by the others, which JAX's runtime does only at its heartbeat timeout.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ import signal
 from typing import Any
 
 import jax
+from jax._src import distributed as jax_distributed  # The coordination service's client.
 from jax.experimental import multihost_utils
 import numpy as np
 
 from trainer.config.config_check import ConfigError
+from trainer.run import peers
 from trainer.track.tracking import scrub
 
 
@@ -32,8 +36,9 @@ def cluster_in_environment(environ: dict[str, str] | None = None) -> bool:
 
 
 def initialize(coordinator_address: str | None, num_processes: int | None,
-               process_id: int | None) -> None:
-  """Joins the run's processes; ConfigError for flags that cannot name one of them."""
+               process_id: int | None) -> peers.PeerWatch | None:
+  """Joins the run's processes; ConfigError for flags that cannot name one of them. Returns
+  the watch on the others (see trainer/run/peers.py) when there are several."""
   if coordinator_address:
     if num_processes is None or process_id is None:
       raise ConfigError("--coordinator_address needs --num_processes and --process_id")
@@ -50,6 +55,31 @@ def initialize(coordinator_address: str | None, num_processes: int | None,
           "to 5 minutes for all of them)", flush=True)
     with _default_signal_handlers():
       jax.distributed.initialize()
+  else:
+    return None
+  return _watch_peers()
+
+
+def _watch_peers() -> peers.PeerWatch | None:
+  """Connects this process to every other through the coordination service's key-value
+  store (no collective to compile); a network that refuses the connections leaves the run
+  without the watch, as JAX alone would run it."""
+  state = jax_distributed.global_state
+  watch = None
+  try:
+    watch = peers.PeerWatch(jax.process_index(), jax.process_count(),
+                            peers.local_ip(state.coordinator_address))
+    state.client.key_value_set(f"trainer/peers/{jax.process_index()}", watch.address)
+    timeout_ms = int(peers.CONNECT_TIMEOUT_S * 1000)
+    watch.connect([state.client.blocking_key_value_get(f"trainer/peers/{k}", timeout_ms)
+                   for k in range(jax.process_count())])
+  except (OSError, jax.errors.JaxRuntimeError) as error:
+    print(f"note: process {jax.process_index()} cannot watch the others ({error}); a process "
+          f"that dies is noticed at JAX's heartbeat timeout, with its C++ abort", flush=True)
+    if watch is not None:
+      watch.close()
+    return None
+  return watch
 
 
 @contextlib.contextmanager
