@@ -93,17 +93,17 @@ class PeerWatch:
           self._lost(peer)
         pending[connection] += data
         if pending[connection].startswith(_LOST) and len(pending[connection]) > _ID.size:
-          self._lost(_ID.unpack(pending[connection][1:1 + _ID.size])[0], told_by=peer)
+          self._lost(_ID.unpack(pending[connection][1:1 + _ID.size])[0])
         if pending[connection].startswith(_BYE):
           selector.unregister(connection)
           del self._watched[connection]
 
-  def _lost(self, peer: int, told_by: int | None = None) -> None:
+  def _lost(self, peer: int) -> None:
     """Says which process died and where a re-run resumes, tells the others, and exits at
     once: every collective from here on fails or waits for ever, and JAX's shutdown barrier
-    would wait for the dead process until its heartbeat timeout, then abort."""
-    source = f" (process {told_by} saw it)" if told_by is not None else ""
-    line = (f"error: process {peer} of {self.num_processes} stopped answering{source}: it was "
+    would wait for the dead process until its heartbeat timeout, then abort. The line is the
+    same whether this process saw the death or was told of it."""
+    line = (f"error: process {peer} of {self.num_processes} stopped answering: it was "
             f"killed, crashed or lost its host (its own output or the cluster's log says "
             f"which); process {self.process_id} stops too"
             + _where_a_rerun_resumes(self.checkpoints))
