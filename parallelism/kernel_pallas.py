@@ -4,43 +4,34 @@ Same contract as `kernel_xla` (see `parallelism.kernels`), written as Pallas ker
 forward call and a flash-attention-2 backward in two calls (dK/dV with the key tile fixed,
 dQ with the query tile fixed). GPU through the Triton backend; on a CPU backend the same
 kernels run in Pallas interpret mode (chosen automatically), which is how the tests check
-them.
+them. This module sizes the tiles, builds the grids, specs and tables and launches the
+programs; what each program computes is `parallelism.kernel_pallas_programs`.
 
 Tile skipping is the static schedule's (`parallelism.schedule`), at this kernel's own tile
-sizes: each program reads its tile's row of the block pair's tile lists and runs the
-UNMASKED runs as plain loops (no branch, no mask, so Triton pipelines them; a branch in
-every iteration measured slower on an H100), then the MASKED tiles with their precomputed
-mask.
-SKIP tiles are never loaded. Segment ids, when given, are an elementwise mask on every
-computed tile. GQA: q head h reads kv head h // G; K/V are never repeated.
+sizes: SKIP tiles are never loaded. Segment ids, when given, are an elementwise mask on
+every computed tile. GQA: q head h reads kv head h // G; K/V are never repeated.
 
 The metadata tables are padded to powers of 2 (Triton's block shapes) and read by scalar
-loads. Softmax runs in base 2 (exp2 with log2(e) folded into the scale); lse is converted
-back. With `softcap` > 0 the logits are capped, `softcap * tanh(logits / softcap)`, before
-the base change, and the backward multiplies by the cap's slope. With per-head spans
-(`spans_H`) a MASKED tile's mask is narrowed to `q - k < span[h]` of its program's query
-head, the distances from the pair's token indices (`RingSchedule.pair_index`), which come in
-as two more operands beside the spans.
+loads. With per-head spans (`spans_H`) the pair's token indices
+(`RingSchedule.pair_index`) come in as two more operands beside the spans.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from parallelism import target
-from parallelism.schedule import RingSchedule, TileLists, over_tiles
+from parallelism.kernel_pallas_programs import dkv_program, dq_program, fwd_program, query_tile
+from parallelism.schedule import RingSchedule, TileLists
 
 _F32 = jnp.float32
-_LOG2E = math.log2(math.e)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,21 +59,10 @@ class KernelConfig:
 DEFAULT_CONFIG = KernelConfig()
 
 
-# HIGHEST keeps float32 operands in IEEE float32 on the GPU (Triton would use tf32);
-# bf16 operands are unaffected.
-_PRECISION = lax.Precision.HIGHEST
 
 
-def _dot(a, b, contract_b: int):
-  """a @ b (contract_b=0) or a @ b.T (contract_b=1), float32 accumulation."""
-  return lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())), precision=_PRECISION,
-                         preferred_element_type=_F32)
 
 
-def _dot_tn(a, b):
-  """a.T @ b, float32 accumulation."""
-  return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=_PRECISION,
-                         preferred_element_type=_F32)
 
 
 def _pow2(n: int) -> int:
@@ -107,155 +87,24 @@ def _whole(x):
   return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
 
 
-def _visible(masks_ref, mask_id, q_seg_t, k_seg_t, narrow=None):
-  """Visibility [tq, tk] of a tile pair, or None when every query sees every key;
-  `narrow()` gives a MASKED tile's per-head span test (per-head spans only)."""
-  seen = None if q_seg_t is None else q_seg_t[:, None] == k_seg_t[None, :]
-  if mask_id is None:
-    return seen
-  mask = masks_ref[mask_id] != 0
-  if narrow is not None:
-    mask = mask & narrow()
-  return mask if seen is None else mask & seen
 
 
-def _within(q_index_t, k_index_t, span):
-  """Per-head span test of a tile pair: `q - k < span` (the mask says `q - k >= 0`)."""
-  return q_index_t[:, None] - k_index_t[None, :] < span
 
 
-def _split_refs(refs, has_seg: bool, has_spans: bool, num_out: int):
-  """(segment refs or (None, None), tile lists, masks ref, span refs (query indices, key
-  indices, spans) or None, output refs) of a kernel."""
-  seg_refs, refs = (refs[:2], refs[2:]) if has_seg else ((None, None), refs)
-  span_refs, rest = (refs[6:9], refs[9:]) if has_spans else (None, refs[6:])
-  return seg_refs, TileLists(*refs[:5]), refs[5], span_refs, rest[:num_out]
 
 
-def _logits(q_tD, k_kD, scale: float, softcap: float):
-  """(logits, their derivative by q.k) of a tile pair: scaled, and capped when asked."""
-  logits_tk = _dot(q_tD, k_kD, 1) * scale
-  if not softcap:
-    return logits_tk, scale
-  capped_tk = jnp.tanh(logits_tk / softcap)
-  return softcap * capped_tk, scale * (1.0 - capped_tk * capped_tk)
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, *refs, scale: float, softcap: float, block_k: int,
-                has_seg: bool, has_spans: bool):
-  (q_seg_ref, k_seg_ref), lists, masks_ref, span_refs, (o_ref, lse_ref) = _split_refs(
-      refs, has_seg, has_spans, 2)
-  row = _query_tile(pl.program_id(0), pl.num_programs(0))
-  q_tD = q_ref[...]
-  q_seg_t = q_seg_ref[...] if has_seg else None
-  # Read outside the tile loops: interpret mode cannot lower a program id inside them.
-  span = span_refs[2][pl.program_id(2)] if has_spans else None
-
-  def visit(j, carry, mask_id):
-    keys = pl.ds(j * block_k, block_k)
-    m_t, l_t, acc_tD = carry
-    k_kD, v_kD = k_ref[keys, :], v_ref[keys, :]
-    if softcap:
-      s_tk = _logits(q_tD, k_kD, scale, softcap)[0] * _LOG2E
-    else:  # base-2 logits in one multiply: exp2(s * log2 e) == exp(s)
-      s_tk = _dot(q_tD, k_kD, 1) * (scale * _LOG2E)
-    narrow = None
-    if has_spans:
-      narrow = lambda: _within(span_refs[0][...], span_refs[1][keys], span)
-    mask = _visible(masks_ref, mask_id, q_seg_t, k_seg_ref[keys] if has_seg else None, narrow)
-    if mask is not None:
-      s_tk = jnp.where(mask, s_tk, -jnp.inf)
-    m_new = jnp.maximum(m_t, jnp.max(s_tk, axis=1))
-    # A row with nothing visible yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    p_tk = jnp.exp2(s_tk - m_safe[:, None])
-    alpha = jnp.exp2(m_t - m_safe)
-    acc_tD = alpha[:, None] * acc_tD + _dot(p_tk.astype(v_kD.dtype), v_kD, 0)
-    return m_new, alpha * l_t + jnp.sum(p_tk, axis=1), acc_tD
-
-  t, d = q_tD.shape
-  init = (jnp.full((t,), -jnp.inf, _F32), jnp.zeros((t,), _F32), jnp.zeros((t, d), _F32))
-  m_t, l_t, acc_tD = over_tiles(lists, row, visit, init)
-  seen = l_t > 0
-  l_safe = jnp.where(seen, l_t, 1.0)
-  o_ref[...] = (acc_tD / l_safe[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(seen, (m_t + jnp.log2(l_safe)) / _LOG2E, -jnp.inf)
 
 
-def _bwd_tile(q_tD, k_kD, v_kD, do_tD, lse2_t, delta_t, scale: float, softcap: float, mask_tk):
-  """Shared FA-2 backward algebra of one tile pair: (p, ds) in float32."""
-  logits_tk, slope = _logits(q_tD, k_kD, scale, softcap)
-  p_tk = jnp.exp2(logits_tk * _LOG2E - lse2_t[:, None])
-  if mask_tk is not None:
-    p_tk = jnp.where(mask_tk, p_tk, 0.0)
-  dp_tk = _dot(do_tD, v_kD, 1)
-  return p_tk, p_tk * (dp_tk - delta_t[:, None]) * slope
 
 
-def _lse2(lse_t):
-  """Global lse in base 2; -inf (a query that sees nothing) -> +inf so p is 0, not NaN."""
-  return jnp.where(lse_t == -jnp.inf, jnp.inf, lse_t * _LOG2E)
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, scale: float,
-                softcap: float, block_q: int, group: int, has_seg: bool, has_spans: bool):
-  (q_seg_ref, k_seg_ref), lists, masks_ref, span_refs, (dk_ref, dv_ref) = _split_refs(
-      refs, has_seg, has_spans, 2)
-  row, kv_head = pl.program_id(0), pl.program_id(2)
-  k_kD, v_kD = k_ref[...], v_ref[...]
-  k_seg_t = k_seg_ref[...] if has_seg else None
-
-  def visit(g, i, carry, mask_id):
-    rows = pl.ds(i * block_q, block_q)
-    dk_kD, dv_kD = carry
-    q_tD, do_tD = q_ref[rows, g, :], do_ref[rows, g, :]
-    narrow = None
-    if has_spans:  # This program's kv head's query head g.
-      narrow = lambda: _within(span_refs[0][rows], span_refs[1][...],
-                               span_refs[2][kv_head * group + g])
-    mask = _visible(masks_ref, mask_id, q_seg_ref[rows] if has_seg else None, k_seg_t, narrow)
-    p_tk, ds_tk = _bwd_tile(q_tD, k_kD, v_kD, do_tD, _lse2(lse_ref[rows, g]),
-                            delta_ref[rows, g], scale, softcap, mask)
-    dv_kD = dv_kD + _dot_tn(p_tk.astype(do_tD.dtype), do_tD)
-    dk_kD = dk_kD + _dot_tn(ds_tk.astype(q_tD.dtype), q_tD)
-    return dk_kD, dv_kD
-
-  # The q heads of this kv head's group, one after another (no K/V repeat).
-  zeros = jnp.zeros(k_kD.shape, _F32)
-  dk_kD, dv_kD = lax.fori_loop(
-      0, group, lambda g, c: over_tiles(lists, row, functools.partial(visit, g), c),
-      (zeros, zeros))
-  dk_ref[...], dv_ref[...] = dk_kD, dv_kD
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, scale: float,
-               softcap: float, block_k: int, has_seg: bool, has_spans: bool):
-  (q_seg_ref, k_seg_ref), lists, masks_ref, span_refs, (dq_ref,) = _split_refs(
-      refs, has_seg, has_spans, 1)
-  row = _query_tile(pl.program_id(0), pl.num_programs(0))
-  q_tD, do_tD = q_ref[...], do_ref[...]
-  lse2_t, delta_t = _lse2(lse_ref[...]), delta_ref[...]
-  q_seg_t = q_seg_ref[...] if has_seg else None
-  span = span_refs[2][pl.program_id(2)] if has_spans else None
-
-  def visit(j, dq_tD, mask_id):
-    keys = pl.ds(j * block_k, block_k)
-    k_kD = k_ref[keys, :]
-    narrow = None
-    if has_spans:
-      narrow = lambda: _within(span_refs[0][...], span_refs[1][keys], span)
-    mask = _visible(masks_ref, mask_id, q_seg_t, k_seg_ref[keys] if has_seg else None, narrow)
-    _, ds_tk = _bwd_tile(q_tD, k_kD, v_ref[keys, :], do_tD, lse2_t, delta_t, scale, softcap,
-                         mask)
-    return dq_tD + _dot(ds_tk.astype(k_kD.dtype), k_kD, 0)
-
-  dq_ref[...] = over_tiles(lists, row, visit, jnp.zeros(q_tD.shape, _F32))
 
 
-def _query_tile(i, num_q):
-  """The query tile of grid step `i`: last-first, because in a causal order the late tiles
-  see the most keys, and launching them first evens out the tail of the grid."""
-  return num_q - 1 - i
 
 
 def _size(wanted: int, tile: int, length: int, what: str) -> int:
@@ -312,7 +161,7 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, warps: int, stages: int,
 def _q_grid_specs(num_q: int, block_q: int, head_dim: int):
   """Specs of per-query-tile operands for grid (query tile, b, q head), tiles last-first:
   [B,T,H,D] tile, [B,T,H] tile (lse, delta), [B,T] tile (segment ids)."""
-  tile = lambda i: _query_tile(i, num_q)
+  tile = lambda i: query_tile(i, num_q)
   return (pl.BlockSpec((None, block_q, None, head_dim), lambda i, b, h: (b, tile(i), h, 0)),
           pl.BlockSpec((None, block_q, None), lambda i, b, h: (b, tile(i), h)),
           pl.BlockSpec((None, block_q), lambda i, b, h: (b, tile(i))))
@@ -321,7 +170,7 @@ def _q_grid_specs(num_q: int, block_q: int, head_dim: int):
 def _index_specs(block_q: int, len_k: int, num_q: int):
   """Specs of the pair's token indices for grid (query tile, b, q head): the query tile's,
   the whole key block's."""
-  return (pl.BlockSpec((block_q,), lambda i, b, h: (_query_tile(i, num_q),)),
+  return (pl.BlockSpec((block_q,), lambda i, b, h: (query_tile(i, num_q),)),
           pl.BlockSpec((len_k,), lambda i, b, h: (0,)))
 
 
@@ -368,7 +217,7 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSched
       _index_specs(block_q, len_k, num_q))
   out_shape = [jax.ShapeDtypeStruct(q_BTHD.shape, _F32),
                jax.ShapeDtypeStruct((batch, len_q, num_heads), _F32)]
-  kernel = functools.partial(_fwd_kernel, scale=head_dim ** -0.5, softcap=softcap,
+  kernel = functools.partial(fwd_program, scale=head_dim ** -0.5, softcap=softcap,
                              block_k=block_k, has_seg=q_seg_BT is not None,
                              has_spans=spans_H is not None)
   return _call(kernel, (num_q, batch, num_heads), [q_spec, kv_spec, kv_spec, *rest_specs],
@@ -408,7 +257,7 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
       _pair_tables(tables.by_key, tables.masks, pair), span_args,
       (pl.BlockSpec((len_q,), lambda j, b, h: (0,)),
        pl.BlockSpec((block_k,), lambda j, b, h: (j,))))
-  kernel = functools.partial(_dkv_kernel, scale=scale, softcap=softcap, block_q=block_q,
+  kernel = functools.partial(dkv_program, scale=scale, softcap=softcap, block_q=block_q,
                              group=group, has_seg=has_seg, has_spans=has_spans)
   dk_BTKD, dv_BTKD = _call(
       kernel, (len_k // block_k, batch, num_kv),
@@ -427,7 +276,7 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
       (q_seg_BT, k_seg_BT), (seg_spec, pl.BlockSpec((None, len_k), lambda i, b, h: (b, 0))),
       _pair_tables(tables.by_query, tables.masks, pair), span_args,
       _index_specs(block_q, len_k, num_q))
-  kernel = functools.partial(_dq_kernel, scale=scale, softcap=softcap, block_k=block_k,
+  kernel = functools.partial(dq_program, scale=scale, softcap=softcap, block_k=block_k,
                              has_seg=has_seg, has_spans=has_spans)
   dq_BTHD = _call(kernel, (num_q, batch, num_heads),
                   [q_spec, kv_spec, kv_spec, q_spec, stat_spec, stat_spec, *rest_specs], q_spec,
