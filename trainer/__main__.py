@@ -147,7 +147,7 @@ def main(argv: list[str]) -> None:
     print(stopped, flush=True)
   except jax.errors.JaxRuntimeError:
     if watch:  # Gloo's "Connection reset by peer": the watch's one line, not this traceback.
-      watch.wait_for_loss(seconds=10)
+      watch.wait_for_loss(seconds=5)
     raise
   except (ConfigError, data.DataError, CheckpointError, NonFiniteError, WorkdirError,
           TrackingError, HFFormatError) as error:
