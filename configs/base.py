@@ -49,6 +49,9 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
   # A JSON plan of per-(layer, query head) spans, MoA's alpha + beta * data.seq_len
   # (model/spans.py); it decides which layers are local. Empty: none.
   config.model.head_spans = ""
+  # Sink tokens: local layers also see the first k positions of each document, however far
+  # back (StreamingLLM / MoA's "first k tokens", per packed document); 0: none.
+  config.model.sink_tokens = 0
   config.model.norm_eps = 1e-5  # RMSNorm epsilon.
   config.model.tie_embeddings = False  # Share the input embedding with the output projection.
   config.model.init_std = 0.02  # Std of the normal initialiser of every matrix.

@@ -27,11 +27,13 @@ from model.rope import RopeScaling, apply_rope, frequencies
 
 def dense_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
                     segment_ids_BS: jax.Array, window: int | None = None,
-                    softcap: float = 0.0, spans_H: jax.Array | None = None) -> jax.Array:
+                    softcap: float = 0.0, spans_H: jax.Array | None = None,
+                    positions_BS: jax.Array | None = None, sink_tokens: int = 0) -> jax.Array:
   """Masked softmax attention over the whole row, in its original order (a token's index
   is its place), each query seeing the `window` keys up to itself (None: all before it; with
-  per-head spans `spans_H` [Hq], query head h sees `spans_H[h]`), logits capped at
-  `softcap` (0: not); K/V heads are shared by query groups.
+  per-head spans `spans_H` [Hq], query head h sees `spans_H[h]`) and, with `sink_tokens` k,
+  every earlier key of its document at a position below k (`parallelism.sinks`), logits
+  capped at `softcap` (0: not); K/V heads are shared by query groups.
 
   Scores and softmax are float32. A query that sees no key gets zeros, not NaN.
   """
@@ -43,14 +45,19 @@ def dense_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
                             preferred_element_type=jnp.float32) / jnp.sqrt(head_dim)
   if softcap:
     scores_BKGST = softcap * jnp.tanh(scores_BKGST / softcap)
-  visible_BST = (parallelism.visible(token_index_BS[:, :, None], token_index_BS[:, None, :],
-                                     window)
-                 & (segment_ids_BS[:, None, :] == segment_ids_BS[:, :, None]))
+  same_BST = segment_ids_BS[:, None, :] == segment_ids_BS[:, :, None]
+  visible_BST = parallelism.visible(token_index_BS[:, :, None], token_index_BS[:, None, :],
+                                    window)
   visible_B11ST = visible_BST[:, None, None]
   if spans_H is not None:
     behind_ST = token_index_BS[0][:, None] - token_index_BS[0][None, :]
     spans_KG11 = spans_H.reshape(num_kv_heads, -1)[:, :, None, None]
     visible_B11ST = visible_B11ST & (behind_ST < spans_KG11)[None]
+  if sink_tokens:
+    sink_BST = (token_index_BS[:, :, None] >= token_index_BS[:, None, :]) & (
+        positions_BS[:, None, :] < sink_tokens)
+    visible_B11ST = visible_B11ST | sink_BST[:, None, None]
+  visible_B11ST = visible_B11ST & same_BST[:, None, None]
   scores_BKGST = jnp.where(visible_B11ST, scores_BKGST, -jnp.inf)
   row_max_BKGS1 = jnp.max(scores_BKGST, axis=-1, keepdims=True)
   row_max_BKGS1 = jnp.where(jnp.isfinite(row_max_BKGS1), row_max_BKGS1, 0.0)
@@ -63,7 +70,7 @@ def dense_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
 
 
 def _whole_rows(cfg: ModelConfig, q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, window,
-                spans_H=None):
+                spans_H=None, positions_BS=None, sinks=0):
   """`dense` attention: cuDNN's flash attention on a CUDA GPU (each packed document apart;
   a row of more documents than its packed layout takes runs the block kernels as a ring of
   one, and so do a local layer and capped logits, which cuDNN's packed call is not given),
@@ -71,14 +78,15 @@ def _whole_rows(cfg: ModelConfig, q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, window
   position and cuDNN's causal mask the rule."""
   if parallelism.cudnn_dense_reason(q_BSHD.shape, q_BSHD.dtype):
     return dense_attention(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, window,
-                           cfg.attention_softcap, spans_H)
+                           cfg.attention_softcap, spans_H, positions_BS, sinks)
   fallback = functools.partial(
       parallelism.ring_attention, layout="ring", rules=nn.get_logical_axis_rules(),
       tile_size=math.gcd(q_BSHD.shape[1], cfg.attention_tile), window=window,
       softcap=cfg.attention_softcap)
   if window is not None or cfg.attention_softcap:
     return fallback(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, spans=spans_H,
-                    narrowest=cfg.narrowest_span if spans_H is not None else None)
+                    narrowest=cfg.narrowest_span if spans_H is not None else None,
+                    positions=positions_BS, sink_tokens=sinks)
   return parallelism.cudnn_dense_attention(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, fallback)
 
 
@@ -144,13 +152,15 @@ class Attention(nn.Module):
       window = cfg.window_of(kind)
       # Per-head spans narrow a local layer's window per head (the widest is `window`).
       spans = spans_H if kind == LOCAL else None
+      sinks = cfg.sink_tokens if kind == LOCAL else 0
       if self.decode:
         return parallelism.decode_attention(
             q_BSHD, k_BSKD, v_BSKD, *cache, positions_BS[:, 0], layout=cfg.layout,
             rules=nn.get_logical_axis_rules(), window=window, softcap=cfg.attention_softcap,
-            spans=spans)
+            spans=spans, sink_tokens=sinks)
       if cfg.attention == "dense":
-        out_BSHD = _whole_rows(cfg, q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, window, spans)
+        out_BSHD = _whole_rows(cfg, q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, window, spans,
+                               positions_BS, sinks)
       else:
         # The ring's shardings come from the rules table the activations above are pinned
         # by; its schedule from the layout the data pipeline permuted the batch into.
@@ -159,7 +169,8 @@ class Attention(nn.Module):
             rules=nn.get_logical_axis_rules(), kernel=cfg.kernel,
             tile_size=cfg.attention_tile, strategy=cfg.sequence_parallel, window=window,
             softcap=cfg.attention_softcap, spans=spans,
-            narrowest=None if spans is None else cfg.narrowest_span)
+            narrowest=None if spans is None else cfg.narrowest_span,
+            positions=positions_BS, sink_tokens=sinks)
       return out_BSHD, k_BSKD, v_BSKD
 
     kinds = set(cfg.layer_kinds)

@@ -43,6 +43,7 @@ class ModelConfig:
   local_rope_theta: float = 0.0  # RoPE base of local layers (unscaled); 0: the global RoPE.
   attention_softcap: float = 0.0  # Logits capped at c * tanh(logit / c) (Gemma 2); 0: none.
   head_spans: str = ""  # A plan of per-(layer, head) spans (model/spans.py); "": none.
+  sink_tokens: int = 0  # Local layers also see the first k positions of each document.
   span_length: int = 0  # The row length the plan resolves at (data.seq_len; the trainer's).
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
@@ -140,6 +141,11 @@ class ModelConfig:
               f"'{self.layer_pattern}' over {self.num_layers} layers has no local layer (L)")
     if self.local_rope_theta < 0:
       return f"model.local_rope_theta={self.local_rope_theta} must be >= 0 (0: the global RoPE)"
+    if self.sink_tokens < 0:
+      return f"model.sink_tokens={self.sink_tokens} must be >= 0 (0: none)"
+    if self.sink_tokens and LOCAL not in self.layer_kinds:
+      return (f"model.sink_tokens={self.sink_tokens} needs local layers (model.window or "
+              f"model.head_spans): a global layer already sees every earlier key")
     if self.attention_softcap < 0:
       return f"model.attention_softcap={self.attention_softcap} must be >= 0 (0: no cap)"
     return ""

@@ -50,12 +50,14 @@ def decode_attention(q_B1HD: jax.Array, k_B1KD: jax.Array, v_B1KD: jax.Array,
                      key_cache_BCKD: jax.Array, value_cache_BCKD: jax.Array,
                      position_B: jax.Array, *, layout: str, rules: Rules,
                      mesh=None, window: int | None = None, softcap: float = 0.0,
-                     spans: jax.Array | None = None
+                     spans: jax.Array | None = None, sink_tokens: int = 0
                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Attention of the token at `position_B` (one per row) over the cache, after writing its
   own key and value into it, seeing the `window` positions up to its own (None: every one
   before it; with per-head spans `spans` [Hq], query head h sees `spans[h]` <= `window`),
-  logits capped at `softcap` (0: not). Returns (out [B,1,Hq,D] in q's dtype, key cache,
+  and, with `sink_tokens` k, positions below k however far back (a cache holds one
+  document per row, so a position is its in-document position); logits capped at `softcap`
+  (0: not). Returns (out [B,1,Hq,D] in q's dtype, key cache,
   value cache).
 
   `rules` are the decode rules (`decode_rules`); the cache shards as `CACHE_NAMES` map, q
@@ -75,7 +77,7 @@ def decode_attention(q_B1HD: jax.Array, k_B1KD: jax.Array, v_B1KD: jax.Array,
   def per_device(q, k, v, key_cache, value_cache, slot_positions, slot_of_position, position,
                  *spans_H):
     return _local_attention(q, k, v, key_cache, value_cache, slot_positions, slot_of_position,
-                            position, seq_axes, window, softcap, *spans_H)
+                            position, seq_axes, window, softcap, sink_tokens, *spans_H)
 
   args = (q_B1HD, k_B1KD, v_B1KD, key_cache_BCKD, value_cache_BCKD, slot_positions_C,
           slot_of_position_C, position_B) + (() if spans is None else (spans,))
@@ -108,7 +110,7 @@ def _write_token(cache_BcKD, new_B1KD, slot_B, held_B):
 
 def _local_attention(q_B1HD, k_B1KD, v_B1KD, key_cache_BcKD, value_cache_BcKD,
                      slot_positions_c, slot_of_position_C, position_B, seq_axes, window,
-                     softcap, spans_H=None):
+                     softcap, sink_tokens=0, spans_H=None):
   """One device's slots: write, then a partial softmax merged over `seq_axes`."""
   batch, _, num_heads, head_dim = q_B1HD.shape
   num_kv = k_B1KD.shape[2]
@@ -117,21 +119,30 @@ def _local_attention(q_B1HD, k_B1KD, v_B1KD, key_cache_BcKD, value_cache_BcKD,
                                   seq_axes)
   key_cache_BcKD = _write_token(key_cache_BcKD, k_B1KD, slot_B1[:, 0], held_B1[:, 0])
   value_cache_BcKD = _write_token(value_cache_BcKD, v_B1KD, slot_B1[:, 0], held_B1[:, 0])
-  if window is not None and window < local_capacity:  # Only the window's slots are read.
-    positions_BW = position_B[:, None] - jnp.arange(window)[None, :]
+  sinks = sink_tokens if window is not None else 0  # a global layer sees them anyway
+  if window is not None and window + sinks < local_capacity:  # Only these slots are read:
+    # the window's, then the sinks beyond it (-1, no slot, where the window has them).
+    sink_W = jnp.arange(sinks)[None, :]
+    positions_BW = jnp.concatenate([
+        position_B[:, None] - jnp.arange(window)[None, :],
+        jnp.where(sink_W <= position_B[:, None] - window, sink_W, -1)], axis=1)
     slots_BW, visible_Bc = _local_slots(positions_BW, slot_of_position_C, local_capacity,
                                         seq_axes)
     keys_BcKD = jnp.take_along_axis(key_cache_BcKD, slots_BW[:, :, None, None], axis=1)
     values_BcKD = jnp.take_along_axis(value_cache_BcKD, slots_BW[:, :, None, None], axis=1)
-    behind_Bc = jnp.broadcast_to(jnp.arange(window), positions_BW.shape)
   else:
     keys_BcKD, values_BcKD = key_cache_BcKD, value_cache_BcKD
-    visible_Bc = visible(position_B[:, None], slot_positions_c[None, :], window)
-    behind_Bc = position_B[:, None] - slot_positions_c[None, :]
+    positions_BW = jnp.broadcast_to(slot_positions_c[None, :], (batch, local_capacity))
+    visible_Bc = visible(position_B[:, None], positions_BW, None)
+  behind_Bc = position_B[:, None] - positions_BW
+  sink_Bc = positions_BW < sinks
+  if window is not None:
+    visible_Bc = visible_Bc & ((behind_Bc < window) | sink_Bc)
   visible_BKGc = visible_Bc[:, None, None, :]
   if spans_H is not None:  # Each query head its own span (the window is the widest).
     spans_KG = spans_H.reshape(num_kv, -1)
-    visible_BKGc = visible_BKGc & (behind_Bc[:, None, None, :] < spans_KG[None, :, :, None])
+    visible_BKGc = visible_BKGc & ((behind_Bc[:, None, None, :] < spans_KG[None, :, :, None])
+                                   | sink_Bc[:, None, None, :])
 
   q_BKGD = q_B1HD.reshape(batch, num_kv, num_heads // num_kv, head_dim)
   scores_BKGc = jnp.einsum("bkgd,bckd->bkgc", q_BKGD, keys_BcKD,

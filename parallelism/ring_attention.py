@@ -29,7 +29,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from parallelism import kernels
+from parallelism import kernels, sinks
 from parallelism.mesh import Rules, as_axes, logical_to_spec, spec_on_mesh
 from parallelism.split import KV_NAMES, Q_NAMES, local_strategy, split_attention
 from parallelism.strategies import STRATEGIES, Strategy
@@ -52,6 +52,7 @@ class _Passes:
   strategy: Strategy
   mesh: Any = None  # None: the context mesh when `specs` are given
   specs: tuple[P, P, P] | None = None  # None: no mesh, one local block
+  sinks: sinks.SinkPlan | None = None  # sink tokens beside the ring (parallelism.sinks)
 
   def _on_devices(self, per_device, in_specs, out_specs):
     if self.specs is None:
@@ -63,72 +64,91 @@ class _Passes:
     return jax.shard_map(per_device, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
                          check_vma=False)
 
-  def _optional_specs(self, seg_BS, spans_H) -> tuple:
-    """Specs of the optional operands given: segment ids, then per-head spans (as heads)."""
+  def _optional_specs(self, seg_BS, spans_H, pos_BS) -> tuple:
+    """Specs of the optional operands given: segment ids, per-head spans (as heads), then
+    positions (sink tokens)."""
     q_spec, _, seg_spec = self.specs or (None,) * 3
     heads_spec = None if q_spec is None else P(q_spec[2])
-    return _if(seg_BS, seg_spec) + _if(spans_H, heads_spec)
+    return _if(seg_BS, seg_spec) + _if(spans_H, heads_spec) + _if(pos_BS, seg_spec)
 
-  def forward(self, q_BSHD, k_BSKD, v_BSKD, seg_BS, spans_H=None):
+  def _sink_args(self, q, seg, pos, spans) -> tuple:
+    """The sink path's leading arguments on one device (`parallelism.sinks`)."""
+    axes = () if self.specs is None else as_axes(self.specs[0][1])
+    seg = jnp.zeros_like(pos) if seg is None else seg
+    return (self.sinks, self.strategy.schedule.order.reshape(-1), axes, seg, pos,
+            self.sinks.windows(q.shape[2], spans), self.strategy.softcap)
+
+  def forward(self, q_BSHD, k_BSKD, v_BSKD, seg_BS, spans_H=None, pos_BS=None):
     """(out in q's dtype, lse float32 [B, S, Hq]), global arrays."""
     q_spec, kv_spec, _ = self.specs or (None,) * 3
     lse_spec = None if q_spec is None else P(*q_spec[:3])
 
     def per_device(q, k, v, *optional):
-      seg, spans = _split_optional(optional, seg_BS, spans_H)
+      seg, spans, pos = _split_optional(optional, seg_BS, spans_H, pos_BS)
       out, lse = self.strategy.forward(q, k, v, seg, spans)
+      if self.sinks is not None:
+        plan, order, axes, seg, pos, windows, cap = self._sink_args(q, seg, pos, spans)
+        out, lse = sinks.forward(plan, order, axes, q, k, v, seg, pos, windows, cap, out, lse)
       return out.astype(q.dtype), lse
 
     run = self._on_devices(per_device, (q_spec, kv_spec, kv_spec)
-                           + self._optional_specs(seg_BS, spans_H), (q_spec, lse_spec))
-    return run(q_BSHD, k_BSKD, v_BSKD, *_if(seg_BS, seg_BS), *_if(spans_H, spans_H))
+                           + self._optional_specs(seg_BS, spans_H, pos_BS), (q_spec, lse_spec))
+    return run(q_BSHD, k_BSKD, v_BSKD, *_if(seg_BS, seg_BS), *_if(spans_H, spans_H),
+               *_if(pos_BS, pos_BS))
 
-  def backward(self, q_BSHD, k_BSKD, v_BSKD, seg_BS, spans_H, out_BSHD, lse_BSH, dout_BSHD):
+  def backward(self, q_BSHD, k_BSKD, v_BSKD, seg_BS, spans_H, pos_BS, out_BSHD, lse_BSH,
+               dout_BSHD):
     """(dq, dk, dv) in the dtypes of q, k, v, global arrays."""
     q_spec, kv_spec, _ = self.specs or (None,) * 3
     lse_spec = None if q_spec is None else P(*q_spec[:3])
 
     def per_device(q, k, v, out, lse, dout, *optional):
-      seg, spans = _split_optional(optional, seg_BS, spans_H)
+      seg, spans, pos = _split_optional(optional, seg_BS, spans_H, pos_BS)
+      # The ring's pass with the global (merged) out and lse gives exactly its keys' share.
       dq, dk, dv = self.strategy.backward(q, k, v, seg, out, lse, dout, spans)
+      if self.sinks is not None:
+        plan, order, axes, seg, pos, windows, cap = self._sink_args(q, seg, pos, spans)
+        dq_s, dk_s, dv_s = sinks.backward(plan, order, axes, q, k, v, seg, pos, windows, cap,
+                                          out, lse, dout)
+        dq, dk, dv = dq + dq_s, dk + dk_s, dv + dv_s
       return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
     run = self._on_devices(
         per_device, (q_spec, kv_spec, kv_spec, q_spec, lse_spec, q_spec)
-        + self._optional_specs(seg_BS, spans_H), (q_spec, kv_spec, kv_spec))
+        + self._optional_specs(seg_BS, spans_H, pos_BS), (q_spec, kv_spec, kv_spec))
     return run(q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BSH, dout_BSHD, *_if(seg_BS, seg_BS),
-               *_if(spans_H, spans_H))
+               *_if(spans_H, spans_H), *_if(pos_BS, pos_BS))
 
 
 def _if(optional, value) -> tuple:
-  """(value,) when an optional operand (segment ids, spans) is given, else ()."""
+  """(value,) when an optional operand (segment ids, spans, positions) is given, else ()."""
   return () if optional is None else (value,)
 
 
-def _split_optional(operands, seg_BS, spans_H):
-  """(segment ids, spans) of a device from the optional operands given, None for the rest."""
+def _split_optional(operands, *given):
+  """(segment ids, spans, positions) of a device from the optional operands given, None
+  for the rest."""
   operands = list(operands)
-  seg = operands.pop(0) if seg_BS is not None else None
-  return seg, (operands.pop(0) if spans_H is not None else None)
+  return tuple(operands.pop(0) if x is not None else None for x in given)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _attention(q_BSHD, k_BSKD, v_BSKD, seg_BS, spans_H, passes: _Passes):
-  return passes.forward(q_BSHD, k_BSKD, v_BSKD, seg_BS, spans_H)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _attention(q_BSHD, k_BSKD, v_BSKD, seg_BS, spans_H, pos_BS, passes: _Passes):
+  return passes.forward(q_BSHD, k_BSKD, v_BSKD, seg_BS, spans_H, pos_BS)[0]
 
 
-def _attention_fwd(q_BSHD, k_BSKD, v_BSKD, seg_BS, spans_H, passes: _Passes):
-  out_BSHD, lse_BSH = passes.forward(q_BSHD, k_BSKD, v_BSKD, seg_BS, spans_H)
+def _attention_fwd(q_BSHD, k_BSKD, v_BSKD, seg_BS, spans_H, pos_BS, passes: _Passes):
+  out_BSHD, lse_BSH = passes.forward(q_BSHD, k_BSKD, v_BSKD, seg_BS, spans_H, pos_BS)
   # Named so that a remat policy can keep them (SAVED_NAMES); the output is saved in q's
   # dtype (what the caller holds anyway), lse in float32.
   out_BSHD = checkpoint_name(out_BSHD, SAVED_NAMES[0])
   lse_BSH = checkpoint_name(lse_BSH, SAVED_NAMES[1])
-  return out_BSHD, (q_BSHD, k_BSKD, v_BSKD, seg_BS, spans_H, out_BSHD, lse_BSH)
+  return out_BSHD, (q_BSHD, k_BSKD, v_BSKD, seg_BS, spans_H, pos_BS, out_BSHD, lse_BSH)
 
 
 def _attention_bwd(passes: _Passes, residuals, dout_BSHD):
-  # Integer segment ids and spans get no cotangent.
-  return (*passes.backward(*residuals, dout_BSHD), None, None)
+  # Integer segment ids, spans and positions get no cotangent.
+  return (*passes.backward(*residuals, dout_BSHD), None, None, None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -167,7 +187,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
                    *, layout: str, mesh=None, rules: Rules | None = None, kernel: str = "auto",
                    tile_size: int = 512, strategy: str = "ring",
                    window: int | None = None, softcap: float = 0.0,
-                   spans: jax.Array | None = None, narrowest: int | None = None) -> jax.Array:
+                   spans: jax.Array | None = None, narrowest: int | None = None,
+                   positions: jax.Array | None = None, sink_tokens: int = 0) -> jax.Array:
   """Causal attention, exact, of q [B,S,Hq,D] on k/v [B,S,Hkv,D] sharded along S in `layout`.
 
   The sequence axis holds the tokens in the order of `layout` (`parallelism.layouts`) over
@@ -179,6 +200,9 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
   Per-head spans (MoA): `spans` [Hq] int32 (may be traced: a scanned layer's) gives each query
   head its own window, between the static `narrowest` and `window` (the widest), which the
   schedule is built for.
+  `sink_tokens` k > 0 (a local layer's, with `positions` [B,S], the in-document positions):
+  keys at positions below k also stay visible to every later query of their segment beyond
+  the window (`parallelism.sinks`, off the ring).
   Batch and heads shard as `rules` map `activation_batch` and
   `activation_heads`/`activation_kv_heads` (no rules: `DEFAULT_RULES`). `mesh=None` uses
   the mesh set by `jax.set_mesh`, or, when none is set, computes locally as one block.
@@ -196,6 +220,9 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
   if spans is not None and (narrowest is None or spans.shape != (q.shape[2],)):
     raise ValueError(f"per-head spans {spans.shape} must be [query heads] = [{q.shape[2]}], "
                      f"with narrowest= and window= the narrowest and widest of them")
+  sink_plan = _sink_plan(sink_tokens, positions, window, _narrowest(spans, narrowest),
+                         q.shape[:2])
+  positions = None if sink_plan is None else positions.astype(jnp.int32)
   context_mesh = mesh is None
   mesh = jax.sharding.get_abstract_mesh() if context_mesh else mesh
   seq_len = q.shape[1]
@@ -203,15 +230,16 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
     # No mesh anywhere (a single-device script, model.init outside a mesh): one block, local.
     local = local_strategy(layout, seq_len, tile_size, kernel, q.shape, k.shape, q.dtype,
                            window, softcap, _narrowest(spans, narrowest))
-    return _attention(q, k, v, segment_ids, spans, _Passes(local))
+    return _attention(q, k, v, segment_ids, spans, positions,
+                      _Passes(local, sinks=sink_plan))
   specs = operand_specs(mesh, rules, q.shape, k.shape[2])
   passes = _Passes(split_attention(strategy, layout, seq_len, tile_size, kernel, mesh, rules,
                                    q.shape[2], k.shape[2], q.shape[3], q.dtype,
                                    window=window, softcap=softcap,
                                    narrowest=_narrowest(spans, narrowest)),
-                   None if context_mesh else mesh, specs)
+                   None if context_mesh else mesh, specs, sink_plan)
   if not any(t == AxisType.Explicit for t in mesh.axis_types):
-    return _attention(q, k, v, segment_ids, spans, passes)
+    return _attention(q, k, v, segment_ids, spans, positions, passes)
   # Explicit-sharding meshes make shard_map demand inputs already laid out as in_specs;
   # the output goes back to q's sharding so the caller sees the type it passed in.
   out_spec = jax.typeof(q).sharding.spec
@@ -222,8 +250,27 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
     segment_ids = jax.reshard(segment_ids, _sharding(mesh, seg_spec))
   if spans is not None:
     spans = jax.reshard(spans, _sharding(mesh, P(q_spec[2])))
-  return jax.reshard(_attention(q, k, v, segment_ids, spans, passes),
+  if positions is not None:
+    positions = jax.reshard(positions, _sharding(mesh, seg_spec))
+  return jax.reshard(_attention(q, k, v, segment_ids, spans, positions, passes),
                      _sharding(mesh, out_spec))
+
+
+def _sink_plan(sink_tokens: int, positions, window: int | None, narrowest: int | None,
+               row_shape) -> sinks.SinkPlan | None:
+  """The sink path of a local layer, or None where no query can need one."""
+  if sink_tokens < 0:
+    raise ValueError(f"sink_tokens={sink_tokens} must be >= 0 (0: none)")
+  if not sink_tokens:
+    return None
+  if window is None:
+    raise ValueError("sink tokens need a window (a local layer): a causal layer already "
+                     "sees every earlier key")
+  if positions is None or tuple(positions.shape) != tuple(row_shape):
+    raise ValueError(f"sink tokens need positions [B, S] = {tuple(row_shape)} (in-document "
+                     f"positions, which say which keys are sinks)")
+  plan = sinks.SinkPlan(sink_tokens, window, narrowest or window)
+  return plan if plan.capacity(row_shape[1]) else None
 
 
 def _narrowest(spans, narrowest: int | None) -> int | None:

@@ -1,0 +1,192 @@
+"""Sink tokens of local layers, kept off the ring: one small table of sink K/V per round.
+
+The rule: a key whose in-document position (the `positions` RoPE reads, which restart at 0
+per packed document) is below `count` is a sink, and every later query of its segment sees
+it, however far back. The windowed ring already gives each query head h the keys with
+`0 <= i - j < w_h` (original positions); this path adds exactly the rest, the sinks with
+`i - j >= w_h`, so nothing is counted twice, and merges by log-sum-exp.
+
+Which sinks any query needs is decided from the whole row's segment ids and positions (a
+small all-gather of int32s): sink j is needed iff its segment has a token at j + `reach` or
+later, `reach` being the layer's narrowest window. The needed sinks are numbered in layout
+order; a round takes `capacity` of them, fetches their K/V from the devices that hold them
+(one psum of a buffer that is zero but for the owners' rows, exact in any dtype) and attends
+every local query to that table densely. The backward runs the same rounds and sends each
+table row's dK/dV home by a psum of the table, added into the owner's block.
+
+Capacity rule: `count * (S // (reach + 1))`. A row packed as the data pipeline packs it
+(segments are contiguous runs whose positions count 0, 1, ...) needs no more: a segment
+with a needed sink is at least reach + 1 tokens long and has at most `count` sinks. Rows
+that need more (positions that restart inside a segment, long padding) run more rounds:
+always exact, slower; the number of rounds is the row's, agreed by every device of the
+ring because each holds the same gathered ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from parallelism.ring import merge, softmax_delta
+
+
+@dataclasses.dataclass(frozen=True)
+class SinkPlan:
+  """Static: `count` sinks per document, for a layer whose ring sees `window` keys (per
+  head: the spans given at run time); `reach` is its narrowest window, beyond which a sink
+  can be needed."""
+  count: int
+  window: int
+  reach: int
+
+  def windows(self, heads: int, spans_H=None):
+    """[heads] int32: each query head's window, beyond which this path adds the sinks."""
+    return jnp.full((heads,), self.window, jnp.int32) if spans_H is None else spans_H
+
+  def capacity(self, seq_len: int) -> int:
+    """Table rows per round (module docstring); 0: no query can need a sink."""
+    return self.count * (seq_len // (self.reach + 1))
+
+
+def _row(x_BT, axes):
+  return lax.all_gather(x_BT, axes, axis=1, tiled=True) if axes else x_BT
+
+
+def _device(axes):
+  return lax.axis_index(axes) if axes else 0
+
+
+def _needed(plan: SinkPlan, seg_BS, pos_BS, index_S):
+  """[B, S] (layout order): the sinks some query of the row sees beyond the ring's window."""
+  def one_row(seg_S, pos_S):
+    rank_S = jnp.searchsorted(jnp.sort(seg_S), seg_S)  # a dense id per segment value
+    last_S = jax.ops.segment_max(index_S, rank_S, num_segments=seg_S.shape[0])[rank_S]
+    return (pos_S < plan.count) & (last_S >= index_S + plan.reach)
+  return jax.vmap(one_row)(seg_BS, pos_BS)
+
+
+class _Rounds:
+  """One device's view of the row's needed sinks, cut into rounds of `capacity`."""
+
+  def __init__(self, plan: SinkPlan, order_S: np.ndarray, seg_BT, pos_BT, axes):
+    self.axes, self.block = axes, seg_BT.shape[1]
+    self.index_S = jnp.asarray(order_S, jnp.int32)
+    self.seg_BS = _row(seg_BT, axes)
+    self.capacity = plan.capacity(self.index_S.shape[0])
+    needed_BS = _needed(plan, self.seg_BS, _row(pos_BT, axes), self.index_S)
+    self.needed_BS = needed_BS
+    self.rank_BS = jnp.cumsum(needed_BS, axis=1) - 1
+    most = jnp.max(jnp.sum(needed_BS, axis=1))
+    self.count = (most + self.capacity - 1) // self.capacity
+    start = _device(axes) * self.block
+    self.q_index_T = lax.dynamic_slice_in_dim(self.index_S, start, self.block)
+
+  def table(self, r):
+    """Round r: (layout position [B, C], valid [B, C], this device's row of each [B, C] or
+    -1, segment ids [B, C], original index [B, C])."""
+    batch = self.seg_BS.shape[0]
+    cap = self.capacity
+    taken_BS = self.needed_BS & (self.rank_BS // cap == r)
+    slot_BS = jnp.where(taken_BS, self.rank_BS - r * cap, cap)
+    rows_B1 = jnp.arange(batch)[:, None]
+    where_S = jnp.broadcast_to(jnp.arange(self.seg_BS.shape[1]), slot_BS.shape)
+    pos_BC = jnp.zeros((batch, cap + 1), jnp.int32).at[rows_B1, slot_BS].set(where_S)[:, :cap]
+    valid_BC = jnp.zeros((batch, cap + 1), bool).at[rows_B1, slot_BS].set(True)[:, :cap]
+    local_BC = pos_BC - _device(self.axes) * self.block
+    mine_BC = valid_BC & (local_BC >= 0) & (local_BC < self.block)
+    return (valid_BC, jnp.where(mine_BC, local_BC, -1),
+            jnp.take_along_axis(self.seg_BS, pos_BC, axis=1), self.index_S[pos_BC])
+
+  def fetch(self, x_BTKD, local_BC):
+    """Table rows of a local [B, T, K, D] array, from whichever device holds each."""
+    rows = jnp.take_along_axis(x_BTKD, jnp.maximum(local_BC, 0)[:, :, None, None], axis=1)
+    rows = jnp.where((local_BC >= 0)[:, :, None, None], rows, jnp.zeros_like(rows))
+    return lax.psum(rows, self.axes) if self.axes else rows
+
+
+def _scores(q_BTHD, k_BCKD, seg_BT, table, q_index_T, window_H, softcap):
+  """(logits [B,K,G,T,C] f32, their slope by q.k, visible) of the queries on a table."""
+  valid_BC, _, seg_BC, index_BC = table
+  batch, length, heads, head_dim = q_BTHD.shape
+  num_kv = k_BCKD.shape[2]
+  q_BTKGD = q_BTHD.reshape(batch, length, num_kv, heads // num_kv, head_dim)
+  scale = head_dim ** -0.5
+  s = jnp.einsum("btkgd,bckd->bkgtc", q_BTKGD, k_BCKD, preferred_element_type=jnp.float32,
+                 precision=lax.Precision.HIGHEST) * scale
+  slope = scale
+  if softcap:
+    capped = jnp.tanh(s / softcap)
+    s, slope = softcap * capped, scale * (1.0 - capped * capped)
+  behind_TC = q_index_T[:, None] - index_BC[:, None, :]  # [B, T, C]
+  window_KG = window_H.reshape(num_kv, -1)
+  visible = (valid_BC[:, None, None, None, :]
+             & (seg_BT[:, :, None] == seg_BC[:, None, :])[:, None, None]
+             & (behind_TC[:, None, None] >= window_KG[None, :, :, None, None]))
+  return s, slope, visible
+
+
+def forward(plan: SinkPlan, order_S, axes, q_BTHD, k_BTKD, v_BTKD, seg_BT, pos_BT, window_H,
+            softcap: float, out_BTHD, lse_BTH):
+  """The ring's (out, lse) with every round's sinks merged in (float32)."""
+  rounds = _Rounds(plan, order_S, seg_BT, pos_BT, axes)
+  batch, length, heads, head_dim = q_BTHD.shape
+
+  def one(r, out_lse):
+    table = rounds.table(r)
+    k_BCKD, v_BCKD = (rounds.fetch(x, table[1]) for x in (k_BTKD, v_BTKD))
+    s, _, visible = _scores(q_BTHD, k_BCKD, seg_BT, table, rounds.q_index_T, window_H,
+                            softcap)
+    s = jnp.where(visible, s, -jnp.inf)
+    top = jnp.max(s, axis=-1, keepdims=True)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    p = jnp.exp(s - top)
+    total = jnp.sum(p, axis=-1)
+    lse = jnp.where(total > 0, top[..., 0] + jnp.log(jnp.where(total > 0, total, 1.0)),
+                    -jnp.inf)
+    out = jnp.einsum("bkgtc,bckd->btkgd", p / jnp.where(total > 0, total, 1.0)[..., None],
+                     v_BCKD.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    lse_BTH = jnp.moveaxis(lse.reshape(batch, heads, length), 1, 2)
+    return merge(*out_lse, out.reshape(batch, length, heads, head_dim), lse_BTH)
+
+  return lax.fori_loop(0, rounds.count, one, (out_BTHD, lse_BTH))
+
+
+def backward(plan: SinkPlan, order_S, axes, q_BTHD, k_BTKD, v_BTKD, seg_BT, pos_BT, window_H,
+             softcap: float, out_BTHD, lse_BTH, dout_BTHD):
+  """(dq, dk, dv) float32 of the sink paths, from the global output and lse."""
+  rounds = _Rounds(plan, order_S, seg_BT, pos_BT, axes)
+  batch, length, heads, head_dim = q_BTHD.shape
+  num_kv = k_BTKD.shape[2]
+  split = lambda x: jnp.moveaxis(x.reshape(batch, length, num_kv, heads // num_kv), 1, 3)
+  lse, delta = split(lse_BTH), split(softmax_delta(dout_BTHD, out_BTHD))
+  lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)  # a query that sees nothing: p = 0
+  do_BTKGD = dout_BTHD.astype(jnp.float32).reshape(batch, length, num_kv, heads // num_kv, head_dim)
+  q_BTKGD = q_BTHD.reshape(do_BTKGD.shape).astype(jnp.float32)
+  rows_B1 = jnp.arange(batch)[:, None]
+  hi = lax.Precision.HIGHEST
+
+  def one(r, grads):
+    dq, dk, dv = grads
+    table = rounds.table(r)
+    k_BCKD, v_BCKD = (rounds.fetch(x, table[1]).astype(jnp.float32) for x in (k_BTKD, v_BTKD))
+    s, slope, visible = _scores(q_BTHD, k_BCKD, seg_BT, table, rounds.q_index_T, window_H,
+                                softcap)
+    p = jnp.where(visible, jnp.exp(s - lse[..., None]), 0.0)
+    dp = jnp.einsum("btkgd,bckd->bkgtc", do_BTKGD, v_BCKD, precision=hi)
+    ds = p * (dp - delta[..., None]) * slope
+    dq = dq + jnp.einsum("bkgtc,bckd->btkgd", ds, k_BCKD, precision=hi).reshape(dq.shape)
+    dk_t = jnp.einsum("bkgtc,btkgd->bckd", ds, q_BTKGD, precision=hi)
+    dv_t = jnp.einsum("bkgtc,btkgd->bckd", p, do_BTKGD, precision=hi)
+    if axes:
+      dk_t, dv_t = lax.psum((dk_t, dv_t), axes)
+    local_BC = table[1]
+    home = lambda acc, g: acc.at[rows_B1, jnp.maximum(local_BC, 0)].add(
+        jnp.where((local_BC >= 0)[:, :, None, None], g, 0.0))
+    return dq, home(dk, dk_t), home(dv, dv_t)
+
+  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+  return lax.fori_loop(0, rounds.count, one, (zeros(q_BTHD), zeros(k_BTKD), zeros(v_BTKD)))
