@@ -12,7 +12,9 @@ Per row (before any layout permutation):
 - `loss_mask` float32: 1 where the target belongs to the same document piece as the token;
   0 where a target crosses into the next document and on padding.
 - `positions`: 0, 1, ... from the start of each document piece. A document continued from the
-  previous row restarts at 0 there too: the model cannot see the earlier row anyway.
+  previous row restarts at 0 there too: the model cannot see the earlier row anyway. Padding
+  counts up as one more piece: its first tokens only are "sinks" (`model.sink_tokens` keys
+  below position k), so a padded row costs the sink table no more than a document does.
 - `segment_ids`: 1, 2, ... per document piece within the row (all 1 with
   `cross_document_attention`); 0 on padding.
 - `token_index`: 0..S-1.
@@ -92,7 +94,7 @@ def pack_row(read: Callable[[int, int], Part | None], start: StreamPosition, seq
   pad = need - filled
   ids_ = np.concatenate(ids + [np.full(pad, pad_id, np.int32)])
   dist_ = np.concatenate(dist + [np.zeros(pad, np.int32)])
-  pos_ = np.concatenate(pos + [np.zeros(pad, np.int32)])
+  pos_ = np.concatenate(pos + [np.arange(pad, dtype=np.int32)])
   piece_ = np.concatenate(piece + [np.zeros(pad, np.int32)])
   same = (piece_[1:] == piece_[:-1]) & (piece_[:-1] > 0)
   segments = piece_[:-1]
@@ -116,5 +118,6 @@ def empty_row(seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
   row["tokens"][:] = pad_id
   row["targets"][:] = pad_id
   row["loss_mask"] = np.zeros(seq_len, np.float32)
+  row["positions"] = np.arange(seq_len, dtype=np.int32)  # As padding in `pack_row`.
   row["token_index"] = np.arange(seq_len, dtype=np.int32)
   return row

@@ -16,8 +16,9 @@ table row's dK/dV home by a psum of the table, added into the owner's block.
 
 Capacity rule: `count * (S // (reach + 1))`. A row packed as the data pipeline packs it
 (segments are contiguous runs whose positions count 0, 1, ...) needs no more: a segment
-with a needed sink is at least reach + 1 tokens long and has at most `count` sinks. Rows
-that need more (positions that restart inside a segment, long padding) run more rounds:
+with a needed sink is at least reach + 1 tokens long and has at most `count` sinks; padding
+counts its positions up as one segment does (data/packing.py). Rows that need more
+(positions that restart inside a segment) run more rounds:
 always exact, slower; the number of rounds is the row's, agreed by every device of the
 ring because each holds the same gathered ids.
 """

@@ -142,6 +142,10 @@ def test_finite_stream_last_batch_is_padded():
   assert len(batches) == 2 and all(b["tokens"].shape == (2, 16) for b in batches)
   assert batches[1]["segment_ids"][0].any() and not batches[1]["segment_ids"][0].all()
   assert batches[1]["loss_mask"][1].sum() == 0 and batches[1]["segment_ids"][1].sum() == 0
+  # Padding counts its positions up, so only its first few could be sink tokens.
+  padding = batches[1]["segment_ids"][0] == 0
+  assert np.array_equal(batches[1]["positions"][0][padding], np.arange(padding.sum()))
+  assert np.array_equal(batches[1]["positions"][1], np.arange(16))
 
 
 def test_a_process_keeps_its_rows_of_the_one_stream():
