@@ -52,6 +52,13 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
   # Sink tokens: local layers also see the first k positions of each document, however far
   # back (StreamingLLM / MoA's "first k tokens", per packed document); 0: none.
   config.model.sink_tokens = 0
+  # Run-time sparse attention (issue #38): "none", or "hash" (SCFA's hash attention: per layer
+  # and head, q and k fall in one of hash_buckets buckets by argmax([xR, -xR]) of a fixed
+  # random projection R, and a query sees only the earlier keys of its document and bucket;
+  # model/hashing.py). Exact masked attention in every layout and strategy (xla kernel); no
+  # tile skipping yet, no decoding (sampling, needle evals).
+  config.model.sparse = "none"
+  config.model.hash_buckets = 0  # Buckets of hash attention: even, >= 2; 0 without it.
   config.model.norm_eps = 1e-5  # RMSNorm epsilon.
   config.model.tie_embeddings = False  # Share the input embedding with the output projection.
   config.model.init_std = 0.02  # Std of the normal initialiser of every matrix.

@@ -6,7 +6,8 @@ than `window` positions before it (`parallelism.tiles`). `dense` applies it to t
 row in its original order: on a CUDA GPU by cuDNN's flash attention, elsewhere as a masked
 softmax; `ring`, `striped` and `zigzag` hand q, k, v and the segment ids to
 `parallelism.ring_attention` with the layout's name, whose static schedule knows every
-token's original position without reading an index.
+token's original position without reading an index. With hash attention (`model.sparse`)
+a query also sees only keys of its bucket (model/hashing.py), in every layout alike.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 import parallelism
 from model.config import GLOBAL, LOCAL, ModelConfig
+from model.hashing import bucket_codes
 from model.layers import Projection, constrain
 from model.rope import RopeScaling, apply_rope, frequencies
 
@@ -28,12 +30,16 @@ from model.rope import RopeScaling, apply_rope, frequencies
 def dense_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
                     segment_ids_BS: jax.Array, window: int | None = None,
                     softcap: float = 0.0, spans_H: jax.Array | None = None,
-                    positions_BS: jax.Array | None = None, sink_tokens: int = 0) -> jax.Array:
+                    positions_BS: jax.Array | None = None, sink_tokens: int = 0,
+                    q_codes_BSH: jax.Array | None = None,
+                    k_codes_BSK: jax.Array | None = None) -> jax.Array:
   """Masked softmax attention over the whole row, in its original order (a token's index
   is its place), each query seeing the `window` keys up to itself (None: all before it; with
   per-head spans `spans_H` [Hq], query head h sees `spans_H[h]`) and, with `sink_tokens` k,
   every earlier key of its document at a position below k (`parallelism.sinks`), logits
-  capped at `softcap` (0: not); K/V heads are shared by query groups.
+  capped at `softcap` (0: not); K/V heads are shared by query groups. With bucket codes
+(hash attention: `q_codes_BSH` [B,S,Hq], `k_codes_BSK` [B,S,Hkv]) query head h also sees
+only keys whose code of its kv head equals its own.
 
   Scores and softmax are float32. A query that sees no key gets zeros, not NaN.
   """
@@ -58,6 +64,10 @@ def dense_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
         positions_BS[:, None, :] < sink_tokens)
     visible_B11ST = visible_B11ST | sink_BST[:, None, None]
   visible_B11ST = visible_B11ST & same_BST[:, None, None]
+  if q_codes_BSH is not None:
+    q_codes_BKGS1 = jnp.moveaxis(q_codes_BSH.reshape(batch, seq, num_kv_heads, -1), 1, 3)
+    k_codes_BK11T = jnp.moveaxis(k_codes_BSK, 1, 2)[:, :, None, None, :]
+    visible_B11ST = visible_B11ST & (q_codes_BKGS1[..., None] == k_codes_BK11T)
   scores_BKGST = jnp.where(visible_B11ST, scores_BKGST, -jnp.inf)
   row_max_BKGS1 = jnp.max(scores_BKGST, axis=-1, keepdims=True)
   row_max_BKGS1 = jnp.where(jnp.isfinite(row_max_BKGS1), row_max_BKGS1, 0.0)
@@ -70,23 +80,27 @@ def dense_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
 
 
 def _whole_rows(cfg: ModelConfig, q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, window,
-                spans_H=None, positions_BS=None, sinks=0):
+                spans_H=None, positions_BS=None, sinks=0, codes=None):
   """`dense` attention: cuDNN's flash attention on a CUDA GPU (each packed document apart;
   a row of more documents than its packed layout takes runs the block kernels as a ring of
-  one, and so do a local layer and capped logits, which cuDNN's packed call is not given),
+  one, and so do a local layer, capped logits and hash attention's `codes`, which cuDNN's
+  packed call is not given),
   else `dense_attention`. A dense row is in its original order, so the token index is its
   position and cuDNN's causal mask the rule."""
   if parallelism.cudnn_dense_reason(q_BSHD.shape, q_BSHD.dtype):
     return dense_attention(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, window,
-                           cfg.attention_softcap, spans_H, positions_BS, sinks)
+                           cfg.attention_softcap, spans_H, positions_BS, sinks,
+                           *(codes or (None, None)))
   fallback = functools.partial(
       parallelism.ring_attention, layout="ring", rules=nn.get_logical_axis_rules(),
       tile_size=math.gcd(q_BSHD.shape[1], cfg.attention_tile), window=window,
       softcap=cfg.attention_softcap)
-  if window is not None or cfg.attention_softcap:
+  if window is not None or cfg.attention_softcap or codes is not None:
+    q_codes, k_codes = codes or (None, None)
     return fallback(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, spans=spans_H,
                     narrowest=cfg.narrowest_span if spans_H is not None else None,
-                    positions=positions_BS, sink_tokens=sinks)
+                    positions=positions_BS, sink_tokens=sinks, q_buckets=q_codes,
+                    k_buckets=k_codes)
   return parallelism.cudnn_dense_attention(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, fallback)
 
 
@@ -118,6 +132,9 @@ class Attention(nn.Module):
   roped keys and values there, in the row's layout order; a decode step writes the new
   token's into the slot of its position and attends to the whole cache by
   `parallelism.decode_attention`.
+
+  With hash attention, `hash_KDR` is this layer's projection ([Hkv, D, b/2], scanned with
+  the blocks): the roped q and k are hashed by it into bucket codes (model/hashing.py).
   """
 
   cfg: ModelConfig
@@ -125,8 +142,8 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x_BSE: jax.Array, positions_BS: jax.Array, segment_ids_BS: jax.Array,
-               local: jax.Array | None = None,
-               spans_H: jax.Array | None = None) -> jax.Array:
+               local: jax.Array | None = None, spans_H: jax.Array | None = None,
+               hash_KDR: jax.Array | None = None) -> jax.Array:
     cfg = self.cfg
 
     def project(heads, names, name):
@@ -153,14 +170,19 @@ class Attention(nn.Module):
       # Per-head spans narrow a local layer's window per head (the widest is `window`).
       spans = spans_H if kind == LOCAL else None
       sinks = cfg.sink_tokens if kind == LOCAL else 0
+      codes = None
+      if hash_KDR is not None:
+        codes = bucket_codes(q_BSHD, hash_KDR), bucket_codes(k_BSKD, hash_KDR)
       if self.decode:
+        if codes is not None:
+          raise ValueError(cfg.decode_problem())
         return parallelism.decode_attention(
             q_BSHD, k_BSKD, v_BSKD, *cache, positions_BS[:, 0], layout=cfg.layout,
             rules=nn.get_logical_axis_rules(), window=window, softcap=cfg.attention_softcap,
             spans=spans, sink_tokens=sinks)
       if cfg.attention == "dense":
         out_BSHD = _whole_rows(cfg, q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, window, spans,
-                               positions_BS, sinks)
+                               positions_BS, sinks, codes)
       else:
         # The ring's shardings come from the rules table the activations above are pinned
         # by; its schedule from the layout the data pipeline permuted the batch into.
@@ -170,7 +192,9 @@ class Attention(nn.Module):
             tile_size=cfg.attention_tile, strategy=cfg.sequence_parallel, window=window,
             softcap=cfg.attention_softcap, spans=spans,
             narrowest=None if spans is None else cfg.narrowest_span,
-            positions=positions_BS, sink_tokens=sinks)
+            positions=positions_BS, sink_tokens=sinks,
+            q_buckets=None if codes is None else codes[0],
+            k_buckets=None if codes is None else codes[1])
       return out_BSHD, k_BSKD, v_BSKD
 
     kinds = set(cfg.layer_kinds)

@@ -9,6 +9,7 @@ from model import spans as span_plans
 from model.rope import RopeScaling
 
 ATTENTIONS = ("dense", "ring", "striped", "zigzag")
+SPARSE = ("none", "hash")  # Run-time sparse attention (issue #38); hash: model/hashing.py.
 
 
 def layout_of(attention: str) -> str:
@@ -44,6 +45,8 @@ class ModelConfig:
   attention_softcap: float = 0.0  # Logits capped at c * tanh(logit / c) (Gemma 2); 0: none.
   head_spans: str = ""  # A plan of per-(layer, head) spans (model/spans.py); "": none.
   sink_tokens: int = 0  # Local layers also see the first k positions of each document.
+  sparse: str = "none"  # "hash": a query sees only keys of its bucket (model/hashing.py).
+  hash_buckets: int = 0  # Buckets of hash attention (even, >= 2); 0 without it.
   span_length: int = 0  # The row length the plan resolves at (data.seq_len; the trainer's).
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
@@ -148,6 +151,32 @@ class ModelConfig:
               f"model.head_spans): a global layer already sees every earlier key")
     if self.attention_softcap < 0:
       return f"model.attention_softcap={self.attention_softcap} must be >= 0 (0: no cap)"
+    return self._sparse_problem()
+
+  def _sparse_problem(self) -> str:
+    if self.sparse not in SPARSE:
+      return f"model.sparse='{self.sparse}' must be one of {SPARSE}"
+    if self.sparse == "none":
+      return (f"model.hash_buckets={self.hash_buckets} is set but model.sparse='none': set "
+              f"model.sparse='hash' too" if self.hash_buckets else "")
+    if self.hash_buckets < 2 or self.hash_buckets % 2:
+      return (f"model.hash_buckets={self.hash_buckets} must be even and >= 2 with model.sparse="
+              f"'hash' (the hash is argmax over [xR, -xR] of b/2 projections)")
+    if self.sink_tokens:
+      return (f"model.sink_tokens={self.sink_tokens} does not combine with model.sparse='hash' "
+              f"(the sink path has no bucket mask)")
+    return ""
+
+  @property
+  def hashed(self) -> bool:
+    """Whether attention is hash attention (bucket codes mask every layer)."""
+    return self.sparse == "hash"
+
+  def decode_problem(self) -> str:
+    """Why this model cannot decode (sample, needle evals); empty when it can."""
+    if self.hashed:
+      return ("model.sparse='hash' has no decoding yet (parallelism.decode_attention applies "
+              "no bucket mask): sampling and needle evals stop here")
     return ""
 
   def matmul_params(self) -> int:

@@ -10,6 +10,7 @@ from jax.ad_checkpoint import checkpoint_name
 import parallelism
 from model.attention import Attention
 from model.config import LOCAL, ModelConfig
+from model.hashing import projections
 from model.layers import RMSNorm, SwiGLU, constrain, projection_kernel
 from model.loss import chunked_token_scores
 
@@ -24,12 +25,13 @@ class Block(nn.Module):
   decode: bool = False
 
   @nn.compact
-  def __call__(self, x_BSE, positions_BS, segment_ids_BS, local=None, spans_H=None):
+  def __call__(self, x_BSE, positions_BS, segment_ids_BS, local=None, spans_H=None,
+               hash_KDR=None):
     cfg = self.cfg
     x_BSE = checkpoint_name(x_BSE, BLOCK_INPUT)  # What remat 'offload' keeps in host memory.
     h_BSE = RMSNorm(cfg, name="attention_norm")(x_BSE)
     x_BSE = x_BSE + Attention(cfg, self.decode, name="attention")(
-        h_BSE, positions_BS, segment_ids_BS, local, spans_H)
+        h_BSE, positions_BS, segment_ids_BS, local, spans_H, hash_KDR)
     h_BSE = RMSNorm(cfg, name="mlp_norm")(x_BSE)
     x_BSE = constrain(x_BSE + SwiGLU(cfg, name="mlp")(h_BSE), _ACTIVATION_BSE)
     return x_BSE, None
@@ -102,12 +104,18 @@ class Decoder(nn.Module):
     # Which layers are local (`ModelConfig.layer_pattern`) and, with a span plan whose spans
     # differ, each layer's per-head spans: scanned with the blocks, so the stack stays one
     # scan whatever the pattern.
-    scanned = [jnp.asarray([kind == LOCAL for kind in cfg.layer_kinds])]
+    # With hash attention, each layer's fixed projections (model/hashing.py) likewise; an
+    # operand a model lacks is a broadcast None.
+    scanned = [jnp.asarray([kind == LOCAL for kind in cfg.layer_kinds]), None, None]
     if cfg.narrowest_span is not None:
-      scanned.append(jnp.asarray(cfg.spans, jnp.int32))  # [L, Hq]
+      scanned[1] = jnp.asarray(cfg.spans, jnp.int32)  # [L, Hq]
+    if cfg.hashed:  # [L, Hkv, D, b/2]
+      scanned[2] = jnp.asarray(projections(cfg.num_layers, cfg.num_kv_heads, cfg.head_size,
+                                           cfg.hash_buckets))
     blocks = nn.scan(
         block, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True},
-        in_axes=(nn.broadcast, nn.broadcast, *[0] * len(scanned)), length=cfg.num_layers,
+        in_axes=(nn.broadcast, nn.broadcast,
+                 *[nn.broadcast if x is None else 0 for x in scanned]), length=cfg.num_layers,
         metadata_params={nn.PARTITION_NAME: "layers"})
     x_BSE, _ = blocks(cfg, self.decode, name="blocks")(
         x_BSE, positions_BS, segment_ids_BS, *scanned)

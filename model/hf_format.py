@@ -187,6 +187,9 @@ def export_problem(cfg: ModelConfig) -> str:
   if cfg.sink_tokens:
     return (f"model.sink_tokens={cfg.sink_tokens}: sink tokens have no LLaMA or Mistral "
             f"config.json")
+  if cfg.hashed:
+    return (f"model.sparse='{cfg.sparse}': hash attention has no LLaMA or Mistral "
+            f"config.json")
   if set(cfg.layer_kinds) == {"L", "G"} or (cfg.window and cfg.local_rope_theta):
     return (f"model.layer_pattern='{cfg.layer_pattern}' and model.local_rope_theta="
             f"{cfg.local_rope_theta:g}: a model with local and global layers (or local layers "

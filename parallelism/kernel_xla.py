@@ -26,6 +26,9 @@ and the backward multiplies by the cap's slope. With per-head spans (`spans_H`, 
 a MASKED tile's mask is narrowed per query head to `q - k < span[h]`, the distances read
 from the pair's token indices (`RingSchedule.pair_index`); UNMASKED tiles need no narrowing
 (the schedule classifies them by the narrowest span).
+With bucket codes (hash attention: `q_codes_BTH` [B, Tq, Hq], `k_codes_BTK` [B, Tk, Hkv] int32)
+every computed tile, UNMASKED ones too, also requires query head h's code to equal its kv
+head's key code; a row left with nothing visible gives 0 and lse -inf as above.
 """
 
 from __future__ import annotations
@@ -134,6 +137,23 @@ def _fwd_update_in_halves(carry, q_BKGtD, k_BKtD, v_BKtD, visible, *, scale: flo
   return tuple(jnp.concatenate(pair, axis=_Q_AXIS) for pair in zip(first, second))
 
 
+def _codes_KGt(q_codes_BTH, i, tile: int, num_kv: int):
+  """Query tile `i`'s bucket codes head-major, [B, Hkv, G, t]; None without codes."""
+  return None if q_codes_BTH is None else _q_head_major(_tile_of(q_codes_BTH, i, tile), num_kv)
+
+
+def _codes_Kt(k_codes_BTK, j, tile: int):
+  """Key tile `j`'s bucket codes head-major, [B, Hkv, t]; None without codes."""
+  return None if k_codes_BTK is None else jnp.swapaxes(_tile_of(k_codes_BTK, j, tile), 1, 2)
+
+
+def _same_bucket(visible, same):
+  """`visible` narrowed by the same-bucket mask `same` (either may be None: no mask)."""
+  if same is None:
+    return visible
+  return same if visible is None else visible & same
+
+
 def _pair_index(schedule: RingSchedule, pair, spans_H):
   """The pair's query and key token indices ([T] int32 each), when spans narrow masks."""
   if spans_H is None:
@@ -142,7 +162,8 @@ def _pair_index(schedule: RingSchedule, pair, spans_H):
 
 
 def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSchedule, pair,
-              tile: int, softcap: float = 0.0, spans_H=None) -> tuple[jax.Array, jax.Array]:
+              tile: int, softcap: float = 0.0, spans_H=None, q_codes_BTH=None,
+              k_codes_BTK=None) -> tuple[jax.Array, jax.Array]:
   """Attention of a query block on a key block: (out [B,Tq,Hq,D] f32, lse [B,Tq,Hq] f32)."""
   num_kv = k_BTKD.shape[2]
   spans_KG = _spans_KG(spans_H, num_kv)
@@ -157,6 +178,7 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSched
   def q_tile_body(i, results):
     q_BKGtD = _q_head_major(_tile_of(q_BTHD, i, tile), num_kv)
     q_seg_Bt = _tile_of(q_seg_BT, i, tile) if segments else None
+    q_code_BKGt = _codes_KGt(q_codes_BTH, i, tile, num_kv)
 
     def visit(j, carry, mask_id):
       k_BKtD, v_BKtD = (_tile_of(x, j, tile, axis=2) for x in (k_BKTD, v_BKTD))
@@ -167,6 +189,9 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSched
         behind_tt = (_tile_of(q_index_T, i, tile, 0)[:, None]
                      - _tile_of(k_index_T, j, tile, 0)[None, :])
         visible = visible & (behind_tt < spans_KG[:, :, None, None])
+      if q_code_BKGt is not None:  # [B, Hkv, G, tq, tk]
+        same = q_code_BKGt[..., None] == _codes_Kt(k_codes_BTK, j, tile)[:, :, None, None]
+        visible = _same_bucket(visible, same)
       update = _fwd_update_in_halves if mask_id is not None and halves else _fwd_update
       return update(carry, q_BKGtD, k_BKtD, v_BKtD, visible, scale=scale, softcap=softcap)
 
@@ -244,7 +269,8 @@ def _bwd_update_in_halves(carry, q_xs, k_xs, visible_T, *, scale: float, softcap
 
 def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k_seg_BT, *,
               schedule: RingSchedule, pair, tile: int, out_BTHD=None,
-              softcap: float = 0.0, spans_H=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+              softcap: float = 0.0, spans_H=None, q_codes_BTH=None,
+              k_codes_BTK=None) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Gradient contributions (dq, dk, dv, all float32) of one query block x key block.
 
   `lse_BTH` is the GLOBAL log-sum-exp of the queries (merged over all key blocks) and
@@ -266,11 +292,13 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
   # The query side, walked by the inner loop, head-major once.
   per_head = tuple(_q_head_major(x, num_kv)
                    for x in (q_BTHD, dout_BTHD, lse_safe, delta_BTH.astype(_F32)))
+  q_codes_BKGT = None if q_codes_BTH is None else _q_head_major(q_codes_BTH, num_kv)
 
   def k_tile_body(j, grads):
     k_BKtD, v_BKtD = _key_tile(k_BTKD, v_BTKD, j, tile)
     k_xs = (k_BKtD, v_BKtD, jnp.swapaxes(k_BKtD, 2, 3))
     k_seg_Bt = _tile_of(k_seg_BT, j, tile) if segments else None
+    k_code_BKt = _codes_Kt(k_codes_BTK, j, tile)
 
     def visit(i, carry, mask_id):
       dk, dv, dq_BTHD = carry
@@ -283,6 +311,10 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
         behind_tt = (_tile_of(q_index_T, i, tile, 0)[None, :]
                      - _tile_of(k_index_T, j, tile, 0)[:, None])
         visible_T = visible_T & (behind_tt[None, :, None, :] < spans_KG[:, None, :, None])
+      if k_code_BKt is not None:  # [B, Hkv, tk, G, tq]
+        q_code_BKGt = _tile_of(q_codes_BKGT, i, tile, axis=_Q_AXIS)
+        visible_T = _same_bucket(visible_T, k_code_BKt[..., None, None]
+                                 == q_code_BKGt[:, :, None])
       update = _bwd_update_in_halves if mask_id is not None and halves else _bwd_update
       dk, dv, dq_BKDGt = update((dk, dv, dq_BKDGt), q_xs, k_xs, visible_T, scale=scale,
                                 softcap=softcap)

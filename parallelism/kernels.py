@@ -4,9 +4,10 @@ A block kernel computes attention of one device's query block on one K/V block, 
 the static schedule (`parallelism.schedule`) gives that device at that ring step:
 
     block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule, pair, tile,
-              softcap=0.0[, spans_H]) -> (out_BTHD, lse_BTH)
+              softcap=0.0[, spans_H][, q_codes_BTH, k_codes_BTK]) -> (out_BTHD, lse_BTH)
     block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k_seg_BT, *,
-              schedule, pair, tile, out_BTHD=None, softcap=0.0[, spans_H])
+              schedule, pair, tile, out_BTHD=None, softcap=0.0[, spans_H][, q_codes_BTH,
+              k_codes_BTK])
               -> (dq_BTHD, dk_BTKD, dv_BTKD)
 
 - q [B, Tq, Hq, D], k/v [B, Tk, Hkv, D], Hq % Hkv == 0 (q head h reads kv head
@@ -18,6 +19,9 @@ the static schedule (`parallelism.schedule`) gives that device at that ring step
 - `spans_H` ([Hq] int32, only with per-head spans; xla and pallas): query head h sees keys
   fewer than `spans_H[h]` positions back; MASKED tiles narrow their mask by it (the
   schedule's `narrowest` and `window` bound the spans; `RingSchedule.pair_index`).
+- `q_codes_BTH` [B, Tq, Hq] and `k_codes_BTK` [B, Tk, Hkv] (int32, only with hash attention;
+  xla only): a run-time mask, like segment ids, applied in every computed tile: query head h
+  sees a key only where its code equals the key's code of kv head h // (Hq / Hkv).
 - Forward: the block's output and natural-log log-sum-exp, float32; a query that sees no key
   gets output 0 and lse -inf, never NaN. Backward: from the GLOBAL lse and `delta = sum(dout
   * out, -1)` (and the global output `out_BTHD`, for cuDNN, whose backward forms delta
@@ -75,12 +79,15 @@ def describe(name: str, backend: str | None = None) -> str:
 
 
 def choose(name: str, q_shape, k_shape, tile: int, dtype, softcap: float = 0.0,
-           head_spans: bool = False) -> tuple[str, str | None]:
+           head_spans: bool = False, buckets: bool = False) -> tuple[str, str | None]:
   """The kernel that runs `name` on blocks of these shapes, and why it is not the one `name`
   resolves to (None when it is): blocks Triton cannot take run `xla` under `auto`; operands
   cuDNN cannot take, capped logits or per-head spans (`head_spans`) run `pallas` under
-  `cudnn`. Decided once per attention setup (`parallelism.split`), never per call."""
+  `cudnn`; bucket codes (`buckets`, hash attention) run `xla`, the one kernel that applies
+  them. Decided once per attention setup (`parallelism.split`), never per call."""
   chosen = resolve(name)
+  if buckets and chosen != "xla":
+    return "xla", f"the {chosen} kernel has no bucket mask (model.sparse='hash')"
   if chosen == "cudnn" and softcap:
     return "pallas", "the cudnn kernel has no logit soft-capping (model.attention_softcap)"
   if chosen == "cudnn" and head_spans:

@@ -2,7 +2,8 @@
 
 Each device keeps its query block and passes its K/V block (and the keys' segment ids when
 documents are packed, in one buffer) around the ring with `lax.ppermute`; after N steps
-every query block has met every key block. The next transfer is issued before the current
+every query block has met every key block. With hash attention the keys' bucket codes travel
+in the same buffer. The next transfer is issued before the current
 block is computed so communication can overlap compute. Partial (out, lse) pairs merge by
 the stable log-sum-exp rule.
 
@@ -134,25 +135,27 @@ class RingDevice:
       return compute()
     return lax.cond(self.empty_S[step], lambda: carry, compute)
 
-  def forward_step(self, step, out_lse, q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT):
+  def forward_step(self, step, out_lse, q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT,
+                   codes=None):
     """The (out, lse) of the queries on this step's K/V block, merged into `out_lse`; at
     step 0 (`out_lse` None) the own block's (out, lse). A block pair with nothing visible
-    skips the kernel and the merge."""
+    skips the kernel and the merge. `codes`: (the queries', this block's keys') bucket codes
+    of hash attention, or None."""
     attend = lambda: self.kernel.fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT,
                                      schedule=self.schedule, pair=self.pair_S[step],
-                                     tile=self.tile, **self.options)
+                                     tile=self.tile, **self.options, **_code_args(codes))
     if out_lse is None:
       return attend()  # a query always sees itself: the own block is never empty
     return self._unless_empty(step, out_lse, lambda: merge(*out_lse, *attend()))
 
   def backward_step(self, step, dq_dkv, q_BTHD, k_BTKD, v_BTKD, out_BTHD, dout_BTHD, lse_BTH,
-                    delta_BTH, q_seg_BT, k_seg_BT):
+                    delta_BTH, q_seg_BT, k_seg_BT, codes=None):
     """At step 0 (`dq_dkv` None) the own block's (dq, dk, dv); after it, (dq, dK/dV
     accumulator [2, B, T, Hkv, D]) with this step's block's contributions added."""
     grads = lambda: self.kernel.bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH,
                                     q_seg_BT, k_seg_BT, schedule=self.schedule,
                                     pair=self.pair_S[step], tile=self.tile, out_BTHD=out_BTHD,
-                                    **self.options)
+                                    **self.options, **_code_args(codes))
     if dq_dkv is None:
       return grads()
 
@@ -163,9 +166,27 @@ class RingDevice:
     return self._unless_empty(step, dq_dkv, add)
 
 
-def blocks(k_BTKD, v_BTKD, seg_BT):
-  """What travels the ring: K/V, and the keys' segment ids only when documents are packed."""
-  return (k_BTKD, v_BTKD) if seg_BT is None else (k_BTKD, v_BTKD, seg_BT)
+def _code_args(codes) -> dict:
+  """The block kernels' bucket-code arguments: only with hash attention (`parallelism.kernels`)."""
+  return {} if codes is None else dict(q_codes_BTH=codes[0], k_codes_BTK=codes[1])
+
+
+def blocks(k_BTKD, v_BTKD, seg_BT, k_codes_BTK=None):
+  """What travels the ring: K/V, then the keys' segment ids only when documents are packed
+  and their bucket codes only with hash attention (run-time masks both, as the keys')."""
+  return (k_BTKD, v_BTKD, *(x for x in (seg_BT, k_codes_BTK) if x is not None))
+
+
+def key_side(block, packed: bool, hashed: bool):
+  """(k, v, segment ids or None, bucket codes or None) of a block `blocks` made."""
+  k_BTKD, v_BTKD, *rest = block
+  seg_BT = rest.pop(0) if packed else None
+  return k_BTKD, v_BTKD, seg_BT, rest.pop(0) if hashed else None
+
+
+def _with_keys(codes, k_codes_BTK):
+  """(the queries', a held block's keys') codes; None without hash attention."""
+  return None if codes is None else (codes[0], k_codes_BTK)
 
 
 def softmax_delta(dout_BTHD, out_BTHD):
@@ -179,29 +200,37 @@ def device_index(axis: str, num_shards: int):
 
 
 def forward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, *, axis: str, schedule: RingSchedule,
-                 tile: int, kernel: str, softcap: float = 0.0, spans_H=None):
+                 tile: int, kernel: str, softcap: float = 0.0, spans_H=None, codes=None):
   """Per-device forward ring: returns (out f32 [B,T,Hq,D], lse f32 [B,T,Hq]); `spans_H`: this
-  device's query heads' spans ([Hq] int32), or None."""
+  device's query heads' spans ([Hq] int32), or None; `codes`: the bucket codes of hash
+  attention, (queries' [B,T,Hq], keys' [B,T,Hkv]) int32, or None (the keys' travel)."""
   ring = RingDevice(schedule, device_index(axis, schedule.num_shards), kernel, tile, softcap,
                     spans_H)
-  step = lambda s, out_lse, k_b, v_b, *seg_b: ring.forward_step(
-      s, out_lse, q_BTHD, k_b, v_b, seg_BT, seg_b[0] if seg_b else None)
+
+  def step(s, out_lse, *block):
+    k_b, v_b, seg_b, k_codes_b = key_side(block, seg_BT is not None, codes is not None)
+    return ring.forward_step(s, out_lse, q_BTHD, k_b, v_b, seg_BT, seg_b,
+                             _with_keys(codes, k_codes_b))
+
+  own = blocks(k_BTKD, v_BTKD, seg_BT, None if codes is None else codes[1])
   with jax.named_scope("ring_forward"):  # how tests find its collectives in compiled HLO
-    return around_ring(blocks(k_BTKD, v_BTKD, seg_BT), functools.partial(step, 0, None),
+    return around_ring(own, functools.partial(step, 0, None),
                        lambda carry, s, *block: step(s, carry, *block), axis=axis,
                        schedule=schedule)
 
 
 def backward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, dout_BTHD, *, axis: str,
                   schedule: RingSchedule, tile: int, kernel: str, softcap: float = 0.0,
-                  spans_H=None):
+                  spans_H=None, codes=None):
   """Per-device backward ring: returns (dq, dk, dv) in float32."""
   num_shards = schedule.num_shards
   ring = RingDevice(schedule, device_index(axis, num_shards), kernel, tile, softcap, spans_H)
   delta_BTH = softmax_delta(dout_BTHD, out_BTHD)
-  step = lambda s, carry, k_b, v_b, *seg_b: ring.backward_step(
-      s, carry, q_BTHD, k_b, v_b, out_BTHD, dout_BTHD, lse_BTH, delta_BTH, seg_BT,
-      seg_b[0] if seg_b else None)
+
+  def step(s, carry, *block):
+    k_b, v_b, seg_b, k_codes_b = key_side(block, seg_BT is not None, codes is not None)
+    return ring.backward_step(s, carry, q_BTHD, k_b, v_b, out_BTHD, dout_BTHD, lse_BTH,
+                              delta_BTH, seg_BT, seg_b, _with_keys(codes, k_codes_b))
 
   def start(*own):
     # The own block's dK/dV stay here; the accumulator that travels (with the block this
@@ -222,5 +251,6 @@ def backward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, dout_BTHD, 
     return dq_BTHD, dk_BTKD, dv_BTKD, lax.ppermute(dkv_2BTKD, axis, shifted(1, num_shards))
 
   dq_BTHD, dk_BTKD, dv_BTKD, dkv_2BTKD = around_ring(
-      blocks(k_BTKD, v_BTKD, seg_BT), start, visit, axis=axis, schedule=schedule)
+      blocks(k_BTKD, v_BTKD, seg_BT, None if codes is None else codes[1]), start, visit,
+      axis=axis, schedule=schedule)
   return dq_BTHD, dk_BTKD + dkv_2BTKD[0], dv_BTKD + dkv_2BTKD[1]

@@ -64,12 +64,14 @@ class _Passes:
     return jax.shard_map(per_device, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
                          check_vma=False)
 
-  def _optional_specs(self, seg_BS, spans_H, pos_BS) -> tuple:
-    """Specs of the optional operands given: segment ids, per-head spans (as heads), then
-    positions (sink tokens)."""
-    q_spec, _, seg_spec = self.specs or (None,) * 3
+  def _optional_specs(self, seg_BS, spans_H, pos_BS, codes) -> tuple:
+    """Specs of the optional operands given: segment ids, per-head spans (as heads),
+    positions (sink tokens), then the queries' and keys' bucket codes (as lse)."""
+    q_spec, kv_spec, seg_spec = self.specs or (None,) * 3
     heads_spec = None if q_spec is None else P(q_spec[2])
-    return _if(seg_BS, seg_spec) + _if(spans_H, heads_spec) + _if(pos_BS, seg_spec)
+    code_specs = (None, None) if q_spec is None else (P(*q_spec[:3]), P(*kv_spec[:3]))
+    return (_if(seg_BS, seg_spec) + _if(spans_H, heads_spec) + _if(pos_BS, seg_spec)
+            + (() if codes is None else code_specs))
 
   def _sink_args(self, q, seg, pos, spans) -> tuple:
     """The sink path's leading arguments on one device (`parallelism.sinks`)."""
@@ -78,34 +80,35 @@ class _Passes:
     return (self.sinks, self.strategy.schedule.order.reshape(-1), axes, seg, pos,
             self.sinks.windows(q.shape[2], spans), self.strategy.softcap)
 
-  def forward(self, q_BSHD, k_BSKD, v_BSKD, seg_BS, spans_H=None, pos_BS=None):
-    """(out in q's dtype, lse float32 [B, S, Hq]), global arrays."""
+  def forward(self, q_BSHD, k_BSKD, v_BSKD, seg_BS, spans_H=None, pos_BS=None, codes=None):
+    """(out in q's dtype, lse float32 [B, S, Hq]), global arrays; `codes`: (the queries',
+    the keys') bucket codes of hash attention, or None."""
     q_spec, kv_spec, _ = self.specs or (None,) * 3
     lse_spec = None if q_spec is None else P(*q_spec[:3])
 
     def per_device(q, k, v, *optional):
-      seg, spans, pos = _split_optional(optional, seg_BS, spans_H, pos_BS)
-      out, lse = self.strategy.forward(q, k, v, seg, spans)
+      seg, spans, pos, codes_d = _split_optional(optional, seg_BS, spans_H, pos_BS, codes)
+      out, lse = self.strategy.forward(q, k, v, seg, spans, codes_d)
       if self.sinks is not None:
         plan, order, axes, seg, pos, windows, cap = self._sink_args(q, seg, pos, spans)
         out, lse = sinks.forward(plan, order, axes, q, k, v, seg, pos, windows, cap, out, lse)
       return out.astype(q.dtype), lse
 
     run = self._on_devices(per_device, (q_spec, kv_spec, kv_spec)
-                           + self._optional_specs(seg_BS, spans_H, pos_BS), (q_spec, lse_spec))
-    return run(q_BSHD, k_BSKD, v_BSKD, *_if(seg_BS, seg_BS), *_if(spans_H, spans_H),
-               *_if(pos_BS, pos_BS))
+                           + self._optional_specs(seg_BS, spans_H, pos_BS, codes),
+                           (q_spec, lse_spec))
+    return run(q_BSHD, k_BSKD, v_BSKD, *_optionals(seg_BS, spans_H, pos_BS, codes))
 
-  def backward(self, q_BSHD, k_BSKD, v_BSKD, seg_BS, spans_H, pos_BS, out_BSHD, lse_BSH,
-               dout_BSHD):
+  def backward(self, q_BSHD, k_BSKD, v_BSKD, seg_BS, spans_H, pos_BS, codes, out_BSHD,
+               lse_BSH, dout_BSHD):
     """(dq, dk, dv) in the dtypes of q, k, v, global arrays."""
     q_spec, kv_spec, _ = self.specs or (None,) * 3
     lse_spec = None if q_spec is None else P(*q_spec[:3])
 
     def per_device(q, k, v, out, lse, dout, *optional):
-      seg, spans, pos = _split_optional(optional, seg_BS, spans_H, pos_BS)
+      seg, spans, pos, codes_d = _split_optional(optional, seg_BS, spans_H, pos_BS, codes)
       # The ring's pass with the global (merged) out and lse gives exactly its keys' share.
-      dq, dk, dv = self.strategy.backward(q, k, v, seg, out, lse, dout, spans)
+      dq, dk, dv = self.strategy.backward(q, k, v, seg, out, lse, dout, spans, codes_d)
       if self.sinks is not None:
         plan, order, axes, seg, pos, windows, cap = self._sink_args(q, seg, pos, spans)
         dq_s, dk_s, dv_s = sinks.backward(plan, order, axes, q, k, v, seg, pos, windows, cap,
@@ -115,9 +118,9 @@ class _Passes:
 
     run = self._on_devices(
         per_device, (q_spec, kv_spec, kv_spec, q_spec, lse_spec, q_spec)
-        + self._optional_specs(seg_BS, spans_H, pos_BS), (q_spec, kv_spec, kv_spec))
-    return run(q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BSH, dout_BSHD, *_if(seg_BS, seg_BS),
-               *_if(spans_H, spans_H), *_if(pos_BS, pos_BS))
+        + self._optional_specs(seg_BS, spans_H, pos_BS, codes), (q_spec, kv_spec, kv_spec))
+    return run(q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BSH, dout_BSHD,
+               *_optionals(seg_BS, spans_H, pos_BS, codes))
 
 
 def _if(optional, value) -> tuple:
@@ -125,30 +128,46 @@ def _if(optional, value) -> tuple:
   return () if optional is None else (value,)
 
 
-def _split_optional(operands, *given):
-  """(segment ids, spans, positions) of a device from the optional operands given, None
-  for the rest."""
+def _optionals(seg_BS, spans_H, pos_BS, codes) -> tuple:
+  """The optional operands given, in `_optional_specs`' order."""
+  return (*_if(seg_BS, seg_BS), *_if(spans_H, spans_H), *_if(pos_BS, pos_BS),
+          *(() if codes is None else codes))
+
+
+def _split_optional(operands, seg_BS, spans_H, pos_BS, codes):
+  """(segment ids, spans, positions, codes) of a device from the optional operands given,
+  None for the rest."""
   operands = list(operands)
-  return tuple(operands.pop(0) if x is not None else None for x in given)
+  seg, spans, pos = (operands.pop(0) if x is not None else None
+                     for x in (seg_BS, spans_H, pos_BS))
+  return seg, spans, pos, None if codes is None else tuple(operands)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _attention(q_BSHD, k_BSKD, v_BSKD, seg_BS, spans_H, pos_BS, passes: _Passes):
-  return passes.forward(q_BSHD, k_BSKD, v_BSKD, seg_BS, spans_H, pos_BS)[0]
+def _pair(q_codes_BSH, k_codes_BSK):
+  return None if q_codes_BSH is None else (q_codes_BSH, k_codes_BSK)
 
 
-def _attention_fwd(q_BSHD, k_BSKD, v_BSKD, seg_BS, spans_H, pos_BS, passes: _Passes):
-  out_BSHD, lse_BSH = passes.forward(q_BSHD, k_BSKD, v_BSKD, seg_BS, spans_H, pos_BS)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _attention(q_BSHD, k_BSKD, v_BSKD, seg_BS, spans_H, pos_BS, q_codes_BSH, k_codes_BSK,
+               passes: _Passes):
+  return passes.forward(q_BSHD, k_BSKD, v_BSKD, seg_BS, spans_H, pos_BS,
+                        _pair(q_codes_BSH, k_codes_BSK))[0]
+
+
+def _attention_fwd(q_BSHD, k_BSKD, v_BSKD, seg_BS, spans_H, pos_BS, q_codes_BSH, k_codes_BSK,
+                   passes: _Passes):
+  codes = _pair(q_codes_BSH, k_codes_BSK)
+  out_BSHD, lse_BSH = passes.forward(q_BSHD, k_BSKD, v_BSKD, seg_BS, spans_H, pos_BS, codes)
   # Named so that a remat policy can keep them (SAVED_NAMES); the output is saved in q's
   # dtype (what the caller holds anyway), lse in float32.
   out_BSHD = checkpoint_name(out_BSHD, SAVED_NAMES[0])
   lse_BSH = checkpoint_name(lse_BSH, SAVED_NAMES[1])
-  return out_BSHD, (q_BSHD, k_BSKD, v_BSKD, seg_BS, spans_H, pos_BS, out_BSHD, lse_BSH)
+  return out_BSHD, (q_BSHD, k_BSKD, v_BSKD, seg_BS, spans_H, pos_BS, codes, out_BSHD, lse_BSH)
 
 
 def _attention_bwd(passes: _Passes, residuals, dout_BSHD):
-  # Integer segment ids, spans and positions get no cotangent.
-  return (*passes.backward(*residuals, dout_BSHD), None, None, None)
+  # Integer segment ids, spans, positions and bucket codes get no cotangent.
+  return (*passes.backward(*residuals, dout_BSHD), None, None, None, None, None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -188,7 +207,9 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
                    tile_size: int = 512, strategy: str = "ring",
                    window: int | None = None, softcap: float = 0.0,
                    spans: jax.Array | None = None, narrowest: int | None = None,
-                   positions: jax.Array | None = None, sink_tokens: int = 0) -> jax.Array:
+                   positions: jax.Array | None = None, sink_tokens: int = 0,
+                   q_buckets: jax.Array | None = None,
+                   k_buckets: jax.Array | None = None) -> jax.Array:
   """Causal attention, exact, of q [B,S,Hq,D] on k/v [B,S,Hkv,D] sharded along S in `layout`.
 
   The sequence axis holds the tokens in the order of `layout` (`parallelism.layouts`) over
@@ -203,6 +224,9 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
   `sink_tokens` k > 0 (a local layer's, with `positions` [B,S], the in-document positions):
   keys at positions below k also stay visible to every later query of their segment beyond
   the window (`parallelism.sinks`, off the ring).
+  Hash attention (SCFA): bucket codes `q_buckets` [B,S,Hq] and `k_buckets` [B,S,Hkv] (int,
+  in the layout's order, as q and k) also require query head h's code to equal the key's
+  code of its kv head; they travel with K/V and mask every computed tile (xla kernel).
   Batch and heads shard as `rules` map `activation_batch` and
   `activation_heads`/`activation_kv_heads` (no rules: `DEFAULT_RULES`). `mesh=None` uses
   the mesh set by `jax.set_mesh`, or, when none is set, computes locally as one block.
@@ -223,23 +247,26 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
   sink_plan = _sink_plan(sink_tokens, positions, window, _narrowest(spans, narrowest),
                          q.shape[:2])
   positions = None if sink_plan is None else positions.astype(jnp.int32)
+  codes = _bucket_codes(q_buckets, k_buckets, q.shape, k.shape, sink_plan)
+  q_buckets, k_buckets = codes or (None, None)
   context_mesh = mesh is None
   mesh = jax.sharding.get_abstract_mesh() if context_mesh else mesh
   seq_len = q.shape[1]
   if context_mesh and mesh.empty:
     # No mesh anywhere (a single-device script, model.init outside a mesh): one block, local.
     local = local_strategy(layout, seq_len, tile_size, kernel, q.shape, k.shape, q.dtype,
-                           window, softcap, _narrowest(spans, narrowest))
-    return _attention(q, k, v, segment_ids, spans, positions,
+                           window, softcap, _narrowest(spans, narrowest), codes is not None)
+    return _attention(q, k, v, segment_ids, spans, positions, q_buckets, k_buckets,
                       _Passes(local, sinks=sink_plan))
   specs = operand_specs(mesh, rules, q.shape, k.shape[2])
   passes = _Passes(split_attention(strategy, layout, seq_len, tile_size, kernel, mesh, rules,
                                    q.shape[2], k.shape[2], q.shape[3], q.dtype,
                                    window=window, softcap=softcap,
-                                   narrowest=_narrowest(spans, narrowest)),
+                                   narrowest=_narrowest(spans, narrowest),
+                                   buckets=codes is not None),
                    None if context_mesh else mesh, specs, sink_plan)
   if not any(t == AxisType.Explicit for t in mesh.axis_types):
-    return _attention(q, k, v, segment_ids, spans, positions, passes)
+    return _attention(q, k, v, segment_ids, spans, positions, q_buckets, k_buckets, passes)
   # Explicit-sharding meshes make shard_map demand inputs already laid out as in_specs;
   # the output goes back to q's sharding so the caller sees the type it passed in.
   out_spec = jax.typeof(q).sharding.spec
@@ -252,8 +279,24 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
     spans = jax.reshard(spans, _sharding(mesh, P(q_spec[2])))
   if positions is not None:
     positions = jax.reshard(positions, _sharding(mesh, seg_spec))
-  return jax.reshard(_attention(q, k, v, segment_ids, spans, positions, passes),
-                     _sharding(mesh, out_spec))
+  if codes is not None:
+    q_buckets = jax.reshard(q_buckets, _sharding(mesh, P(*q_spec[:3])))
+    k_buckets = jax.reshard(k_buckets, _sharding(mesh, P(*kv_spec[:3])))
+  return jax.reshard(_attention(q, k, v, segment_ids, spans, positions, q_buckets, k_buckets,
+                                passes), _sharding(mesh, out_spec))
+
+
+def _bucket_codes(q_buckets, k_buckets, q_shape, k_shape, sink_plan):
+  """(queries', keys') bucket codes as int32, or None without hash attention."""
+  if q_buckets is None and k_buckets is None:
+    return None
+  if (q_buckets is None or k_buckets is None or tuple(q_buckets.shape) != tuple(q_shape[:3])
+      or tuple(k_buckets.shape) != tuple(k_shape[:3])):
+    raise ValueError(f"bucket codes need both q_buckets [B, S, Hq] = {tuple(q_shape[:3])} and "
+                     f"k_buckets [B, S, Hkv] = {tuple(k_shape[:3])}")
+  if sink_plan is not None:
+    raise ValueError("bucket codes (hash attention) do not combine with sink tokens")
+  return q_buckets.astype(jnp.int32), k_buckets.astype(jnp.int32)
 
 
 def _sink_plan(sink_tokens: int, positions, window: int | None, narrowest: int | None,

@@ -59,11 +59,13 @@ def shortest_ring_length(length: int, layout: str, num_shards: int, tile_size: i
 def split_attention(strategy: str, layout: str, seq_len: int, tile_size: int, kernel: str,
                     mesh, rules: Rules, num_heads: int, num_kv_heads: int, head_dim: int,
                     dtype, names: Names = Names(), window: int | None = None,
-                    softcap: float = 0.0, narrowest: int | None = None) -> Strategy:
+                    softcap: float = 0.0, narrowest: int | None = None,
+                    buckets: bool = False) -> Strategy:
   """Each device's side of `strategy` for `layout` on `mesh` (concrete or abstract), its
   sequence over the axes `rules` map `activation_seq` to, each query seeing the `window`
   keys up to itself (None: causal; with per-head spans the widest, `narrowest` the
-  narrowest), logits capped at `softcap` (0: not); a ValueError says why not."""
+  narrowest), logits capped at `softcap` (0: not), with bucket codes (`buckets`, hash
+  attention) or not; a ValueError says why not."""
   if strategy not in STRATEGIES:
     raise ValueError(f"unknown sequence-parallel strategy '{strategy}' ({names.strategy}); "
                      f"choose one of {STRATEGIES}")
@@ -105,14 +107,14 @@ def split_attention(strategy: str, layout: str, seq_len: int, tile_size: int, ke
   chosen, fallback = kernels.choose(
       kernel, (1, block, local_heads // ulysses, head_dim),
       (1, block, local_kv * repeat // ulysses, head_dim), tile, dtype, softcap,
-      narrowest is not None)
+      narrowest is not None, buckets)
   return Strategy(strategy, ring_schedule(layout, seq_len, num_shards, window, narrowest), axis,
                   tile, chosen, ulysses_axis, repeat, fallback, softcap)
 
 
 def local_strategy(layout: str, seq_len: int, tile_size: int, kernel: str, q_shape, k_shape,
                    dtype, window: int | None = None, softcap: float = 0.0,
-                   narrowest: int | None = None) -> Strategy:
+                   narrowest: int | None = None, buckets: bool = False) -> Strategy:
   """Without a mesh: the whole row as one block, in its original order (a ring of one)."""
   check_seq_len(seq_len, layout, 1)
   tile = block_tile(seq_len, 1, tile_size)
@@ -121,7 +123,7 @@ def local_strategy(layout: str, seq_len: int, tile_size: int, kernel: str, q_sha
                      f"= 1 x {tile} = {tile}")
   tiles.check_band(window, narrowest)
   chosen, fallback = kernels.choose(kernel, q_shape, k_shape, tile, dtype, softcap,
-                                    narrowest is not None)
+                                    narrowest is not None, buckets)
   return Strategy("ring", ring_schedule(layout, seq_len, 1, window, narrowest), "sequence",
                   tile, chosen, kernel_fallback=fallback, softcap=softcap)
 

@@ -70,36 +70,38 @@ class Strategy:
   kernel_fallback: str | None = None  # why `kernel` is not the one the setup named
   softcap: float = 0.0  # logit soft cap (`parallelism.kernels`), 0: none
 
-  def forward(self, q_BTHD, k_BTKD, v_BTKD, seg_BT, spans_H=None):
+  def forward(self, q_BTHD, k_BTKD, v_BTKD, seg_BT, spans_H=None, codes=None):
     """(out, lse) of this device's queries, float32; out [B,T,Hq,D], lse [B,T,Hq];
-    `spans_H`: the per-head spans of this device's query heads, or None.
+    `spans_H`: the per-head spans of this device's query heads, or None; `codes`: hash
+    attention's bucket codes (queries' [B,T,Hq], keys' [B,T,Hkv]) of this device, or None.
 
     Under Ulysses the ring runs on L = T x U tokens (the ring block) of h = Hq / U query
     and k = Hkv x repeat / U key/value heads."""
     if self.ulysses_axis is None:
       run = _gathered_forward_pass if self._gathers else ring.forward_pass
-      return run(q_BTHD, k_BTKD, v_BTKD, seg_BT, **self._ring_args(spans_H))
+      return run(q_BTHD, k_BTKD, v_BTKD, seg_BT, **self._ring_args(spans_H, codes))
     q_BLhD = self._to_heads(q_BTHD)
     k_BLkD, v_BLkD = (self._to_heads(self._repeat(x)) for x in (k_BTKD, v_BTKD))
-    out_BLhD, lse_BLh = ring.forward_pass(q_BLhD, k_BLkD, v_BLkD, self._whole_block(seg_BT),
-                                          **self._ring_args(self._head_shard(spans_H)))
+    out_BLhD, lse_BLh = ring.forward_pass(
+        q_BLhD, k_BLkD, v_BLkD, self._whole_block(seg_BT),
+        **self._ring_args(self._head_shard(spans_H), self._codes_to_heads(codes)))
     # The output moves in q's dtype (half the bytes at bf16); it is cast to it anyway.
     out_BTHD = self._to_sequence(out_BLhD.astype(q_BTHD.dtype)).astype(jnp.float32)
     return out_BTHD, self._to_sequence(lse_BLh)
 
   def backward(self, q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, dout_BTHD,
-               spans_H=None):
+               spans_H=None, codes=None):
     """(dq, dk, dv) of this device's blocks, float32 (shapes as in `forward`)."""
     if self.ulysses_axis is None:
       run = _gathered_backward_pass if self._gathers else ring.backward_pass
       return run(q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, dout_BTHD,
-                 **self._ring_args(spans_H))
+                 **self._ring_args(spans_H, codes))
     k_BLkD, v_BLkD = (self._to_heads(self._repeat(x)) for x in (k_BTKD, v_BTKD))
     q_BLhD, out_BLhD, lse_BLh, dout_BLhD = map(self._to_heads,
                                                (q_BTHD, out_BTHD, lse_BTH, dout_BTHD))
     dq_BLhD, dk_BLkD, dv_BLkD = ring.backward_pass(
         q_BLhD, k_BLkD, v_BLkD, self._whole_block(seg_BT), out_BLhD, lse_BLh, dout_BLhD,
-        **self._ring_args(self._head_shard(spans_H)))
+        **self._ring_args(self._head_shard(spans_H), self._codes_to_heads(codes)))
     # Each moves in its input's dtype (half the bytes at bf16), cast to it anyway, except
     # the dK/dV of repeated heads: their copies are summed after the move, in float32, so
     # that they are rounded once, as the ring rounds them.
@@ -114,9 +116,15 @@ class Strategy:
     """All-gather K/V: `allgather` with more than one device (one device is a ring of one)."""
     return self.name == "allgather" and self.schedule.num_shards > 1
 
-  def _ring_args(self, spans_H=None) -> dict:
+  def _ring_args(self, spans_H=None, codes=None) -> dict:
     return dict(axis=self.axis, schedule=self.schedule, tile=self.tile, kernel=self.kernel,
-                softcap=self.softcap, spans_H=spans_H)
+                softcap=self.softcap, spans_H=spans_H, codes=codes)
+
+  def _codes_to_heads(self, codes):
+    """Bucket codes as `_to_heads` moves q and (repeated) k: per token and head, like lse."""
+    if codes is None:
+      return None
+    return self._to_heads(codes[0]), self._to_heads(self._repeat(codes[1]))
 
   def _head_shard(self, spans_H):
     """The spans of the query heads `_to_heads` leaves this device (its Ulysses shard)."""
@@ -152,15 +160,18 @@ class Strategy:
                            head_dim).sum(axis=3)
 
 
-def _every_block(k_BTKD, v_BTKD, seg_BT, axis: str):
-  """All devices' K/V blocks (and key segment ids), gathered as bytes in one collective, and
-  a function returning block b of them (traced b)."""
-  own = ring.blocks(k_BTKD, v_BTKD, seg_BT)
+def _every_block(k_BTKD, v_BTKD, seg_BT, axis: str, codes=None):
+  """All devices' K/V blocks (and key segment ids and bucket codes), gathered as bytes in
+  one collective, and a function returning block b of them (traced b) as
+  (k, v, segment ids or None, (the queries', block b's keys') codes or None)."""
+  own = ring.blocks(k_BTKD, v_BTKD, seg_BT, None if codes is None else codes[1])
   every = lax.all_gather(ring.pack(*own), axis)  # [N, bytes]
 
   def block(b):
-    k_b, v_b, *seg_b = ring.unpack(lax.dynamic_index_in_dim(every, b, keepdims=False), own)
-    return k_b, v_b, seg_b[0] if seg_b else None
+    k_b, v_b, seg_b, k_codes_b = ring.key_side(
+        ring.unpack(lax.dynamic_index_in_dim(every, b, keepdims=False), own),
+        seg_BT is not None, codes is not None)
+    return k_b, v_b, seg_b, None if codes is None else (codes[0], k_codes_b)
 
   return block
 
@@ -173,33 +184,34 @@ def _over_needed_steps(schedule: RingSchedule, visit, carry):
 
 def _gathered_forward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, *, axis: str,
                            schedule: RingSchedule, tile: int, kernel: str, softcap: float,
-                           spans_H=None):
+                           spans_H=None, codes=None):
   """All-gather forward: the ring's steps in order, each block read from the gathered K/V."""
   num_shards = schedule.num_shards
   device = lax.axis_index(axis)
   runner = ring.RingDevice(schedule, device, kernel, tile, softcap, spans_H)
-  block = _every_block(k_BTKD, v_BTKD, seg_BT, axis)
+  block = _every_block(k_BTKD, v_BTKD, seg_BT, axis, codes)
 
   def visit(step, out_lse):
-    k_b, v_b, seg_b = block((device - step) % num_shards)  # schedule.held_block
-    return runner.forward_step(step, out_lse, q_BTHD, k_b, v_b, seg_BT, seg_b)
+    k_b, v_b, seg_b, codes_b = block((device - step) % num_shards)  # schedule.held_block
+    return runner.forward_step(step, out_lse, q_BTHD, k_b, v_b, seg_BT, seg_b, codes_b)
 
-  out_lse = runner.forward_step(0, None, q_BTHD, k_BTKD, v_BTKD, seg_BT, seg_BT)
+  out_lse = runner.forward_step(0, None, q_BTHD, k_BTKD, v_BTKD, seg_BT, seg_BT, codes)
   return _over_needed_steps(schedule, visit, out_lse)
 
 
 def _gathered_backward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, dout_BTHD, *,
                             axis: str, schedule: RingSchedule, tile: int, kernel: str,
-                            softcap: float, spans_H=None):
+                            softcap: float, spans_H=None, codes=None):
   """All-gather backward: dK/dV of every block accumulate here, then one reduce-scatter
   sends each block's sum to its owner."""
   num_shards = schedule.num_shards
   device = lax.axis_index(axis)
   runner = ring.RingDevice(schedule, device, kernel, tile, softcap, spans_H)
-  block = _every_block(k_BTKD, v_BTKD, seg_BT, axis)
+  block = _every_block(k_BTKD, v_BTKD, seg_BT, axis, codes)
   delta_BTH = ring.softmax_delta(dout_BTHD, out_BTHD)
-  grads = lambda step, carry, k_b, v_b, seg_b: runner.backward_step(
-      step, carry, q_BTHD, k_b, v_b, out_BTHD, dout_BTHD, lse_BTH, delta_BTH, seg_BT, seg_b)
+  grads = lambda step, carry, k_b, v_b, seg_b, codes_b: runner.backward_step(
+      step, carry, q_BTHD, k_b, v_b, out_BTHD, dout_BTHD, lse_BTH, delta_BTH, seg_BT, seg_b,
+      codes_b)
 
   def visit(step, carry):
     dq_BTHD, dkv_N2BTKD = carry
@@ -207,7 +219,7 @@ def _gathered_backward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, d
     dq_BTHD, dkv_2BTKD = grads(step, (dq_BTHD, dkv_N2BTKD[held]), *block(held))
     return dq_BTHD, lax.dynamic_update_index_in_dim(dkv_N2BTKD, dkv_2BTKD, held, 0)
 
-  dq_BTHD, dk_BTKD, dv_BTKD = grads(0, None, k_BTKD, v_BTKD, seg_BT)
+  dq_BTHD, dk_BTKD, dv_BTKD = grads(0, None, k_BTKD, v_BTKD, seg_BT, codes)
   # The own block's slot stays zero: its dK/dV are the ones just computed.
   dkv_N2BTKD = jnp.zeros((num_shards, 2, *k_BTKD.shape), jnp.float32)
   dq_BTHD, dkv_N2BTKD = _over_needed_steps(schedule, visit, (dq_BTHD, dkv_N2BTKD))

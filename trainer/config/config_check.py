@@ -70,9 +70,11 @@ def _check_one(config: ml_collections.ConfigDict, num_devices: int) -> None:
            f"(or set model.head_dim)")
   rope_problem = RopeScaling(**m.rope_scaling.to_dict()).problem()
   _require(not rope_problem, rope_problem)
-  pattern_problem = ModelConfig(**m.to_dict(), span_length=config.data.seq_len
-                                ).pattern_problem()
+  model_cfg = ModelConfig(**m.to_dict(), span_length=config.data.seq_len)
+  pattern_problem = model_cfg.pattern_problem()
   _require(not pattern_problem, pattern_problem)
+  _require(not (t.eval_needle_lengths and model_cfg.decode_problem()),
+           f"train.eval_needle_lengths: {model_cfg.decode_problem()}")
   _require(head_size % 2 == 0, f"head size {head_size} must be even for rotary embeddings "
                                f"(model.head_dim or model.d_model / model.num_heads)")
   _require(t.on_nonfinite in ("stop", "skip"),
@@ -209,7 +211,8 @@ def attention_split(config: ml_collections.ConfigDict, num_devices: int):
         m.kernel, mesh, config.mesh.rules, m.num_heads, m.num_kv_heads, cfg.head_size,
         jnp.dtype(m.dtype), CONFIG_NAMES, window=cfg.window_of(cfg.layer_kinds[0]),
         softcap=cfg.attention_softcap,
-        narrowest=cfg.narrowest_span if cfg.layer_kinds[0] == "L" else None)
+        narrowest=cfg.narrowest_span if cfg.layer_kinds[0] == "L" else None,
+        buckets=cfg.hashed)
   except ValueError as error:
     raise ConfigError(str(error)) from None
 

@@ -169,8 +169,8 @@ def _kernel_line(config: ml_collections.ConfigDict, model_cfg: ModelConfig) -> s
 
 
 def _local_part(model_cfg: ModelConfig) -> str:
-  """'; local layers LGLG (L: window 32)' (or the range of a span plan's heads) and the soft
-  cap, when the model has them."""
+  """'; local layers LGLG (L: window 32)' (or the range of a span plan's heads), the soft
+  cap and hash attention's buckets, when the model has them."""
   kinds = model_cfg.layer_kinds
   local = ""
   if model_cfg.head_spans and LOCAL in kinds:
@@ -182,7 +182,9 @@ def _local_part(model_cfg: ModelConfig) -> str:
     local = f"; local layers {kinds} (L: window {model_cfg.window})"
   cap = (f"; logits soft-capped at {model_cfg.attention_softcap:g}"
          if model_cfg.attention_softcap else "")
-  return local + cap
+  hashed = (f"; hash attention, {model_cfg.hash_buckets} buckets (exact mask, no tile "
+            f"skipping)" if model_cfg.hashed else "")
+  return local + cap + hashed
 
 
 def _prepare_data(data_cfg: data.DataConfig, is_writer: bool) -> None:

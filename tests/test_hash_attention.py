@@ -1,0 +1,219 @@
+"""Hash attention (SCFA, issue #38): a query sees a key iff causal, same document and same
+bucket (per head; under GQA its kv head's key code). Exact against a dense masked reference
+given the same codes, forward, lse and gradients, in every layout, with GQA, packed documents
+and rows that see nothing; the model's dense and ring paths agree; config errors are one line.
+
+Shapes and tolerances as tests/test_ring_attention.py and tests/test_sinks.py.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model.hashing import bucket_codes, projections
+from parallelism import kernel_xla, kernels
+from parallelism.layouts import permute
+from parallelism.schedule import ring_schedule
+from tests.test_ring_attention import (_F32_TOL, assert_close, make_inputs, ring_in_layout,
+                                       seq_mesh)
+
+BUCKETS = 4
+
+
+def _packed_inputs(num_kv=2, buckets=BUCKETS, seq_len=128):
+  """Row 0: documents [0, 37), [37, 90), [90, S); row 1: one. Codes from the model's hash."""
+  seg = np.zeros((2, seq_len), np.int32)
+  seg[0, 37:90], seg[0, 90:] = 1, 2
+  inputs = make_inputs(batch=2, seq_len=seq_len, num_heads=4, num_kv=num_kv, segments=seg,
+                       seed=11)
+  return inputs, _codes(inputs, buckets)
+
+
+def _codes(inputs, buckets):
+  q, k = inputs[:2]
+  proj_KDR = jnp.asarray(projections(1, k.shape[2], k.shape[3], buckets)[0])
+  return np.asarray(bucket_codes(q, proj_KDR)), np.asarray(bucket_codes(k, proj_KDR))
+
+
+def _visible(index, seg, q_codes, k_codes):
+  """[B, Hq, Sq, Sk]: causal, same document, same bucket (query head h, kv head h // G)."""
+  group = q_codes.shape[2] // k_codes.shape[2]
+  k_codes_BSH = np.repeat(k_codes, group, axis=2)
+  causal = (index[:, :, None] >= index[:, None, :]) & (seg[:, :, None] == seg[:, None, :])
+  same = q_codes.transpose(0, 2, 1)[..., None] == k_codes_BSH.transpose(0, 2, 1)[:, :, None]
+  return causal[:, None] & same
+
+
+def hash_reference(q, k, v, dout, index, seg, q_codes, k_codes):
+  """Dense masked attention: (out, dq, dk, dv) and lse [B, S, Hq] (-inf where nothing is seen)."""
+  visible = _visible(index, seg, q_codes, k_codes)
+
+  def attend(q, k, v):
+    group = q.shape[2] // k.shape[2]
+    kh, vh = (jnp.repeat(x, group, axis=2) for x in (k, v))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, kh, precision="highest") * q.shape[-1] ** -0.5
+    s = jnp.where(visible, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.where(visible, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+    total = p.sum(-1, keepdims=True)
+    out = jnp.einsum("bhqk,bkhd->bqhd", p / jnp.where(total > 0, total, 1.0), vh,
+                     precision="highest")
+    lse = jnp.where(total[..., 0] > 0, jnp.log(jnp.where(total > 0, total, 1.0))[..., 0]
+                    + jnp.where(jnp.isfinite(m), m, 0.0)[..., 0], -jnp.inf)
+    return out, lse.transpose(0, 2, 1)
+
+  (out, lse), vjp = jax.vjp(attend, q, k, v)
+  return (out, *vjp((dout, jnp.zeros_like(lse)))), lse
+
+
+def _empty_rows(index, seg, q_codes, k_codes):
+  """[B, S, Hq] where the query sees no key."""
+  return ~_visible(index, seg, q_codes, k_codes).any(-1).transpose(0, 2, 1)
+
+
+def _ring(layout, mesh, inputs, codes, **kwargs):
+  n = mesh.shape["sequence"]
+  q_codes, k_codes = (permute(c, layout, n) for c in codes)
+  got = ring_in_layout(layout, mesh, *inputs, tile_size=8, q_buckets=q_codes,
+                       k_buckets=k_codes, **kwargs)
+  assert all(np.isfinite(x).all() for x in got)
+  return got
+
+
+def test_the_hash_is_argmax_over_plus_and_minus_projections():
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((1, 5, 4, 16), np.float32)  # 4 query heads over 2 kv heads
+  proj = projections(3, 2, 16, 6)
+  assert proj.shape == (3, 2, 16, 3)
+  np.testing.assert_allclose(np.linalg.norm(proj, axis=2), 1.0, rtol=1e-6)
+  assert not np.allclose(proj[0], proj[1])  # each layer its own projection
+  codes = np.asarray(bucket_codes(jnp.asarray(x), jnp.asarray(proj[0])))
+  for h in range(4):
+    xr = x[0, :, h] @ proj[0, h // 2]
+    np.testing.assert_array_equal(codes[0, :, h], np.argmax(np.c_[xr, -xr], axis=-1))
+  # A positive scale (the paper's normalization) leaves every bucket where it was.
+  np.testing.assert_array_equal(bucket_codes(jnp.asarray(3.5 * x), jnp.asarray(proj[0])), codes)
+
+
+@pytest.mark.parametrize("layout", ["ring", "striped", "zigzag"])
+def test_ring_with_buckets_matches_dense(layout):
+  """Packed documents, GQA 4:2, 4 buckets on 4 devices; some rows see nothing (a document's
+  first query whose bucket is not its own key's): they give 0, and no NaN anywhere."""
+  inputs, codes = _packed_inputs()
+  want, _ = hash_reference(*inputs, *codes)
+  got = _ring(layout, seq_mesh(4), inputs, codes)
+  assert_close(got, want, **_F32_TOL)
+  empty = _empty_rows(*inputs[4:], *codes)
+  assert empty.any() and not empty.all()
+  np.testing.assert_array_equal(got[0][empty], 0.0)
+  # The buckets are not ignored: plain causal attention differs.
+  plain = hash_reference(*inputs, np.zeros_like(codes[0]), np.zeros_like(codes[1]))[0]
+  assert np.abs(np.asarray(plain[0]) - np.asarray(want[0])).max() > 1e-2
+
+
+def test_one_kv_head_for_four_query_heads():
+  """GQA 4:1, 8 buckets, one document per row, on 2 devices in zigzag."""
+  inputs = make_inputs(batch=1, seq_len=64, num_heads=4, num_kv=1, seed=12)
+  codes = _codes(inputs, 8)
+  got = _ring("zigzag", seq_mesh(2), inputs, codes, packed=False)
+  assert_close(got, hash_reference(*inputs, *codes)[0], **_F32_TOL)
+
+
+@pytest.mark.parametrize("strategy,ring,ulysses,num_kv", [
+    ("allgather", 4, 1, 2), ("hybrid", 2, 2, 1)])
+def test_other_strategies_carry_the_codes(strategy, ring, ulysses, num_kv):
+  """All-gather gathers the key codes with K/V; hybrid moves them by heads (one kv head over
+  Ulysses 2: repeated, so the copies' codes travel too)."""
+  inputs, codes = _packed_inputs(num_kv=num_kv)
+  mesh = jax.make_mesh((ring, ulysses), ("sequence", "ulysses"),
+                       devices=jax.devices()[:ring * ulysses])
+  got = _ring("striped", mesh, inputs, codes, strategy=strategy,
+              rules=(("activation_seq", ("sequence", "ulysses")),))
+  assert_close(got, hash_reference(*inputs, *codes)[0], **_F32_TOL)
+
+
+def test_block_kernel_lse_and_gradients_with_buckets():
+  """One whole block (its lse is the global one): out, lse (-inf where empty) and the
+  backward from that lse, against dense."""
+  (q, k, v, dout, index, seg), codes = _packed_inputs(seq_len=32)
+  schedule = ring_schedule("ring", 32, 1)
+  at = dict(schedule=schedule, pair=schedule.pair[0, 0], tile=8, q_codes_BTH=codes[0],
+            k_codes_BTK=codes[1])
+  out, lse = kernel_xla.block_fwd(q, k, v, seg, seg, **at)
+  grads = kernel_xla.block_bwd(q, k, v, dout, lse, jnp.sum(out * dout, axis=-1), seg, seg, **at)
+  want, want_lse = hash_reference(q, k, v, dout, index, seg, *codes)
+  assert_close((out, *grads), want, **_F32_TOL)
+  empty = _empty_rows(index, seg, *codes)
+  assert empty.any()
+  assert np.all(np.asarray(lse)[empty] == -np.inf)
+  np.testing.assert_allclose(np.asarray(lse)[~empty], np.asarray(want_lse)[~empty], **_F32_TOL)
+
+
+def test_the_model_dense_path_applies_the_buckets():
+  from model.attention import dense_attention as model_dense  # pylint: disable=g-import-not-at-top
+  (q, k, v, dout, index, seg), codes = _packed_inputs(seq_len=64)
+  got = model_dense(q, k, v, seg, q_codes_BSH=codes[0], k_codes_BSK=codes[1])
+  want = hash_reference(q, k, v, dout, index, seg, *codes)[0][0]
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), **_F32_TOL)
+
+
+def test_only_xla_applies_buckets():
+  shape = (1, 64, 4, 16)
+  assert kernels.choose("xla", shape, shape, 16, jnp.float32, buckets=True) == ("xla", None)
+  chosen, reason = kernels.choose("pallas", shape, shape, 16, jnp.float32, buckets=True)
+  assert chosen == "xla" and "no bucket mask" in reason
+
+
+@pytest.mark.parametrize("overrides,field", [
+    ({"model.sparse": "lsh"}, "model.sparse='lsh' must be one of"),
+    ({"model.sparse": "hash"}, "model.hash_buckets=0 must be even and >= 2"),
+    ({"model.sparse": "hash", "model.hash_buckets": 3}, "model.hash_buckets=3 must be even"),
+    ({"model.hash_buckets": 4}, "but model.sparse='none'"),
+    ({"model.sparse": "hash", "model.hash_buckets": 4, "model.window": 16,
+      "model.sink_tokens": 2}, "model.sink_tokens=2 does not combine"),
+    ({"model.sparse": "hash", "model.hash_buckets": 4, "train.eval_needle_lengths": "64"},
+     "train.eval_needle_lengths: model.sparse='hash' has no decoding"),
+])
+def test_config_errors_are_one_line(overrides, field):
+  import importlib  # pylint: disable=g-import-not-at-top
+  from trainer.config.config_check import ConfigError, check_config  # pylint: disable=g-import-not-at-top
+  config = importlib.import_module("configs.tiny_cpu").get_config("zigzag")
+  for path, value in overrides.items():
+    group, key = path.split(".")
+    config[group][key] = value
+  with pytest.raises(ConfigError) as error:
+    check_config(config, num_devices=8)
+  assert field in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_model_gives_the_same_logits_dense_and_zigzag():
+  """The model hashes its roped q and k per layer (a projection scanned with the blocks): the
+  dense path and a zigzag ring on 4 devices see the same buckets, so the same logits, and
+  the buckets change them. (Forward only: the ring tests above check the gradients.)"""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  from jax.sharding import AxisType  # pylint: disable=g-import-not-at-top
+  from model import Decoder, ModelConfig  # pylint: disable=g-import-not-at-top
+  from parallelism.layouts import unpermute  # pylint: disable=g-import-not-at-top
+  fields = dict(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=96, vocab_size=101,
+                dtype="float32", sparse="hash", hash_buckets=BUCKETS, attention_tile=8)
+  rng = np.random.default_rng(4)
+  tokens = jnp.asarray(rng.integers(0, 101, (2, 64)), jnp.int32)
+  segments = jnp.asarray(np.where(np.arange(64) < 29, 0, 1)[None].repeat(2, 0), jnp.int32)
+  positions = jnp.asarray(np.where(np.arange(64) < 29, np.arange(64), np.arange(64) - 29)
+                          [None].repeat(2, 0), jnp.int32)
+  dense = Decoder(ModelConfig(**fields))
+  params = dense.init(jax.random.key(0), tokens, positions, segments)
+  want = np.asarray(dense.apply(params, tokens, positions, segments))
+  plain = Decoder(ModelConfig(**{**fields, "sparse": "none", "hash_buckets": 0}))
+  assert np.abs(np.asarray(plain.apply(params, tokens, positions, segments)) - want).max() > 1e-2
+
+  mesh = jax.make_mesh((4,), ("sequence",), axis_types=(AxisType.Auto,),
+                       devices=jax.devices()[:4])
+  zigzag = Decoder(ModelConfig(**fields, attention="zigzag", kernel="xla"))
+  perm = functools.partial(permute, layout="zigzag", num_shards=4)
+  with jax.set_mesh(mesh), nn.logical_axis_rules((("activation_seq", "sequence"),)):
+    logits = jax.jit(zigzag.apply)(params, perm(tokens), perm(positions), perm(segments))
+  np.testing.assert_allclose(unpermute(np.asarray(logits), "zigzag", 4), want, **_F32_TOL)
