@@ -449,3 +449,17 @@ def test_orbax_writes_logged_by_asyncio_keep_one_traceback():
   assert all(once.filter(r) for r in [*records, unrelated])  # Records are kept, as lines.
   assert [r.exc_info is not None for r in records] == [True, False, False]
   assert unrelated.exc_info is not None
+
+
+def test_a_checkpoint_of_an_older_trainer_resumes_without_the_fields_added_since(tiny_config):
+  """A field the checkpoint does not record (added to the trainer after it was written)
+  changes nothing at its default: every new field stopped every older run's resume."""
+  from trainer.ckpt import resume
+  config = tiny_config()
+  stored = resume.config_dict(config)
+  del stored["model"]["sparse"], stored["model"]["hash_buckets"]
+  assert resume.compare(stored, config) == []
+  config.model.sparse, config.model.hash_buckets = "hash", 4
+  with pytest.raises(ConfigError, match=r"model.hash_buckets=4 \(and model.sparse\): the "
+                                        r"checkpoint was trained with '<absent>'"):
+    resume.compare(stored, config)

@@ -93,11 +93,25 @@ def _may_change(name: str, started_stages: int | None = None) -> bool:
   return fields.matches(name, MAY_CHANGE)
 
 
+def _defaults() -> dict[str, Any]:
+  """Every field of `configs/base.py` at its default, flattened as `compare` reads them."""
+  from configs import base  # pylint: disable=g-import-not-at-top  (configs import no trainer)
+  return fields.flatten(config_dict(base.get_config()))
+
+
 def compare(stored: dict[str, Any], config: ml_collections.ConfigDict,
             trained_with: str = "the checkpoint", started_stages: int | None = None) -> list[str]:
-  """Changed allowed fields as 'name: old -> new'; raises ConfigError on any other change."""
+  """Changed allowed fields as 'name: old -> new'; raises ConfigError on any other change.
+
+  A field the checkpoint does not record was added to the trainer since: at its default
+  (`configs/base.py`, which keeps what runs did before the field) it changes nothing, so a
+  checkpoint of an older trainer resumes; set otherwise, it is a change like any other."""
   old, new = fields.flatten(stored), fields.flatten(config_dict(config))
-  changed = sorted(name for name in old.keys() | new.keys() if old.get(name) != new.get(name))
+  defaults = _defaults()
+  added = {name for name in new.keys() - old.keys()
+           if name in defaults and defaults[name] == new[name]}
+  changed = sorted(name for name in (old.keys() | new.keys()) - added
+                   if old.get(name) != new.get(name))
   fixed = [name for name in changed if not _may_change(name, started_stages)]
   if fixed:
     name = fixed[0]
