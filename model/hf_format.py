@@ -178,18 +178,16 @@ def _rope(hf_config: dict[str, Any], require) -> tuple[float, RopeScaling]:
 
 def export_problem(cfg: ModelConfig) -> str:
   """Why `cfg` has no LLaMA or Mistral config.json; empty when it has one."""
-  if cfg.head_spans:
-    return (f"model.head_spans='{cfg.head_spans}': per-head spans have no LLaMA or Mistral "
-            f"config.json")
-  if cfg.attention_softcap:
-    return (f"model.attention_softcap={cfg.attention_softcap:g}: capped attention logits "
-            f"have no LLaMA or Mistral config.json")
-  if cfg.sink_tokens:
-    return (f"model.sink_tokens={cfg.sink_tokens}: sink tokens have no LLaMA or Mistral "
-            f"config.json")
-  if cfg.hashed:
-    return (f"model.sparse='{cfg.sparse}': hash attention has no LLaMA or Mistral "
-            f"config.json")
+  # (field = value as the config has it, what it is): the options no config.json can hold.
+  unexportable = [
+      (cfg.head_spans and f"model.head_spans='{cfg.head_spans}'", "per-head spans have"),
+      (cfg.attention_softcap and f"model.attention_softcap={cfg.attention_softcap:g}",
+       "capped attention logits have"),
+      (cfg.sink_tokens and f"model.sink_tokens={cfg.sink_tokens}", "sink tokens have"),
+      (cfg.hashed and f"model.sparse='{cfg.sparse}'", "hash attention has")]
+  for setting, what in unexportable:
+    if setting:
+      return f"{setting}: {what} no LLaMA or Mistral config.json"
   if set(cfg.layer_kinds) == {"L", "G"} or (cfg.window and cfg.local_rope_theta):
     return (f"model.layer_pattern='{cfg.layer_pattern}' and model.local_rope_theta="
             f"{cfg.local_rope_theta:g}: a model with local and global layers (or local layers "
