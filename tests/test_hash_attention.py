@@ -193,10 +193,8 @@ def test_the_model_gives_the_same_logits_dense_and_zigzag():
   """The model hashes its roped q and k per layer (a projection scanned with the blocks): the
   dense path and a zigzag ring on 4 devices see the same buckets, so the same logits, and
   the buckets change them. (Forward only: the ring tests above check the gradients.)"""
-  import flax.linen as nn  # pylint: disable=g-import-not-at-top
-  from jax.sharding import AxisType  # pylint: disable=g-import-not-at-top
   from model import Decoder, ModelConfig  # pylint: disable=g-import-not-at-top
-  from parallelism.layouts import unpermute  # pylint: disable=g-import-not-at-top
+  from tests.test_windows import under_zigzag  # pylint: disable=g-import-not-at-top
   fields = dict(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=96, vocab_size=101,
                 dtype="float32", sparse="hash", hash_buckets=BUCKETS, attention_tile=8)
   rng = np.random.default_rng(4)
@@ -210,10 +208,5 @@ def test_the_model_gives_the_same_logits_dense_and_zigzag():
   plain = Decoder(ModelConfig(**{**fields, "sparse": "none", "hash_buckets": 0}))
   assert np.abs(np.asarray(plain.apply(params, tokens, positions, segments)) - want).max() > 1e-2
 
-  mesh = jax.make_mesh((4,), ("sequence",), axis_types=(AxisType.Auto,),
-                       devices=jax.devices()[:4])
-  zigzag = Decoder(ModelConfig(**fields, attention="zigzag", kernel="xla"))
-  perm = functools.partial(permute, layout="zigzag", num_shards=4)
-  with jax.set_mesh(mesh), nn.logical_axis_rules((("activation_seq", "sequence"),)):
-    logits = jax.jit(zigzag.apply)(params, perm(tokens), perm(positions), perm(segments))
-  np.testing.assert_allclose(unpermute(np.asarray(logits), "zigzag", 4), want, **_F32_TOL)
+  logits, _ = under_zigzag(fields, params, (tokens, positions, segments))
+  np.testing.assert_allclose(logits, want, **_F32_TOL)

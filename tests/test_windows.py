@@ -142,14 +142,31 @@ def test_window_and_pattern_errors_name_the_field():
     ring_schedule("ring", 64, 2, 0)
 
 
-def test_local_and_global_layers_in_one_scan_match_dense_in_a_ring_cut_short():
-  """A decoder of local (window 5, own RoPE base) and global layers, 'LG' over 3 layers,
-  logits soft-capped (Gemma 2): zigzag on 4 devices (local layers' ring cut short) gives
-  dense's logits and gradients, and the window changes them (it is not ignored)."""
+def under_zigzag(fields: dict, params, batch, loss=None):
+  """A decoder of `fields` under zigzag on 4 devices (xla kernel): its logits of `batch`
+  (tokens, positions, segment ids) back in the row's order and, given `loss(model, params,
+  *batch)`, the loss and its gradients (else None)."""
   import flax.linen as nn
   from jax.sharding import AxisType
   from model import Decoder
   from parallelism.layouts import permute, unpermute
+
+  mesh = jax.make_mesh((4,), ("sequence",), axis_types=(AxisType.Auto,),
+                       devices=jax.devices()[:4])
+  zigzag = Decoder(ModelConfig(**fields, attention="zigzag", kernel="xla"))
+  permuted = [permute(x, layout="zigzag", num_shards=4) for x in batch]
+  with jax.set_mesh(mesh), nn.logical_axis_rules((("activation_seq", "sequence"),)):
+    logits = jax.jit(zigzag.apply)(params, *permuted)
+    graded = loss and jax.jit(jax.value_and_grad(functools.partial(loss, zigzag)))(
+        params, *permuted)
+  return unpermute(np.asarray(logits), "zigzag", 4), graded
+
+
+def test_local_and_global_layers_in_one_scan_match_dense_in_a_ring_cut_short():
+  """A decoder of local (window 5, own RoPE base) and global layers, 'LG' over 3 layers,
+  logits soft-capped (Gemma 2): zigzag on 4 devices (local layers' ring cut short) gives
+  dense's logits and gradients, and the window changes them (it is not ignored)."""
+  from model import Decoder
 
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(0, 101, (2, 64)), jnp.int32)
@@ -167,16 +184,8 @@ def test_local_and_global_layers_in_one_scan_match_dense_in_a_ring_cut_short():
   assert abs(float(loss(everywhere_global, params, tokens, positions, segments)) -
              float(want)) > 1e-2
 
-  mesh = jax.make_mesh((4,), ("sequence",), axis_types=(AxisType.Auto,),
-                       devices=jax.devices()[:4])
-  zigzag = Decoder(ModelConfig(**fields, attention="zigzag", kernel="xla"))
-  perm = functools.partial(permute, layout="zigzag", num_shards=4)
-  with jax.set_mesh(mesh), nn.logical_axis_rules((("activation_seq", "sequence"),)):
-    logits = jax.jit(zigzag.apply)(params, perm(tokens), perm(positions), perm(segments))
-    got, grads = jax.jit(jax.value_and_grad(functools.partial(loss, zigzag)))(
-        params, perm(tokens), perm(positions), perm(segments))
-  np.testing.assert_allclose(unpermute(np.asarray(logits), "zigzag", 4),
-                             np.asarray(dense.apply(params, tokens, positions, segments)),
+  logits, (got, grads) = under_zigzag(fields, params, (tokens, positions, segments), loss)
+  np.testing.assert_allclose(logits, np.asarray(dense.apply(params, tokens, positions, segments)),
                              **_F32_TOL)
   np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
   # Each gradient sums 2 x 64 x 101 terms: float32 rounding relative to the largest entry.
