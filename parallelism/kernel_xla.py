@@ -1,34 +1,22 @@
 """The `xla` block kernel: tiled flash attention of one query block against one key block.
 
-Pure JAX, runs on any backend; it is the reference every other kernel is checked against
-(the contract is in `parallelism.kernels`). Which tile pairs it computes comes from the
-static schedule (`parallelism.schedule`): for each query tile (forward) or key tile
-(backward), the runs of UNMASKED tiles are plain loops with no mask, then the MASKED
-tiles apply their precomputed elementwise mask. SKIP tiles are never visited, and nothing
-is classified at run time: the only traced inputs to the loop bounds are the block pair's
-row of the schedule's tables. A MASKED tile on a causal diagonal (every layout's; the
-schedule says so, `TileTables.upper_right_empty`) is computed in two parts that leave out its
-quarter no query sees, the first half of queries on the first half of keys and the second
-half on all keys (four separate quarters were no faster). Segment ids, when given, are the
-one run-time mask, applied to every computed tile.
+Pure JAX, any backend: the reference every other kernel is checked against (the contract,
+masks and options included, is in `parallelism.kernels`). The static schedule says which
+tile pairs to compute: per query tile (forward) or key tile (backward), the runs of UNMASKED
+tiles are plain loops with no mask, then the MASKED tiles apply their precomputed mask; SKIP
+tiles are never visited and nothing is classified at run time (the loop bounds read only the
+pair's row of the schedule's tables). A MASKED tile on a causal diagonal
+(`TileTables.upper_right_empty`) is computed in two parts that leave out the quarter no
+query sees (four quarters were no faster). Run-time masks (segment ids, bucket codes) apply
+in every computed tile; per-head spans narrow MASKED tiles only, by the distances of the
+pair's token indices (`RingSchedule.pair_index`).
 
-Shapes: q `[B, Tq, Hq, D]`, k/v `[B, Tk, Hkv, D]`, segment ids `[B, T]`; the token axis is
-axis 1 of every argument and result. Matmuls work on head-major tiles (`[B, Hkv, G, t, D]`
-for q, `[B, Hkv, t, D]` for k/v), so each is a plain batched one. The arrays the inner loop
-walks (K/V in the forward, the query side in the backward) are made head-major once per
-call and sliced per tile, which measured faster than transposing a token-major tile once
-per tile pair. The outer loop's tile is sliced from the token-major array. GQA
-keeps K/V un-repeated: q head h = kv_head * G + g (the pairing of `jnp.repeat(k, G, 2)`).
-Matmuls take the input dtype (bf16 ok) and accumulate in float32. Log-sum-exp is the
-natural log, float32, `[B, Tq, Hq]`; a query that sees no key gets output 0 and lse -inf.
-With `softcap` > 0 the logits are `softcap * tanh(scale * q.k / softcap)` (Gemma 2's cap),
-and the backward multiplies by the cap's slope. With per-head spans (`spans_H`, [Hq] int32)
-a MASKED tile's mask is narrowed per query head to `q - k < span[h]`, the distances read
-from the pair's token indices (`RingSchedule.pair_index`); UNMASKED tiles need no narrowing
-(the schedule classifies them by the narrowest span).
-With bucket codes (hash attention: `q_codes_BTH` [B, Tq, Hq], `k_codes_BTK` [B, Tk, Hkv] int32)
-every computed tile, UNMASKED ones too, also requires query head h's code to equal its kv
-head's key code; a row left with nothing visible gives 0 and lse -inf as above.
+Matmuls work on head-major tiles (`[B, Hkv, G, t, D]` for q, `[B, Hkv, t, D]` for k/v), each
+a plain batched one; the arrays the inner loop walks are made head-major once per call and
+sliced per tile, which measured faster than transposing per tile pair. GQA keeps K/V
+un-repeated: q head h = kv_head * G + g (as `jnp.repeat(k, G, 2)` pairs them). Matmuls take
+the input dtype (bf16 ok) and accumulate in float32; with `softcap` the backward multiplies
+by the cap's slope.
 """
 
 from __future__ import annotations

@@ -1,36 +1,28 @@
 """The block-kernel contract and the registry of kernels that keep it.
 
-A block kernel computes attention of one device's query block on one K/V block, the pair
-the static schedule (`parallelism.schedule`) gives that device at that ring step:
+A block kernel computes attention of one device's query block on the K/V block the static
+schedule (`parallelism.schedule`) gives that device at that ring step:
 
-    block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule, pair, tile,
-              softcap=0.0[, spans_H][, q_codes_BTH, k_codes_BTK]) -> (out_BTHD, lse_BTH)
-    block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k_seg_BT, *,
-              schedule, pair, tile, out_BTHD=None, softcap=0.0[, spans_H][, q_codes_BTH,
-              k_codes_BTK])
-              -> (dq_BTHD, dk_BTKD, dv_BTKD)
+    block_fwd(q, k, v, q_seg, k_seg, *, schedule, pair, tile, softcap=0.0[, spans_H]
+              [, q_codes_BTH, k_codes_BTK]) -> (out_BTHD, lse_BTH)
+    block_bwd(q, k, v, dout, lse, delta, q_seg, k_seg, *, schedule, pair, tile,
+              out_BTHD=None, ...as block_fwd) -> (dq_BTHD, dk_BTKD, dv_BTKD)
 
-- q [B, Tq, Hq, D], k/v [B, Tk, Hkv, D], Hq % Hkv == 0 (q head h reads kv head
-  h // (Hq / Hkv)), in the compute dtype; segment ids [B, T] int32 or None (one document).
+- q [B, Tq, Hq, D], k/v [B, Tk, Hkv, D] (head h reads kv head h // (Hq / Hkv)), segments
+  [B, T] int32 or None; `softcap` > 0 caps each logit at `softcap * tanh(logit / softcap)`.
 - `schedule` is static, `pair` a traced int32 (`schedule.pair[device, step]`); a kernel
-  reads its tile tables at its own tile sizes, no coarser than `tile`, or branches once per
-  call on the pair's mask shape (`schedule.shapes[p]`) with `lax.switch`.
-- `softcap` > 0 caps each logit (scaled q.k) at `softcap * tanh(logit / softcap)` (Gemma 2).
-- `spans_H` ([Hq] int32, only with per-head spans; xla and pallas): query head h sees keys
-  fewer than `spans_H[h]` positions back; MASKED tiles narrow their mask by it (the
-  schedule's `narrowest` and `window` bound the spans; `RingSchedule.pair_index`).
-- `q_codes_BTH` [B, Tq, Hq] and `k_codes_BTK` [B, Tk, Hkv] (int32, only with hash attention;
-  xla only): a run-time mask, like segment ids, applied in every computed tile: query head h
-  sees a key only where its code equals the key's code of kv head h // (Hq / Hkv).
-- Forward: the block's output and natural-log log-sum-exp, float32; a query that sees no key
-  gets output 0 and lse -inf, never NaN. Backward: from the GLOBAL lse and `delta = sum(dout
-  * out, -1)` (and the global output `out_BTHD`, for cuDNN, whose backward forms delta
-  itself), this block's dq, dk, dv in float32.
+  reads its tile tables (tiles no coarser than `tile`) or switches on `schedule.shapes[p]`.
+- `spans_H` ([Hq] int32; xla, pallas): head h sees keys fewer than `spans_H[h]` back; MASKED
+  tiles narrow their mask by it (the schedule's `narrowest` and `window` bound the spans).
+- `q_codes_BTH`, `k_codes_BTK` (int32 bucket codes, hash attention; xla): a run-time mask in
+  every computed tile: head h sees a key only where its code equals its kv head's key code.
+- Forward: output and natural-log lse, float32 (a query that sees no key: 0 and -inf, never
+  NaN). Backward: from the GLOBAL lse and `delta = sum(dout * out, -1)` (and global `out`,
+  for cuDNN), this block's dq, dk, dv in float32.
 
 `xla` is the reference (any backend); `pallas` is fused (Triton on GPUs, interpreted on the
-CPU); `cudnn` is cuDNN's flash attention where the pair's mask allows, `pallas` elsewhere.
-`auto` resolves per backend; the kernel a setup runs is chosen once for its blocks
-(`choose`, from `parallelism.split`). A new kernel is one module and one line in `KERNELS`.
+CPU); `cudnn` is cuDNN's flash attention where the pair's mask allows. `auto` resolves per
+backend, once per setup (`choose`). A new kernel is one module and one line in `KERNELS`.
 """
 
 from __future__ import annotations

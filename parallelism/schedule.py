@@ -2,33 +2,24 @@
 
     python -m parallelism --layout striped --seq_len 32768 --shards 8 [--tile 512] [--window W]
 
-prints it, its critical path and every layout's. A token's index is fixed by (layout,
-seq_len, ring size), so which keys each query sees at each ring step is known before
-tracing; this module works it out once with NumPy, by the rule of `parallelism.tiles`:
+prints it, its critical path and every layout's. Token indices are fixed by (layout,
+seq_len, ring size), so this module works out once, with NumPy and `parallelism.tiles`'s
+rule, which keys each query sees at each step:
 
-- At ring step s, device d holds its own query block and the K/V block that started on
-  device d - s (`held_block`). Many (device, step) block pairs see the same pattern (striped
-  has two, ring three), so the schedule keeps the distinct pairs and a table
-  `pair[device, step]` into them; kernels and the ring index that table at run time.
-- Each distinct pair has a mask shape a library kernel can use: `empty`, `full`, `causal`
-  (key j visible to query i iff j <= i, by position in the blocks), `strictly_causal`
-  (j < i) or `general`.
-- A ring step at which no device has work (a window under `ring`, `zigzag`) is not run.
-- At a kernel's tile sizes, `RingSchedule.tiles(tile_q, tile_k)` gives block-sparse
-  metadata (as TPU splash attention's MaskInfo): the class of every tile pair, per query
-  tile the runs of UNMASKED key tiles and the list of MASKED ones with the id of their
-  elementwise mask (the distinct masks are stored once), and the same per key tile for the
-  dK/dV loops. SKIP tiles appear nowhere, so kernels never classify a tile at run time.
+- At step s, device d holds its query block and the K/V block that started on d - s
+  (`held_block`). Distinct (device, step) block pairs are kept once, with a table
+  `pair[device, step]` into them that kernels index at run time.
+- Each pair has a mask shape a library kernel can use: `empty`, `full`, `causal`,
+  `strictly_causal` or `general`. A step at which no device has work is not run.
+- `RingSchedule.tiles(tile_q, tile_k)` gives block-sparse metadata (as splash attention's
+  MaskInfo): per query tile the runs of UNMASKED key tiles and the MASKED ones with the id of
+  their elementwise mask, and the same per key tile for dK/dV. SKIP tiles appear nowhere.
 
-Packed documents are not part of the schedule: segment ids differ per batch and stay an
-elementwise mask inside the kernels. The schedule is cached per (layout, seq_len, shards,
-window, narrowest) and per tile size, so it is built once per compile, not per layer or step.
-
-Per-head spans (`narrowest` < `window`, `parallelism.tiles`): one schedule covers every span
-between the two, so a scan over layers with different spans shares it. Block pairs are then
-told apart by their token distances (not only by what the widest window shows), so that the
-indices of a pair's representative blocks (`pair_index`) give every device's distances;
-kernels narrow a MASKED tile's mask per head with them.
+Segment ids are not part of the schedule (they change per batch). The schedule is cached per
+(layout, seq_len, shards, window, narrowest) and tile size: built once per compile. With
+per-head spans (`narrowest` < `window`) one schedule covers every span between the two, and
+block pairs are told apart by their token distances, so that `pair_index` gives every
+device's distances for the kernels' per-head masks.
 """
 
 from __future__ import annotations

@@ -1,30 +1,22 @@
 """The tile skip rule: which (query tile, key tile) pairs attention must compute.
 
-One rule serves every layout (see DESIGN.md, "The attention contract"). Query i sees key j
-iff `0 <= token_index[i] - token_index[j] < window` (and, for packed documents, their
-segment ids match: a run-time mask the schedule leaves to the kernels). `window=None` is
-plain causal attention (an infinite window). A window of w keys includes the query itself:
-w = 1 sees only itself. Hugging Face's `sliding_window` is the same w; flash-attn's
-`window_size=(w - 1, 0)`; splash's `LocalMask(window_size=(w - 1, 0))`. For a tile pair,
-summarised by the range of differences `d = q - k` in `[q_min - k_max, q_max - k_min]`:
+One rule serves every layout (DESIGN.md, "The attention contract"): query i sees key j iff
+`0 <= token_index[i] - token_index[j] < window` (and their segment ids match: a run-time
+mask left to the kernels). `window=None` is causal; a window of w keys includes the query
+itself, as Hugging Face's `sliding_window` = w, flash-attn's `window_size=(w - 1, 0)` and
+splash's `LocalMask((w - 1, 0))`. A tile pair, summarised by `d = q - k` in
+`[q_min - k_max, q_max - k_min]`, is:
 
-- SKIP when `d_hi < 0` (every key is in every query's future) or `d_lo >= window` (every
-  key is further back than the window);
+- SKIP when `d_hi < 0` (every key in every query's future) or `d_lo >= window`;
 - UNMASKED when `d_lo >= 0` and `d_hi < window`: every query sees every key;
-- MASKED otherwise: compute with the elementwise mask (`visible`). The schedule turns a
-  MASKED tile whose mask is empty into SKIP (under striped, a window can fall between the
-  tokens a tile holds).
+- MASKED otherwise (`visible`, elementwise). The schedule turns a MASKED tile whose mask is
+  empty into SKIP (under striped a window can fall between the tokens a tile holds).
 
-Per-head spans (MoA) make the window a band: each query head h has its own span, between
-`narrowest` and `window` (the widest). A tile is SKIP by the widest (no head sees a key) and
-UNMASKED by the narrowest (every head sees every key); the rest are MASKED, and there the
-kernels narrow the widest's mask per head (`q - k < span[h]`).
+Per-head spans (MoA) make the window a band between `narrowest` and `window`: SKIP by the
+widest, UNMASKED by the narrowest, and MASKED tiles narrowed per head (`q - k < span[h]`).
 
-Under `ring` this skips whole future blocks (and, with a window, whole past ones); under
-`striped` and `zigzag` it skips the upper triangle of tiles inside each block. Token
-indices are fixed by (layout, seq_len, ring size), so the rule runs once on the host, in
-NumPy, when `parallelism.schedule` builds the ring's schedule; the kernels only read the
-result.
+Token indices are fixed by (layout, seq_len, ring size), so the rule runs once on the host,
+in NumPy, when `parallelism.schedule` builds the ring's schedule; kernels read the result.
 """
 
 from __future__ import annotations
