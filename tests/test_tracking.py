@@ -270,6 +270,20 @@ def test_flops_and_mfu_match_a_hand_computation():
       == pytest.approx(12_129_927_168 / (8 * 989e12))
 
 
+def test_flops_of_local_layers_count_their_window_and_sinks():
+  """Each query of a window-w layer sees min(i + 1, w) keys, and with k sinks up to k more
+  beyond the window: counted by hand over a row of 10 tokens, w = 4, k = 2."""
+  fields = dict(num_layers=1, d_model=8, num_heads=2, num_kv_heads=2, d_ff=8, vocab_size=16,
+                window=4, layer_pattern="L")
+  seen = [min(i + 1, 4) for i in range(10)]  # 1, 2, 3, 4, 4, ... 4: 34 keys
+  sinks = [min(2, max(i - 3, 0)) for i in range(10)]  # 0, 0, 0, 0, 1, 2, ... 2: 11 keys
+  attention = 12 * 2 * 4  # 12 * Hq * D per key a query sees
+  for count, keys in ((0, sum(seen)), (2, sum(seen) + sum(sinks))):
+    cfg = ModelConfig(**fields, sink_tokens=count)
+    assert flops.flops_per_token(cfg, 10) == pytest.approx(
+        6 * cfg.matmul_params() + attention * keys / 10, rel=1e-12)
+
+
 def test_peak_flops_from_number_name_or_device_kind():
   config = ml_collections.ConfigDict({"accelerator": "", "peak_flops_per_device": 0.0})
   assert flops.peak_flops(config, "cpu") is None

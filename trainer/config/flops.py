@@ -5,7 +5,8 @@ parameters used in a matmul per token (all but the embedding lookup, the output 
 included) and the second term is attention: QK^T and PV cost 2 * 2 * S * H_q * D_head
 forward per token and layer, x3 for forward plus backward = 12 * L * H_q * D_head * S for
 full attention, halved because a causal mask skips half of it; a local layer of window w < S
-counts the keys its queries see, w (w + 1) / 2 + (S - w) w over S. Remat recomputation is not
+counts the keys its queries see, w (w + 1) / 2 + (S - w) w over S, plus the sink tokens
+beyond its window (`model.sink_tokens`, up to k per query). Remat recomputation is not
 counted (it is hardware FLOPs, not model FLOPs), so MFU does not rise when remat is on.
 
 MFU = FLOPs per token * tokens per second / (devices * peak FLOP/s of one device).
@@ -37,19 +38,25 @@ MEMORY_GIB = {"tpu_v4": 32, "tpu_v5e": 16, "tpu_v5p": 95}
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+  sinks = cfg.sink_tokens
   if cfg.head_spans:  # Per-head spans: each head counts the keys it sees.
-    keys = sum(sum(_keys_per_query(span, seq_len) for span in row) / len(row)
+    keys = sum(sum(_keys_per_query(span, seq_len, sinks) for span in row) / len(row)
                for row in cfg.spans)
   else:
-    keys = sum(_keys_per_query(cfg.window_of(kind), seq_len) for kind in cfg.layer_kinds)
+    keys = sum(_keys_per_query(cfg.window_of(kind), seq_len, sinks) for kind in cfg.layer_kinds)
   return 6 * cfg.matmul_params() + 12 * cfg.num_heads * cfg.head_size * keys
 
 
-def _keys_per_query(window: int | None, seq_len: int) -> float:
-  """Keys a query sees on average, as the FLOPs count them (causal: half the row)."""
+def _keys_per_query(window: int | None, seq_len: int, sinks: int = 0) -> float:
+  """Keys a query sees on average in a row of one document, as the FLOPs count them (causal:
+  half the row); with a window, also the first `sinks` keys beyond it (the query m tokens
+  past its window's first sees min(sinks, m) of them)."""
   if window is None or window >= seq_len:
     return seq_len / 2
-  return (window * (window + 1) / 2 + (seq_len - window) * window) / seq_len
+  beyond = seq_len - window  # Queries with keys beyond their window: m = 1 .. beyond.
+  few = min(sinks, beyond)
+  sink_keys = few * (few + 1) / 2 + (beyond - few) * sinks
+  return (window * (window + 1) / 2 + beyond * window + sink_keys) / seq_len
 
 
 def accelerator_name(device_kind: str) -> str | None:
