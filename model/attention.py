@@ -38,8 +38,8 @@ def dense_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
   per-head spans `spans_H` [Hq], query head h sees `spans_H[h]`) and, with `sink_tokens` k,
   every earlier key of its document at a position below k (`parallelism.sinks`), logits
   capped at `softcap` (0: not); K/V heads are shared by query groups. With bucket codes
-(hash attention: `q_codes_BSH` [B,S,Hq], `k_codes_BSK` [B,S,Hkv]) query head h also sees
-only keys whose code of its kv head equals its own.
+  (hash attention: `q_codes_BSH` [B,S,Hq], `k_codes_BSK` [B,S,Hkv]) query head h also sees
+  only keys whose code of its kv head equals its own.
 
   Scores and softmax are float32. A query that sees no key gets zeros, not NaN.
   """
@@ -79,6 +79,13 @@ only keys whose code of its kv head equals its own.
   return out_BSKGD.reshape(q_BSHD.shape).astype(q_BSHD.dtype)
 
 
+def _local_and_sparse(cfg: ModelConfig, spans_H, positions_BS, sinks: int, codes) -> dict:
+  """`parallelism.ring_attention`'s per-head spans, sink and bucket-code arguments."""
+  q_codes, k_codes = codes or (None, None)
+  return dict(spans=spans_H, narrowest=None if spans_H is None else cfg.narrowest_span,
+              positions=positions_BS, sink_tokens=sinks, q_buckets=q_codes, k_buckets=k_codes)
+
+
 def _whole_rows(cfg: ModelConfig, q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, window,
                 spans_H=None, positions_BS=None, sinks=0, codes=None):
   """`dense` attention: cuDNN's flash attention on a CUDA GPU (each packed document apart;
@@ -96,11 +103,8 @@ def _whole_rows(cfg: ModelConfig, q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, window
       tile_size=math.gcd(q_BSHD.shape[1], cfg.attention_tile), window=window,
       softcap=cfg.attention_softcap)
   if window is not None or cfg.attention_softcap or codes is not None:
-    q_codes, k_codes = codes or (None, None)
-    return fallback(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, spans=spans_H,
-                    narrowest=cfg.narrowest_span if spans_H is not None else None,
-                    positions=positions_BS, sink_tokens=sinks, q_buckets=q_codes,
-                    k_buckets=k_codes)
+    return fallback(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS,
+                    **_local_and_sparse(cfg, spans_H, positions_BS, sinks, codes))
   return parallelism.cudnn_dense_attention(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, fallback)
 
 
@@ -190,11 +194,8 @@ class Attention(nn.Module):
             q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, layout=cfg.layout,
             rules=nn.get_logical_axis_rules(), kernel=cfg.kernel,
             tile_size=cfg.attention_tile, strategy=cfg.sequence_parallel, window=window,
-            softcap=cfg.attention_softcap, spans=spans,
-            narrowest=None if spans is None else cfg.narrowest_span,
-            positions=positions_BS, sink_tokens=sinks,
-            q_buckets=None if codes is None else codes[0],
-            k_buckets=None if codes is None else codes[1])
+            softcap=cfg.attention_softcap,
+            **_local_and_sparse(cfg, spans, positions_BS, sinks, codes))
       return out_BSHD, k_BSKD, v_BSKD
 
     kinds = set(cfg.layer_kinds)

@@ -131,8 +131,8 @@ class Sampler:
         data_config, model_config)
     # No gradient here: nothing to rematerialise.
     self.model_cfg: ModelConfig = dataclasses.replace(model_config(self.config), remat="none")
-    if self.model_cfg.decode_problem():
-      raise ConfigError(self.model_cfg.decode_problem())
+    if problem := self.model_cfg.decode_problem():
+      raise ConfigError(problem)
     self.data_cfg: data.DataConfig = data_config(self.config)
     self._steps = {}  # (capacity, temperature, top_p) -> the compiled prefill and decode.
     self.rules = tuple(self.config.mesh.rules)
