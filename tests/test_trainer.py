@@ -33,6 +33,32 @@ def test_same_seed_same_losses_and_the_loss_falls(tmp_path, tiny_config):
   assert np.mean(first[-5:]) < first[0] - 0.5, first
 
 
+def test_a_run_with_the_same_step_settings_reuses_the_traced_step(tiny_config):
+  """Within a process, a second run whose model, optimizer, shardings and rules are the
+  same gets the step already traced (trainer.core.training); anything the step's program
+  reads that differs gets its own."""
+  import flax.linen as nn
+  import jax
+
+  import parallelism
+  from trainer.core.training import build_training
+
+  def step_fn(config):
+    mesh = parallelism.make_mesh(config.mesh)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(config.mesh.rules):
+      return build_training(config, mesh).step_fn
+
+  first = step_fn(tiny_config(**{"train.steps": 4, "train.log_every": 1}))
+  # Steps, logging and evaluation are not the step's: the same traced step.
+  assert step_fn(tiny_config(**{"train.steps": 30, "train.eval_every": 10})) is first
+  assert step_fn(tiny_config(**{"train.lr": 1e-3})) is not first  # The optimizer's.
+  assert step_fn(tiny_config("striped")) is not first  # The model's.
+  config = tiny_config()
+  config.mesh.rules = tuple((name, None if name == "activation_heads" else target)
+                            for name, target in config.mesh.rules)
+  assert step_fn(config) is not first  # The rules read while tracing.
+
+
 def test_run_writes_config_metrics_and_profile(tmp_path, tiny_config, monkeypatch, capsys):
   config = tiny_config(**{"train.steps": 4, "train.log_every": 2, "train.eval_every": 4,
                           "train.eval_steps": 1})

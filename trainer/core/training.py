@@ -5,6 +5,8 @@ loop importing it back."""
 
 from __future__ import annotations
 
+import functools
+import json
 from typing import Any, NamedTuple
 
 import jax
@@ -14,7 +16,8 @@ import optax
 import data
 import parallelism
 from model import Decoder, ModelConfig
-from trainer.core.optimizer import make_optimizer, make_schedule
+from trainer.core.optimizer import (OptimizerSettings, make_optimizer, make_schedule,
+                                    optimizer_settings)
 from trainer.core.state import TrainState, abstract_state, shardings_of
 from trainer.core.step import jit_train_step
 
@@ -46,10 +49,28 @@ def build_training(config: ml_collections.ConfigDict, mesh) -> Training:
   planner: the mesh's abstract mesh, its devices may be described only) and the config's
   logical axis rules.
   """
-  model, optimizer = Decoder(model_config(config)), make_optimizer(config.train)
+  cfg = model_config(config)
+  model, optimizer = Decoder(cfg), make_optimizer(config.train)
   batch_sharding = parallelism.batch_sharding(mesh)
   state = abstract_state(model, optimizer, mesh, config.mesh.rules)
   shardings = shardings_of(state)
-  step_fn = jit_train_step(model, optimizer, make_schedule(config.train),
-                           config.train.micro_batches, shardings, batch_sharding)
+  leaves, tree = jax.tree.flatten(shardings)
+  step_fn = _step_fn(cfg, cfg.spans if cfg.head_spans else None,
+                     optimizer_settings(config.train), config.train.micro_batches,
+                     tuple(leaves), tree, batch_sharding, json.dumps(config.mesh.rules))
   return Training(model, optimizer, shardings, state, batch_sharding, step_fn)
+
+
+@functools.lru_cache(maxsize=8)
+def _step_fn(cfg: ModelConfig, spans, settings: OptimizerSettings, micro_batches: int,
+             state_leaves: tuple, state_tree, batch_sharding, rules_json: str):
+  """The jitted train step, one per process for each set of what defines its program: a
+  run that repeats an earlier run's model, optimizer, shardings and rules (a sweep in a
+  notebook, a resumed or repeated run, the test suite's many tiny runs) calls the step
+  jax has already traced, lowered and compiled, instead of tracing it again (seconds per
+  run). `spans` (the plan file's content) and `rules_json` are in the key because the trace
+  reads them: the plan from its file, the rules from flax's context around the call."""
+  del spans, rules_json
+  return jit_train_step(Decoder(cfg), make_optimizer(settings), make_schedule(settings),
+                        micro_batches, jax.tree.unflatten(state_tree, state_leaves),
+                        batch_sharding)
