@@ -1,20 +1,23 @@
 """Crash matrix: a real SIGKILL of a training process at four moments of an async save.
 
-Each case trains 12 steps (a save every 4, keep 1) in a subprocess (tests/crash_driver.py)
-that kills itself with SIGKILL during the save of step 8:
+One workdir trains 12 steps (a save every 4, keep 1) in subprocesses (tests/crash_driver.py),
+each killing itself with SIGKILL at one moment of a save and each resuming what the one
+before it left:
 
-- start:  the step's temporary directory was just created;
-- write:  TensorStore has written some arrays of the step, not all;
-- commit: everything is written and finalized, the temporary directory not yet renamed;
+- at `commit` of the first save (step 4): complete but for its rename, so no checkpoint;
+- start:  step 8's temporary directory was just created;
+- write:  TensorStore has written some arrays of step 8, not all;
+- commit: everything of step 8 is written and finalized, the temporary directory not yet
+          renamed;
 - delete: Orbax's removal of step 4 is half done (at the save of step 12: step 4 stays
-          until a finite step has followed step 8);
+          until a finite step has followed step 8).
 
-and once more at `commit` of the first save (step 4), where there is nothing to resume from.
-
-The files on disk are checked to show the kill hit that moment. Then the same run is started
-again in a fresh process: it must resume from the newest committed step (4, or 12 once the
-kill comes after its commit, or start afresh), finish, leave no temporary directory behind, and end with the same losses,
-bitwise, as an uninterrupted run.
+The files on disk are checked to show each kill hit its moment. Each next process must
+resume from the newest committed step (none, then 4, then 12 once the kill comes after its
+commit) without trying a damaged one; the last finishes and leaves no temporary directory
+behind; and every loss any of them logged equals, bitwise, an uninterrupted run's at its
+step. (One chain rather than one run per moment: every process but the first is also the
+resume of the crash before it.)
 
 The subprocesses use the session's JAX compilation cache (tests/conftest.py): the tiny
 config's step, compiled once by whichever test trains it first, is loaded by the rest.
@@ -26,9 +29,8 @@ import re
 import signal
 import subprocess
 import sys
-from types import SimpleNamespace
 
-import pytest
+from trainer.run.loop import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DRIVER = os.path.join(ROOT, "tests", "crash_driver.py")
@@ -62,25 +64,20 @@ def _leftovers(checkpoints) -> list[str]:
                 if TMP_SUFFIX in name)
 
 
-@pytest.fixture(scope="module")
-def driver(tmp_path_factory, shared_data_dir):
-  """Runs tests/crash_driver.py; `reference` holds the losses of an uninterrupted run."""
-  base = tmp_path_factory.mktemp("crash")
-  # The session's compilation cache (tests/conftest.py), which the environment hands on.
-  env = {**os.environ, "WANDB_MODE": "disabled"}
+def _run_driver(workdir, data_dir, *extra) -> subprocess.CompletedProcess:
+  return subprocess.run(  # The session's compilation cache comes with the environment.
+      [sys.executable, DRIVER, f"--workdir={workdir}", f"--data_dir={data_dir}",
+       f"--steps={STEPS}", f"--every_steps={EVERY}", f"--keep={KEEP}", *extra],
+      cwd=ROOT, env={**os.environ, "WANDB_MODE": "disabled"}, stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT, text=True, timeout=300)
 
-  def run(workdir, *extra) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, DRIVER, f"--workdir={workdir}", f"--data_dir={shared_data_dir}",
-         f"--steps={STEPS}", f"--every_steps={EVERY}", f"--keep={KEEP}", *extra],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        timeout=300)
 
-  straight = run(base / "straight")
-  assert straight.returncode == 0, straight.stdout[-4000:]
-  reference = _last_losses(base / "straight")
-  assert sorted(reference) == list(range(1, STEPS + 1))
-  return SimpleNamespace(run=run, reference=reference)
+def _reference_losses(tiny_config, workdir) -> dict[int, float]:
+  """An uninterrupted run of the driver's config, in this process (the same compiled step)."""
+  config = tiny_config(**{"train.steps": STEPS, "train.log_every": 1,
+                          "checkpoint.every_steps": EVERY, "checkpoint.keep": KEEP})
+  train(config, str(workdir))
+  return _last_losses(workdir)
 
 
 def _at_start(checkpoints, step, output):
@@ -117,35 +114,42 @@ def _while_deleting(checkpoints, step, output):
   assert 0 < len(_files(old)) < total, _files(old)  # Partly deleted.
 
 
-# id: (phase, step whose save is killed, check of the files at the kill, step to resume from)
-CASES = {
-    "start": ("start", KILL_STEP, _at_start, KILL_STEP - EVERY),
-    "write": ("write", KILL_STEP, _during_write, KILL_STEP - EVERY),
-    "commit": ("commit", KILL_STEP, _before_commit, KILL_STEP - EVERY),
-    "delete": ("delete", KILL_STEP, _while_deleting, KILL_STEP + EVERY),
-    # The first save, complete but for its rename, is no checkpoint: start again from 0.
-    "commit_first": ("commit", EVERY, _before_commit, None),
-}
+# (phase, step whose save is killed, check of the files at the kill, step to resume from)
+CHAIN = [
+    ("commit", EVERY, _before_commit, None),  # The first save is no checkpoint yet.
+    ("start", KILL_STEP, _at_start, KILL_STEP - EVERY),
+    ("write", KILL_STEP, _during_write, KILL_STEP - EVERY),
+    ("commit", KILL_STEP, _before_commit, KILL_STEP - EVERY),
+    ("delete", KILL_STEP, _while_deleting, KILL_STEP + EVERY),
+]
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_sigkill_during_save_resumes_from_newest_committed_step(driver, tmp_path, case):
-  phase, kill_step, check_files, resume_step = CASES[case]
+def test_sigkill_at_each_moment_of_a_save_resumes_from_the_newest_committed_step(
+    tiny_config, shared_data_dir, tmp_path):
+  reference = _reference_losses(tiny_config, tmp_path / "straight")
+  assert sorted(reference) == list(range(1, STEPS + 1))
   workdir = tmp_path / "run"
   checkpoints = workdir / "checkpoints"
-
-  crashed = driver.run(workdir, f"--kill={phase}", f"--kill_step={kill_step}")
-  assert crashed.returncode == -signal.SIGKILL, crashed.stdout[-4000:]
-  assert f"crash_driver: SIGKILL {phase}" in crashed.stdout
-  check_files(str(checkpoints), kill_step, crashed.stdout)
-  steps_on_disk = [int(name) for name in os.listdir(checkpoints) if name.isdigit()]
-  assert max(steps_on_disk, default=None) == resume_step  # The newest committed step.
-
-  resumed = driver.run(workdir)
-  assert resumed.returncode == 0, resumed.stdout[-4000:]
-  assert re.findall(r"resuming from step (\d+)", resumed.stdout) == (
-      [str(resume_step)] if resume_step else [])
-  assert "unusable" not in resumed.stdout  # No damaged checkpoint was even tried.
-  assert _last_losses(workdir) == driver.reference  # Bitwise, every step.
+  resumed_from = None  # What the next process must resume from.
+  for phase, kill_step, check_files, newest in CHAIN + [(None, None, None, None)]:
+    run = _run_driver(workdir, shared_data_dir,
+                      *([f"--kill={phase}", f"--kill_step={kill_step}"] if phase else []))
+    where = f"the run killed at {phase} of step {kill_step}" if phase else "the last run"
+    assert re.findall(r"resuming from step (\d+)", run.stdout) == (
+        [str(resumed_from)] if resumed_from else []), (where, run.stdout[-4000:])
+    assert "unusable" not in run.stdout, where  # No damaged checkpoint was even tried.
+    if phase is None:
+      assert run.returncode == 0, run.stdout[-4000:]
+      break
+    assert run.returncode == -signal.SIGKILL, (where, run.stdout[-4000:])
+    assert f"crash_driver: SIGKILL {phase}" in run.stdout, where
+    check_files(str(checkpoints), kill_step, run.stdout)
+    steps_on_disk = [int(name) for name in os.listdir(checkpoints) if name.isdigit()]
+    assert max(steps_on_disk, default=None) == newest, where  # The newest committed step.
+    resumed_from = newest
   assert _leftovers(checkpoints) == []
   assert sorted(os.listdir(checkpoints)) == [str(STEPS)]  # keep=1: the partial old step too.
+  with open(workdir / "metrics.jsonl", encoding="utf-8") as f:
+    logged = [(r["step"], r["loss"]) for r in map(json.loads, f) if "loss" in r]
+  assert {step for step, _ in logged} == set(reference)
+  assert all(loss == reference[step] for step, loss in logged), logged  # Bitwise, every one.
