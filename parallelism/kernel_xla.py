@@ -7,16 +7,15 @@ tiles are plain loops with no mask, then the MASKED tiles apply their precompute
 tiles are never visited and nothing is classified at run time (the loop bounds read only the
 pair's row of the schedule's tables). A MASKED tile on a causal diagonal
 (`TileTables.upper_right_empty`) is computed in two parts that leave out the quarter no
-query sees (four quarters were no faster). Run-time masks (segment ids, bucket codes) apply
-in every computed tile; per-head spans narrow MASKED tiles only, by the distances of the
-pair's token indices (`RingSchedule.pair_index`).
+query sees (four quarters were no faster). Segment ids, a run-time mask, apply in every
+computed tile; bucket codes (hash attention) take another walk, sorted by bucket and skipped
+at run time (`parallelism.kernel_hash`). Per-head spans narrow MASKED tiles only, by the
+distances of the pair's token indices (`RingSchedule.pair_index`).
 
-Matmuls work on head-major tiles (`[B, Hkv, G, t, D]` for q, `[B, Hkv, t, D]` for k/v), each
-a plain batched one; the arrays the inner loop walks are made head-major once per call and
-sliced per tile, which measured faster than transposing per tile pair. GQA keeps K/V
-un-repeated: q head h = kv_head * G + g (as `jnp.repeat(k, G, 2)` pairs them). Matmuls take
-the input dtype (bf16 ok) and accumulate in float32; with `softcap` the backward multiplies
-by the cap's slope.
+Matmuls work on head-major tiles (`parallelism.tile_math`), each a plain batched one; the
+arrays the inner loop walks are made head-major once per call and sliced per tile, which
+measured faster than transposing per tile pair. GQA keeps K/V
+un-repeated: q head h = kv_head * G + g (as `jnp.repeat(k, G, 2)` pairs them).
 """
 
 from __future__ import annotations
@@ -25,7 +24,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from parallelism import kernel_hash
 from parallelism.schedule import RingSchedule, TileLists, over_tiles
+from parallelism.tile_math import bwd_update, fwd_result, fwd_update
 
 _F32 = jnp.float32
 _Q_AXIS = 3  # the token axis of head-major query-side tiles, [B, Hkv, G, t, ...]
@@ -80,66 +81,28 @@ def visibility(mask_tt, row_seg_Bt, col_seg_Bt):
   return mask_tt[None] if same is None else same & mask_tt[None]
 
 
-def _fwd_update(carry, q_BKGtD, k_BKtD, v_BKtD, visible, *, scale: float, softcap: float):
-  """One online-softmax step of a query tile on a key tile; carry is (m, l, acc).
-
-  m is the running max of the UNSCALED scores; the scale goes into the exponent, which
-  saves a pass over the scores (scale > 0, so the max commutes with it). With a soft cap
-  the scores are the capped logits themselves, already scaled (`_max_scale`).
-  """
-  m_BKGt, l_BKGt, acc_BKGtD = carry
-  s = jnp.einsum("bhgqd,bhkd->bhgqk", q_BKGtD, k_BKtD, preferred_element_type=_F32)
-  if softcap:
-    s = softcap * jnp.tanh(s * (scale / softcap))
-  scale = _max_scale(scale, softcap)
-  if visible is not None:  # [B or 1, Hkv or 1, G or 1, tq, tk]
-    s = jnp.where(visible, s, -jnp.inf)
-  m_new = jnp.maximum(m_BKGt, s.max(axis=-1))
-  # A row with nothing visible yet keeps m = -inf; shift by 0 so exp gives 0, not NaN.
-  m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-  p = jnp.exp((s - m_safe[..., None]) * scale)
-  alpha = jnp.exp((m_BKGt - m_safe) * scale)
-  l_new = alpha * l_BKGt + p.sum(axis=-1)
-  pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(v_BKtD.dtype), v_BKtD,
-                  preferred_element_type=_F32)
-  return m_new, l_new, alpha[..., None] * acc_BKGtD + pv
-
-
-def _max_scale(scale: float, softcap: float) -> float:
-  """What turns the forward's running max into logits: the scale, or 1 when capped."""
-  return 1.0 if softcap else scale
-
-
 def _fwd_update_in_halves(carry, q_BKGtD, k_BKtD, v_BKtD, visible, *, scale: float,
                           softcap: float):
-  """`_fwd_update` of a MASKED tile whose first half of queries sees none of its second half
+  """`fwd_update` of a MASKED tile whose first half of queries sees none of its second half
   of keys (`TileTables.upper_right_empty`): that quarter is not computed. The first half of
   queries meets the first half of keys, the second half all keys. Tiles are square here."""
   h = q_BKGtD.shape[_Q_AXIS] // 2
   first, second = (tuple(lax.slice_in_dim(c, start, stop, axis=_Q_AXIS) for c in carry)
                    for start, stop in ((0, h), (h, 2 * h)))
-  first = _fwd_update(first, q_BKGtD[:, :, :, :h], k_BKtD[:, :, :h], v_BKtD[:, :, :h],
+  first = fwd_update(first, q_BKGtD[:, :, :, :h], k_BKtD[:, :, :h], v_BKtD[:, :, :h],
                       visible[..., :h, :h], scale=scale, softcap=softcap)
-  second = _fwd_update(second, q_BKGtD[:, :, :, h:], k_BKtD, v_BKtD, visible[..., h:, :],
+  second = fwd_update(second, q_BKGtD[:, :, :, h:], k_BKtD, v_BKtD, visible[..., h:, :],
                        scale=scale, softcap=softcap)
   return tuple(jnp.concatenate(pair, axis=_Q_AXIS) for pair in zip(first, second))
 
 
-def _codes_KGt(q_codes_BTH, i, tile: int, num_kv: int):
-  """Query tile `i`'s bucket codes head-major, [B, Hkv, G, t]; None without codes."""
-  return None if q_codes_BTH is None else _q_head_major(_tile_of(q_codes_BTH, i, tile), num_kv)
-
-
-def _codes_Kt(k_codes_BTK, j, tile: int):
-  """Key tile `j`'s bucket codes head-major, [B, Hkv, t]; None without codes."""
-  return None if k_codes_BTK is None else jnp.swapaxes(_tile_of(k_codes_BTK, j, tile), 1, 2)
-
-
-def _same_bucket(visible, same):
-  """`visible` narrowed by the same-bucket mask `same` (either may be None: no mask)."""
-  if same is None:
-    return visible
-  return same if visible is None else visible & same
+def _hash_options(schedule: RingSchedule, pair, tile: int, softcap: float, spans_H) -> dict:
+  """What hash attention's walk reads of the static schedule: the pair's token indices
+  (its representative blocks': distinct pairs are told apart by their masks, so any device
+  that computes the pair sees the same causal, window and span relation) and the window."""
+  index = tuple(jnp.asarray(index_PT)[pair] for index_PT in schedule.pair_index)
+  return dict(q_index_T=index[0], k_index_T=index[1], tile=tile, softcap=softcap,
+              spans_H=spans_H, window=schedule.window)
 
 
 def _pair_index(schedule: RingSchedule, pair, spans_H):
@@ -152,7 +115,12 @@ def _pair_index(schedule: RingSchedule, pair, spans_H):
 def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSchedule, pair,
               tile: int, softcap: float = 0.0, spans_H=None, q_codes_BTH=None,
               k_codes_BTK=None) -> tuple[jax.Array, jax.Array]:
-  """Attention of a query block on a key block: (out [B,Tq,Hq,D] f32, lse [B,Tq,Hq] f32)."""
+  """Attention of a query block on a key block: (out [B,Tq,Hq,D] f32, lse [B,Tq,Hq] f32).
+  With bucket codes, hash attention's run-time walk (`parallelism.kernel_hash`)."""
+  if q_codes_BTH is not None:
+    return kernel_hash.block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, q_codes_BTH,
+                                 k_codes_BTK, **_hash_options(schedule, pair, tile, softcap,
+                                                              spans_H))
   num_kv = k_BTKD.shape[2]
   spans_KG = _spans_KG(spans_H, num_kv)
   q_index_T, k_index_T = _pair_index(schedule, pair, spans_H)
@@ -166,7 +134,6 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSched
   def q_tile_body(i, results):
     q_BKGtD = _q_head_major(_tile_of(q_BTHD, i, tile), num_kv)
     q_seg_Bt = _tile_of(q_seg_BT, i, tile) if segments else None
-    q_code_BKGt = _codes_KGt(q_codes_BTH, i, tile, num_kv)
 
     def visit(j, carry, mask_id):
       k_BKtD, v_BKtD = (_tile_of(x, j, tile, axis=2) for x in (k_BKTD, v_BKTD))
@@ -177,20 +144,14 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSched
         behind_tt = (_tile_of(q_index_T, i, tile, 0)[:, None]
                      - _tile_of(k_index_T, j, tile, 0)[None, :])
         visible = visible & (behind_tt < spans_KG[:, :, None, None])
-      if q_code_BKGt is not None:  # [B, Hkv, G, tq, tk]
-        same = q_code_BKGt[..., None] == _codes_Kt(k_codes_BTK, j, tile)[:, :, None, None]
-        visible = _same_bucket(visible, same)
-      update = _fwd_update_in_halves if mask_id is not None and halves else _fwd_update
+      update = _fwd_update_in_halves if mask_id is not None and halves else fwd_update
       return update(carry, q_BKGtD, k_BKtD, v_BKtD, visible, scale=scale, softcap=softcap)
 
     rows_BKGt = q_BKGtD.shape[:-1]
     init = (jnp.full(rows_BKGt, -jnp.inf, _F32), jnp.zeros(rows_BKGt, _F32),
             jnp.zeros(q_BKGtD.shape, _F32))
-    m, l, acc = over_tiles(lists, i, visit, init)
-    seen = l > 0
-    log_l = jnp.log(jnp.where(seen, l, 1.0))
-    lse_BKGt = jnp.where(seen, m * _max_scale(scale, softcap) + log_l, -jnp.inf)
-    out_BKGtD = acc / jnp.where(seen, l, 1.0)[..., None]
+    out_BKGtD, lse_BKGt = fwd_result(*over_tiles(lists, i, visit, init), scale=scale,
+                                     softcap=softcap)
     out_BTHD, lse_BTH = results
     return (_with_tile(out_BTHD, i, tile, _q_token_major(out_BKGtD)),
             _with_tile(lse_BTH, i, tile, _q_token_major(lse_BKGt)))
@@ -200,41 +161,8 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSched
   return lax.fori_loop(0, q_BTHD.shape[1] // tile, q_tile_body, results)
 
 
-def _bwd_update(carry, q_xs, k_xs, visible_T, *, scale: float, softcap: float):
-  """Gradients of one query tile x key tile; carry is (dk, dv) of the key tile and dq of
-  the query tile, transposed ([B, Hkv, D, G, tq]), all float32.
-
-  Works in key-major scores [B, Kv, tk, G, tq], so dv, dp and dk are plain matmuls, and dq
-  is computed transposed, dq^T = k^T ds^T, from the key tile transposed once per key tile
-  (`k_xs[2]`). XLA's CPU matmuls want [m, k] x [k, n] operands: dq = ds k would transpose
-  the score-sized ds for every tile pair, which cost a third of the backward. The
-  query-side tiles (q, dout, lse, delta, dq) are transposed per pair instead, which is
-  t / D times less data than a score tile.
-  """
-  dk_BKtD, dv_BKtD, dq_BKDGt = carry
-  q_BKGtD, do_BKGtD, lse_BKGt, delta_BKGt = q_xs
-  k_BKtD, v_BKtD, k_BKDt = k_xs
-  s_T = jnp.einsum("bhkd,bhgqd->bhkgq", k_BKtD, q_BKGtD, preferred_element_type=_F32)
-  logits_T, slope = s_T * scale, scale  # d logits / d s
-  if softcap:
-    capped_T = jnp.tanh(logits_T / softcap)
-    logits_T, slope = softcap * capped_T, scale * (1.0 - capped_T * capped_T)
-  p_T = jnp.exp(logits_T - lse_BKGt[:, :, None])
-  if visible_T is not None:  # [B or 1, Hkv or 1, tk, G or 1, tq]
-    p_T = jnp.where(visible_T, p_T, 0.0)
-  dv_BKtD = dv_BKtD + jnp.einsum("bhkgq,bhgqd->bhkd", p_T.astype(do_BKGtD.dtype), do_BKGtD,
-                                 preferred_element_type=_F32)
-  dp_T = jnp.einsum("bhkd,bhgqd->bhkgq", v_BKtD, do_BKGtD, preferred_element_type=_F32)
-  ds_T = (p_T * (dp_T - delta_BKGt[:, :, None]) * slope).astype(q_BKGtD.dtype)
-  dk_BKtD = dk_BKtD + jnp.einsum("bhkgq,bhgqd->bhkd", ds_T, q_BKGtD,
-                                 preferred_element_type=_F32)
-  dq_BKDGt = dq_BKDGt + jnp.einsum("bhdk,bhkgq->bhdgq", k_BKDt, ds_T,
-                                   preferred_element_type=_F32)
-  return dk_BKtD, dv_BKtD, dq_BKDGt
-
-
 def _bwd_update_in_halves(carry, q_xs, k_xs, visible_T, *, scale: float, softcap: float):
-  """`_bwd_update` of a MASKED tile whose second half of keys is seen by none of its first
+  """`bwd_update` of a MASKED tile whose second half of keys is seen by none of its first
   half of queries (`TileTables.upper_right_empty`): the first half of keys meets all queries,
   the second half only the second half of queries. Tiles are square here."""
   dk_BKtD, dv_BKtD, dq_BKDGt = carry
@@ -243,11 +171,11 @@ def _bwd_update_in_halves(carry, q_xs, k_xs, visible_T, *, scale: float, softcap
   first_keys, second_keys = (tuple(lax.slice_in_dim(x, start, stop, axis=axis)
                                    for x, axis in zip(k_xs, k_axes))
                              for start, stop in ((0, h), (h, 2 * h)))
-  dk_first, dv_first, dq_BKDGt = _bwd_update(
+  dk_first, dv_first, dq_BKDGt = bwd_update(
       (dk_BKtD[:, :, :h], dv_BKtD[:, :, :h], dq_BKDGt), q_xs, first_keys,
       visible_T[:, :, :h], scale=scale, softcap=softcap)
   second_queries = tuple(lax.slice_in_dim(x, h, 2 * h, axis=_Q_AXIS) for x in q_xs)
-  dk_second, dv_second, dq_second = _bwd_update(
+  dk_second, dv_second, dq_second = bwd_update(
       (dk_BKtD[:, :, h:], dv_BKtD[:, :, h:], dq_BKDGt[..., h:]), second_queries, second_keys,
       visible_T[:, :, h:, :, h:], scale=scale, softcap=softcap)
   return (jnp.concatenate([dk_first, dk_second], axis=2),
@@ -265,6 +193,10 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
   `delta_BTH = sum(dout * out, -1)` with the global output, so each block's
   probabilities are recomputed exactly as the forward's final softmax.
   """
+  if q_codes_BTH is not None:
+    return kernel_hash.block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH,
+                                 q_seg_BT, k_seg_BT, q_codes_BTH, k_codes_BTK,
+                                 **_hash_options(schedule, pair, tile, softcap, spans_H))
   num_kv = k_BTKD.shape[2]
   scale = q_BTHD.shape[3] ** -0.5
   spans_KG = _spans_KG(spans_H, num_kv)
@@ -280,13 +212,11 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
   # The query side, walked by the inner loop, head-major once.
   per_head = tuple(_q_head_major(x, num_kv)
                    for x in (q_BTHD, dout_BTHD, lse_safe, delta_BTH.astype(_F32)))
-  q_codes_BKGT = None if q_codes_BTH is None else _q_head_major(q_codes_BTH, num_kv)
 
   def k_tile_body(j, grads):
     k_BKtD, v_BKtD = _key_tile(k_BTKD, v_BTKD, j, tile)
     k_xs = (k_BKtD, v_BKtD, jnp.swapaxes(k_BKtD, 2, 3))
     k_seg_Bt = _tile_of(k_seg_BT, j, tile) if segments else None
-    k_code_BKt = _codes_Kt(k_codes_BTK, j, tile)
 
     def visit(i, carry, mask_id):
       dk, dv, dq_BTHD = carry
@@ -299,11 +229,7 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
         behind_tt = (_tile_of(q_index_T, i, tile, 0)[None, :]
                      - _tile_of(k_index_T, j, tile, 0)[:, None])
         visible_T = visible_T & (behind_tt[None, :, None, :] < spans_KG[:, None, :, None])
-      if k_code_BKt is not None:  # [B, Hkv, tk, G, tq]
-        q_code_BKGt = _tile_of(q_codes_BKGT, i, tile, axis=_Q_AXIS)
-        visible_T = _same_bucket(visible_T, k_code_BKt[..., None, None]
-                                 == q_code_BKGt[:, :, None])
-      update = _bwd_update_in_halves if mask_id is not None and halves else _bwd_update
+      update = _bwd_update_in_halves if mask_id is not None and halves else bwd_update
       dk, dv, dq_BKDGt = update((dk, dv, dq_BKDGt), q_xs, k_xs, visible_T, scale=scale,
                                 softcap=softcap)
       # In place in the loop carry: only computed tiles touch dq.

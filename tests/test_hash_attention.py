@@ -38,18 +38,20 @@ def _codes(inputs, buckets):
   return np.asarray(bucket_codes(q, proj_KDR)), np.asarray(bucket_codes(k, proj_KDR))
 
 
-def _visible(index, seg, q_codes, k_codes):
-  """[B, Hq, Sq, Sk]: causal, same document, same bucket (query head h, kv head h // G)."""
+def _visible(index, seg, q_codes, k_codes, window=None):
+  """[B, Hq, Sq, Sk]: causal (within `window` keys), same document, same bucket (query head
+  h, kv head h // G)."""
   group = q_codes.shape[2] // k_codes.shape[2]
   k_codes_BSH = np.repeat(k_codes, group, axis=2)
-  causal = (index[:, :, None] >= index[:, None, :]) & (seg[:, :, None] == seg[:, None, :])
+  behind = index[:, :, None] - index[:, None, :]
+  causal = (behind >= 0) & (behind < (window or np.inf)) & (seg[:, :, None] == seg[:, None, :])
   same = q_codes.transpose(0, 2, 1)[..., None] == k_codes_BSH.transpose(0, 2, 1)[:, :, None]
   return causal[:, None] & same
 
 
-def hash_reference(q, k, v, dout, index, seg, q_codes, k_codes):
+def hash_reference(q, k, v, dout, index, seg, q_codes, k_codes, window=None):
   """Dense masked attention: (out, dq, dk, dv) and lse [B, S, Hq] (-inf where nothing is seen)."""
-  visible = _visible(index, seg, q_codes, k_codes)
+  visible = _visible(index, seg, q_codes, k_codes, window)
 
   def attend(q, k, v):
     group = q.shape[2] // k.shape[2]
@@ -98,13 +100,15 @@ def test_the_hash_is_argmax_over_plus_and_minus_projections():
   np.testing.assert_array_equal(bucket_codes(jnp.asarray(3.5 * x), jnp.asarray(proj[0])), codes)
 
 
-@pytest.mark.parametrize("layout", ["ring", "striped", "zigzag"])
-def test_ring_with_buckets_matches_dense(layout):
-  """Packed documents, GQA 4:2, 4 buckets on 4 devices; some rows see nothing (a document's
-  first query whose bucket is not its own key's): they give 0, and no NaN anywhere."""
+@pytest.mark.parametrize("layout,n", [("ring", 4), ("striped", 8), ("zigzag", 4)])
+def test_ring_with_buckets_matches_dense(layout, n):
+  """Packed documents, GQA 4:2, 4 buckets on n devices; some rows see nothing (a document's
+  first query whose bucket is not its own key's): they give 0, and no NaN anywhere. The
+  kernel sorts each head's block by bucket and skips tile pairs at run time
+  (`parallelism.kernel_hash`): what it leaves out must be what nobody sees."""
   inputs, codes = _packed_inputs()
   want, _ = hash_reference(*inputs, *codes)
-  got = _ring(layout, seq_mesh(4), inputs, codes)
+  got = _ring(layout, seq_mesh(n), inputs, codes)
   assert_close(got, want, **_F32_TOL)
   empty = _empty_rows(*inputs[4:], *codes)
   assert empty.any() and not empty.all()
@@ -114,12 +118,13 @@ def test_ring_with_buckets_matches_dense(layout):
   assert np.abs(np.asarray(plain[0]) - np.asarray(want[0])).max() > 1e-2
 
 
-def test_one_kv_head_for_four_query_heads():
-  """GQA 4:1, 8 buckets, one document per row, on 2 devices in zigzag."""
+def test_one_kv_head_for_four_query_heads_in_a_window():
+  """GQA 4:1 (each query head sorted by its own codes against the kv head's sorted keys), 8
+  buckets, one document per row, a local layer's window of 24 keys, on 2 devices in zigzag."""
   inputs = make_inputs(batch=1, seq_len=64, num_heads=4, num_kv=1, seed=12)
   codes = _codes(inputs, 8)
-  got = _ring("zigzag", seq_mesh(2), inputs, codes, packed=False)
-  assert_close(got, hash_reference(*inputs, *codes)[0], **_F32_TOL)
+  got = _ring("zigzag", seq_mesh(2), inputs, codes, packed=False, window=24)
+  assert_close(got, hash_reference(*inputs, *codes, window=24)[0], **_F32_TOL)
 
 
 @pytest.mark.parametrize("strategy,ring,ulysses,num_kv", [
@@ -150,6 +155,23 @@ def test_block_kernel_lse_and_gradients_with_buckets():
   assert empty.any()
   assert np.all(np.asarray(lse)[empty] == -np.inf)
   np.testing.assert_allclose(np.asarray(lse)[~empty], np.asarray(want_lse)[~empty], **_F32_TOL)
+
+
+def test_the_kernel_skips_tiles_by_bucket_at_run_time():
+  """One causal block of 256 tokens in tiles of 8, per (query head, tile pair). With one
+  bucket the run-time rule is the static schedule's causal rule; with 8 buckets of the
+  model's hash it computes under 0.4 of those (ideal 1/8, plus each bucket's ragged edge
+  tiles at 32 tiles a block)."""
+  from parallelism import kernel_hash  # pylint: disable=g-import-not-at-top
+  inputs = make_inputs(batch=2, seq_len=256, num_heads=4, num_kv=2, seed=13)
+  schedule = ring_schedule("ring", 256, 1)
+  index = schedule.pair_index[0][0]
+  causal = int(schedule.computed_tiles(8)[0, 0]) * 2 * 4
+  count = lambda q_codes, k_codes: int(kernel_hash.computed_tiles(
+      q_codes, k_codes, None, None, index, index, tile=8))
+  codes = _codes(inputs, 8)
+  assert count(np.zeros_like(codes[0]), np.zeros_like(codes[1])) == causal
+  assert count(*codes) < 0.4 * causal
 
 
 def test_the_model_dense_path_applies_the_buckets():

@@ -1,0 +1,251 @@
+"""Hash attention's block kernel (SCFA, issue #38): tiles sorted by bucket, skipped at run time.
+
+The `xla` kernel hands a block pair here when it has bucket codes (`parallelism.kernels`):
+query head h sees a key iff causal by ORIGINAL token index, same document, same bucket as
+its kv head's key code (and within the window / its span, when the layer has one).
+
+- Rows. Each query head of each batch row is one row ([B*Hq, T]); each kv head one key row.
+  Per row, queries are sorted (stably) by (bucket, original index), and so are the keys of
+  the kv head: a tile of the sorted order holds one or two buckets, in causal order.
+- The rule, per row and tile pair: SKIP when the bucket ranges cannot meet, when
+  `min(k_index) > max(q_index)` (the static schedule's causal rule, on the sorted tiles'
+  original indices), when `min(q_index) - max(k_index) >= window`, or when the segment
+  ranges cannot meet; every other pair is computed with the elementwise mask (causal,
+  window / span, document, bucket). Block pairs the schedule knows are empty never get here.
+- Tile lists of static capacity: per row and query tile, the met key tiles first (a stable
+  argsort of the skip flags), then their count; the forward runs `fori_loop(0, count)` over
+  them, the backward the same per key tile over (query head of the group, query tile). The
+  compute saved is real; only the lists ([B*Hq, nq, nk] int32, twice) cost memory.
+- GQA: no union of heads. A query head's sorted tile is matched against its kv head's sorted
+  key tiles, so its skip rate is its own, whatever B, Hq or the group size: a tile shared by
+  heads with different sorts would hold the union of their bucket and index ranges, and at
+  SCFA's B=4, H=48 almost nothing would be skipped. The price is one head per matmul.
+
+Outputs, lse and gradients are scattered back to the block's order. A query that sees
+nothing gives out 0 and lse -inf, never NaN, as the `xla` kernel. Same tile arithmetic as
+the `xla` kernel (`parallelism.tile_math`), so results agree to float32 rounding.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from parallelism.tile_math import bwd_update, fwd_result, fwd_update
+
+_F32 = jnp.float32
+
+
+class Rows(NamedTuple):
+  """One side of a block pair sorted per row: [R, T] each (`seg` None without documents)."""
+  order: jax.Array  # position in the block of each sorted entry
+  codes: jax.Array
+  index: jax.Array  # original token index
+  seg: jax.Array | None
+
+
+def sort_rows(codes_BTH, index_T, seg_BT) -> Rows:
+  """Rows (b * H + h) of a side, sorted stably by (bucket, original index)."""
+  batch, length, heads = codes_BTH.shape
+  codes_RT = jnp.swapaxes(codes_BTH, 1, 2).reshape(batch * heads, length)
+  index_RT = jnp.broadcast_to(index_T.astype(jnp.int32), codes_RT.shape)
+  order_RT = jnp.lexsort((index_RT, codes_RT), axis=-1).astype(jnp.int32)
+  take = lambda x_RT: jnp.take_along_axis(x_RT, order_RT, axis=1)
+  seg_RT = None if seg_BT is None else take(jnp.repeat(seg_BT, heads, axis=0))
+  return Rows(order_RT, take(codes_RT), take(index_RT), seg_RT)
+
+
+def gather_rows(x_BTH, order_RT):
+  """[B, T, H, ...] -> [B*H, T, ...] in the rows' sorted order."""
+  batch, length, heads = x_BTH.shape[:3]
+  x = jnp.swapaxes(x_BTH, 1, 2).reshape(batch * heads, length, *x_BTH.shape[3:])
+  order = order_RT.reshape(order_RT.shape + (1,) * (x.ndim - 2))
+  return jnp.take_along_axis(x, order, axis=1)
+
+
+def scatter_rows(x_RT, order_RT, batch: int):
+  """Inverse of `gather_rows`: back to the block's order, [B, T, H, ...]."""
+  inverse_RT = jnp.argsort(order_RT, axis=1)
+  x = jnp.take_along_axis(x_RT, inverse_RT.reshape(inverse_RT.shape + (1,) * (x_RT.ndim - 2)),
+                          axis=1)
+  x = x.reshape(batch, -1, *x.shape[1:])
+  return jnp.swapaxes(x, 1, 2)
+
+
+def _ranges(x_RT, tile: int):
+  chunks = x_RT.reshape(x_RT.shape[0], -1, tile)
+  return chunks.min(axis=-1), chunks.max(axis=-1)
+
+
+def meets(q: Rows, k: Rows, tile: int, window: int | None = None):
+  """[Rk, G, nq, nk] bool: the tile pairs the rule computes (query row = key row * G + g)."""
+  num_k_rows = k.codes.shape[0]
+
+  def ranges(rows: Rows, query: bool):
+    shape = (num_k_rows, -1, rows.codes.shape[1] // tile, 1) if query else (
+        num_k_rows, 1, 1, -1)
+    return [tuple(r.reshape(shape) for r in _ranges(x, tile))
+            for x in (rows.codes, rows.index, rows.seg) if x is not None]
+
+  (qc_lo, qc_hi), (qi_lo, qi_hi), *q_seg = ranges(q, True)
+  (kc_lo, kc_hi), (ki_lo, ki_hi), *k_seg = ranges(k, False)
+  meet = (qc_lo <= kc_hi) & (kc_lo <= qc_hi) & (ki_lo <= qi_hi)
+  if window is not None:
+    meet &= qi_lo - ki_hi < window
+  for (qs_lo, qs_hi), (ks_lo, ks_hi) in zip(q_seg, k_seg):
+    meet &= (qs_lo <= ks_hi) & (ks_lo <= qs_hi)
+  return meet
+
+
+def tile_lists(meet_RON):
+  """Per row and outer tile, the met inner tiles in ascending order, padded to a static
+  capacity (at least 2: with 1, XLA would hoist a loop body that reads a constant index;
+  see `parallelism.schedule`), and their count."""
+  capacity = max(meet_RON.shape[-1], 2)
+  padded = jnp.pad(meet_RON, [(0, 0), (0, 0), (0, capacity - meet_RON.shape[-1])])
+  return (jnp.argsort(~padded, axis=-1, stable=True).astype(jnp.int32),
+          meet_RON.sum(axis=-1, dtype=jnp.int32))
+
+
+def _tile(x_RT, row, i, tile: int):
+  """Tile `i` of row `row`: [t, ...]."""
+  start = (row, i * tile) + (0,) * (x_RT.ndim - 2)
+  return lax.dynamic_slice(x_RT, start, (1, tile, *x_RT.shape[2:]))[0]
+
+
+def _put(x_RT, row, i, value):
+  start = (row, i * value.shape[0]) + (0,) * (x_RT.ndim - 2)
+  return lax.dynamic_update_slice(x_RT, value[None].astype(x_RT.dtype), start)
+
+
+def _visible(q: Rows, q_row, i, k: Rows, k_row, j, tile: int, window, span):
+  """[tq, tk]: the elementwise rule of one computed tile pair."""
+  q_at = lambda x: _tile(x, q_row, i, tile)[:, None]
+  k_at = lambda x: _tile(x, k_row, j, tile)[None, :]
+  behind = q_at(q.index) - k_at(k.index)
+  seen = (behind >= 0) & (q_at(q.codes) == k_at(k.codes))
+  if window is not None:
+    seen &= behind < window
+  if span is not None:
+    seen &= behind < span
+  if q.seg is not None:
+    seen &= q_at(q.seg) == k_at(k.seg)
+  return seen
+
+
+class _Setup(NamedTuple):
+  q: Rows
+  k: Rows
+  group: int
+  num_q_tiles: int
+  meet: jax.Array  # [Rk, G, nq, nk]
+  spans_R: jax.Array | None  # per query row
+
+
+def _setup(q_codes_BTH, k_codes_BTK, q_seg_BT, k_seg_BT, q_index_T, k_index_T, tile,
+           spans_H, window) -> _Setup:
+  for name, length in (("query", q_codes_BTH.shape[1]), ("key", k_codes_BTK.shape[1])):
+    if length % tile:
+      raise ValueError(f"{name} block length {length} is not divisible by tile size {tile}")
+  q = sort_rows(q_codes_BTH, q_index_T, q_seg_BT)
+  k = sort_rows(k_codes_BTK, k_index_T, k_seg_BT)
+  spans_R = None if spans_H is None else jnp.tile(spans_H, q_codes_BTH.shape[0])
+  return _Setup(q, k, q_codes_BTH.shape[2] // k_codes_BTK.shape[2],
+                q_codes_BTH.shape[1] // tile, meets(q, k, tile, window), spans_R)
+
+
+def computed_tiles(q_codes_BTH, k_codes_BTK, q_seg_BT, k_seg_BT, q_index_T, k_index_T, *,
+                   tile: int, window: int | None = None) -> jax.Array:
+  """How many (query head, query tile, key tile) pairs the kernel computes on this block."""
+  return _setup(q_codes_BTH, k_codes_BTK, q_seg_BT, k_seg_BT, q_index_T, k_index_T, tile,
+                None, window).meet.sum(dtype=jnp.int32)
+
+
+def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, q_codes_BTH, k_codes_BTK, *,
+              q_index_T, k_index_T, tile: int, softcap: float = 0.0, spans_H=None,
+              window: int | None = None) -> tuple[jax.Array, jax.Array]:
+  """(out [B,Tq,Hq,D] f32, lse [B,Tq,Hq] f32) of the block pair, walking the met tiles."""
+  at = _setup(q_codes_BTH, k_codes_BTK, q_seg_BT, k_seg_BT, q_index_T, k_index_T, tile,
+              spans_H, window)
+  q_RTD = gather_rows(q_BTHD, at.q.order)
+  k_RTD, v_RTD = (gather_rows(x, at.k.order) for x in (k_BTKD, v_BTKD))
+  nq = at.num_q_tiles
+  lists, counts = tile_lists(at.meet.reshape(q_RTD.shape[0], nq, -1))
+  scale = q_BTHD.shape[3] ** -0.5
+
+  def body(u, results):
+    q_row, i = u // nq, u % nq
+    k_row = q_row // at.group
+    q_tD = _tile(q_RTD, q_row, i, tile)[None, None, None]  # [1, 1, 1, t, D]
+    span = None if at.spans_R is None else at.spans_R[q_row]
+
+    def visit(n, carry):
+      j = lists[q_row, i, n]
+      k_tD, v_tD = (_tile(x, k_row, j, tile)[None, None] for x in (k_RTD, v_RTD))
+      seen = _visible(at.q, q_row, i, at.k, k_row, j, tile, window, span)
+      return fwd_update(carry, q_tD, k_tD, v_tD, seen[None, None, None], scale=scale,
+                        softcap=softcap)
+
+    rows = q_tD.shape[:-1]
+    init = (jnp.full(rows, -jnp.inf, _F32), jnp.zeros(rows, _F32), jnp.zeros(q_tD.shape, _F32))
+    out_tD, lse_t = fwd_result(*lax.fori_loop(0, counts[q_row, i], visit, init), scale=scale,
+                               softcap=softcap)
+    out_RTD, lse_RT = results
+    return _put(out_RTD, q_row, i, out_tD[0, 0, 0]), _put(lse_RT, q_row, i, lse_t[0, 0, 0])
+
+  results = (jnp.zeros(q_RTD.shape, _F32), jnp.zeros(q_RTD.shape[:2], _F32))
+  out_RTD, lse_RT = lax.fori_loop(0, q_RTD.shape[0] * nq, body, results)
+  batch = q_BTHD.shape[0]
+  return scatter_rows(out_RTD, at.q.order, batch), scatter_rows(lse_RT, at.q.order, batch)
+
+
+def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k_seg_BT,
+              q_codes_BTH, k_codes_BTK, *, q_index_T, k_index_T, tile: int,
+              softcap: float = 0.0, spans_H=None,
+              window: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(dq, dk, dv) float32 of the block pair from the GLOBAL lse and delta (the contract),
+  per key tile over the (query head of its group, query tile) pairs that meet it."""
+  at = _setup(q_codes_BTH, k_codes_BTK, q_seg_BT, k_seg_BT, q_index_T, k_index_T, tile,
+              spans_H, window)
+  # lse -inf (a query that sees nothing) -> +inf so exp(s - lse) is 0 rather than NaN.
+  lse_safe = jnp.where(jnp.isfinite(lse_BTH), lse_BTH, jnp.inf).astype(_F32)
+  q_side = tuple(gather_rows(x, at.q.order)
+                 for x in (q_BTHD, dout_BTHD, lse_safe, delta_BTH.astype(_F32)))
+  k_RTD, v_RTD = (gather_rows(x, at.k.order) for x in (k_BTKD, v_BTKD))
+  nq, nk = at.num_q_tiles, k_RTD.shape[1] // tile
+  meet_RKGQ = jnp.moveaxis(at.meet, 3, 1)  # [Rk, nk, G, nq]
+  lists, counts = tile_lists(meet_RKGQ.reshape(*meet_RKGQ.shape[:2], -1))
+  scale = q_BTHD.shape[3] ** -0.5
+
+  def body(u, grads):
+    k_row, j = u // nk, u % nk
+    k_tD, v_tD = (_tile(x, k_row, j, tile)[None, None] for x in (k_RTD, v_RTD))
+    k_xs = (k_tD, v_tD, jnp.swapaxes(k_tD, 2, 3))
+
+    def visit(n, carry):
+      dk_tD, dv_tD, dq_RTD = carry
+      g, i = lists[k_row, j, n] // nq, lists[k_row, j, n] % nq
+      q_row = k_row * at.group + g
+      q_xs = tuple(_tile(x, q_row, i, tile)[None, None, None] for x in q_side)
+      span = None if at.spans_R is None else at.spans_R[q_row]
+      seen_T = _visible(at.q, q_row, i, at.k, k_row, j, tile, window, span).T
+      dq_DGt = _tile(dq_RTD, q_row, i, tile).T[None, None, :, None]  # [1, 1, D, 1, t]
+      dk_tD, dv_tD, dq_DGt = bwd_update((dk_tD, dv_tD, dq_DGt), q_xs, k_xs,
+                                        seen_T[None, None, :, None], scale=scale,
+                                        softcap=softcap)
+      return dk_tD, dv_tD, _put(dq_RTD, q_row, i, dq_DGt[0, 0, :, 0].T)
+
+    dq_RTD, dk_RTD, dv_RTD = grads
+    init = (jnp.zeros(k_tD.shape, _F32), jnp.zeros(v_tD.shape, _F32), dq_RTD)
+    dk_tD, dv_tD, dq_RTD = lax.fori_loop(0, counts[k_row, j], visit, init)
+    return dq_RTD, _put(dk_RTD, k_row, j, dk_tD[0, 0]), _put(dv_RTD, k_row, j, dv_tD[0, 0])
+
+  grads = (jnp.zeros(q_side[0].shape, _F32), jnp.zeros(k_RTD.shape, _F32),
+           jnp.zeros(v_RTD.shape, _F32))
+  dq_RTD, dk_RTD, dv_RTD = lax.fori_loop(0, k_RTD.shape[0] * nk, body, grads)
+  batch = q_BTHD.shape[0]
+  return (scatter_rows(dq_RTD, at.q.order, batch), scatter_rows(dk_RTD, at.k.order, batch),
+          scatter_rows(dv_RTD, at.k.order, batch))
