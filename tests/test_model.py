@@ -25,21 +25,22 @@ def _inputs(seed=0, offset=0):
 
 
 def _init_apply(cfg, *inputs):
+  """The model's apply and its parameters, both jitted (one compile each, where op-by-op
+  dispatch compiled every op of the decoder)."""
   model = Decoder(cfg)
-  params = model.init(jax.random.key(0), *inputs)
-  return model, params
+  return jax.jit(model.apply), jax.jit(model.init)(jax.random.key(0), *inputs)
 
 
 def test_shapes_and_dtypes():
   cfg = _config(dtype="bfloat16")
-  model, variables = _init_apply(cfg, *_inputs())
+  apply, variables = _init_apply(cfg, *_inputs())
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(variables))
-  logits = model.apply(variables, *_inputs())
+  logits = apply(variables, *_inputs())
   assert logits.shape == (B, S, cfg.vocab_size) and logits.dtype == jnp.float32
   # The residual stream and every block's output are computed in bf16.
   x_BSE = jnp.ones((B, S, cfg.d_model), jnp.bfloat16)
-  block_vars = Block(cfg).init(jax.random.key(1), x_BSE, *_inputs()[1:])
-  out_BSE, _ = Block(cfg).apply(block_vars, x_BSE, *_inputs()[1:])
+  block_vars = jax.jit(Block(cfg).init)(jax.random.key(1), x_BSE, *_inputs()[1:])
+  out_BSE, _ = jax.jit(Block(cfg).apply)(block_vars, x_BSE, *_inputs()[1:])
   assert out_BSE.dtype == jnp.bfloat16
 
 
@@ -54,9 +55,9 @@ def test_every_parameter_has_logical_axis_names():
 
 def test_rope_depends_only_on_relative_position():
   cfg = _config()
-  model, variables = _init_apply(cfg, *_inputs())
-  base = model.apply(variables, *_inputs())
-  shifted = model.apply(variables, *_inputs(offset=7))
+  apply, variables = _init_apply(cfg, *_inputs())
+  base = apply(variables, *_inputs())
+  shifted = apply(variables, *_inputs(offset=7))
   # Angles are position * frequency in float32: a shift of 7 changes them by rounding only.
   np.testing.assert_allclose(shifted, base, atol=2e-5, rtol=1e-5)
 
@@ -64,11 +65,11 @@ def test_rope_depends_only_on_relative_position():
 def test_changing_a_future_token_never_changes_earlier_logits():
   cfg = _config()
   tokens, positions, segments = _inputs()
-  model, variables = _init_apply(cfg, tokens, positions, segments)
-  base = model.apply(variables, tokens, positions, segments)
+  apply, variables = _init_apply(cfg, tokens, positions, segments)
+  base = apply(variables, tokens, positions, segments)
   t = 20
-  changed = model.apply(variables, tokens.at[:, t].set((tokens[:, t] + 1) % 101),
-                        positions, segments)
+  changed = apply(variables, tokens.at[:, t].set((tokens[:, t] + 1) % 101), positions,
+                  segments)
   np.testing.assert_array_equal(changed[:, :t], base[:, :t])
   assert not np.allclose(changed[:, t:], base[:, t:])
 
@@ -91,10 +92,10 @@ def test_packed_documents_do_not_see_each_other():
   cfg = _config()
   tokens, positions, _ = _inputs()
   segments = jnp.where(positions < 12, 1, 2)
-  model, variables = _init_apply(cfg, tokens, positions, segments)
-  base = model.apply(variables, tokens, positions, segments)
-  changed = model.apply(variables, tokens.at[:, 3].set((tokens[:, 3] + 1) % 101),
-                        positions, segments)
+  apply, variables = _init_apply(cfg, tokens, positions, segments)
+  base = apply(variables, tokens, positions, segments)
+  changed = apply(variables, tokens.at[:, 3].set((tokens[:, 3] + 1) % 101), positions,
+                  segments)
   np.testing.assert_array_equal(changed[:, 12:], base[:, 12:])
 
 

@@ -176,17 +176,17 @@ def test_local_and_global_layers_in_one_scan_match_dense_in_a_ring_cut_short():
                 vocab_size=101, dtype="float32", window=5, layer_pattern="LG",
                 local_rope_theta=100.0, attention_tile=8, attention_softcap=3.0)
   dense = Decoder(ModelConfig(**fields))
-  params = dense.init(jax.random.key(0), tokens, positions, segments)
+  params = jax.jit(dense.init)(jax.random.key(0), tokens, positions, segments)
   loss = lambda model, params, *batch: jnp.sum(jnp.sin(model.apply(params, *batch)))
-  want, want_grads = jax.value_and_grad(functools.partial(loss, dense))(
+  want, want_grads = jax.jit(jax.value_and_grad(functools.partial(loss, dense)))(
       params, tokens, positions, segments)
   everywhere_global = Decoder(ModelConfig(**{**fields, "window": 0, "layer_pattern": ""}))
-  assert abs(float(loss(everywhere_global, params, tokens, positions, segments)) -
-             float(want)) > 1e-2
+  assert abs(float(jax.jit(functools.partial(loss, everywhere_global))(
+      params, tokens, positions, segments)) - float(want)) > 1e-2
 
   logits, (got, grads) = under_zigzag(fields, params, (tokens, positions, segments), loss)
-  np.testing.assert_allclose(logits, np.asarray(dense.apply(params, tokens, positions, segments)),
-                             **_F32_TOL)
+  np.testing.assert_allclose(
+      logits, np.asarray(jax.jit(dense.apply)(params, tokens, positions, segments)), **_F32_TOL)
   np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
   # Each gradient sums 2 x 64 x 101 terms: float32 rounding relative to the largest entry.
   for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
