@@ -151,11 +151,12 @@ def test_a_decoder_with_a_span_plan_matches_dense_in_zigzag(tmp_path):
                 attention_tile=8)
   dense = Decoder(ModelConfig(**fields))
   assert dense.cfg.layer_kinds == "LGL" and dense.cfg.narrowest_span == 2
-  params = dense.init(jax.random.key(0), tokens, positions, segments)
-  want = np.asarray(dense.apply(params, tokens, positions, segments))
+  # Jitted: one compile each, where op-by-op dispatch compiled every op of the decoder.
+  params = jax.jit(dense.init)(jax.random.key(0), tokens, positions, segments)
+  want = np.asarray(jax.jit(dense.apply)(params, tokens, positions, segments))
   widest = _plan(tmp_path, [[20] * 4, [64] * 4, [30] * 4], [[0] * 4] * 3, "widest.json")
   one_window = Decoder(ModelConfig(**{**fields, "head_spans": widest}))
-  assert np.abs(np.asarray(one_window.apply(params, tokens, positions, segments))
+  assert np.abs(np.asarray(jax.jit(one_window.apply)(params, tokens, positions, segments))
                 - want).max() > 1e-2
 
   logits, _ = under_zigzag(fields, params, (tokens, positions, segments))

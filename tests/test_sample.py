@@ -31,8 +31,8 @@ def _random_params(config):
   model = Decoder(dataclasses.replace(model_config(config), attention="dense"))
   tokens_BS = jnp.zeros((1, 16), jnp.int32)
   positions_BS = jnp.arange(16)[None]
-  boxed = model.init(jax.random.key(1), tokens_BS, positions_BS,
-                     jnp.ones_like(tokens_BS))["params"]
+  boxed = jax.jit(model.init)(jax.random.key(1), tokens_BS, positions_BS,  # not op by op
+                              jnp.ones_like(tokens_BS))["params"]
   return nn.meta.unbox(boxed)
 
 
