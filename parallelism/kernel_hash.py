@@ -5,8 +5,12 @@ query head h sees a key iff causal by ORIGINAL token index, same document, same 
 its kv head's key code (and within the window / its span, when the layer has one).
 
 - Rows. Each query head of each batch row is one row ([B*Hq, T]); each kv head one key row.
-  Per row, queries are sorted (stably) by (bucket, original index), and so are the keys of
-  the kv head: a tile of the sorted order holds one or two buckets, in causal order.
+  Per row, queries are sorted (stably) by (run, bucket, original index), and so are the keys
+  of the kv head: a tile of the sorted order holds one or two buckets, in causal order. A run
+  is a stretch of the block whose original indices advance by its usual stride (`runs`, on
+  the host from the layout): ring and striped blocks are one run, zigzag's two chunks two, so
+  a late chunk's keys never share a tile with an early chunk's and the causal rule still
+  skips what the static schedule skips between them.
 - The rule, per row and tile pair: SKIP when the bucket ranges cannot meet, when
   `min(k_index) > max(q_index)` (the static schedule's causal rule, on the sorted tiles'
   original indices), when `min(q_index) - max(k_index) >= window`, or when the segment
@@ -28,12 +32,15 @@ the `xla` kernel (`parallelism.tile_math`), so results agree to float32 rounding
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
+from parallelism.schedule import RingSchedule
 from parallelism.tile_math import bwd_update, fwd_result, fwd_update
 
 _F32 = jnp.float32
@@ -47,12 +54,31 @@ class Rows(NamedTuple):
   seg: jax.Array | None
 
 
-def sort_rows(codes_BTH, index_T, seg_BT) -> Rows:
-  """Rows (b * H + h) of a side, sorted stably by (bucket, original index)."""
+def runs(index_T: np.ndarray) -> np.ndarray:
+  """[T] int32: the run of each position of a block, a new one wherever its original index
+  does not advance by the block's most common step (host-side, from the static layout)."""
+  steps = np.diff(np.asarray(index_T))
+  if steps.size == 0:
+    return np.zeros(np.shape(index_T), np.int32)
+  values, counts = np.unique(steps, return_counts=True)
+  return np.concatenate([[0], np.cumsum(steps != values[np.argmax(counts)])]).astype(np.int32)
+
+
+@functools.lru_cache(maxsize=64)
+def pair_runs(schedule: RingSchedule) -> tuple[np.ndarray, np.ndarray]:
+  """([P, T], [P, T]) int32: the runs of each distinct pair's query and key blocks."""
+  return tuple(np.stack([runs(index_T) for index_T in index_PT])
+               for index_PT in schedule.pair_index)
+
+
+def sort_rows(codes_BTH, index_T, seg_BT, run_T=None) -> Rows:
+  """Rows (b * H + h) of a side, sorted stably by (run, bucket, original index)."""
   batch, length, heads = codes_BTH.shape
   codes_RT = jnp.swapaxes(codes_BTH, 1, 2).reshape(batch * heads, length)
   index_RT = jnp.broadcast_to(index_T.astype(jnp.int32), codes_RT.shape)
-  order_RT = jnp.lexsort((index_RT, codes_RT), axis=-1).astype(jnp.int32)
+  keys = (index_RT, codes_RT) + (() if run_T is None else
+                                 (jnp.broadcast_to(run_T, codes_RT.shape),))
+  order_RT = jnp.lexsort(keys, axis=-1).astype(jnp.int32)
   take = lambda x_RT: jnp.take_along_axis(x_RT, order_RT, axis=1)
   seg_RT = None if seg_BT is None else take(jnp.repeat(seg_BT, heads, axis=0))
   return Rows(order_RT, take(codes_RT), take(index_RT), seg_RT)
@@ -146,30 +172,33 @@ class _Setup(NamedTuple):
 
 
 def _setup(q_codes_BTH, k_codes_BTK, q_seg_BT, k_seg_BT, q_index_T, k_index_T, tile,
-           spans_H, window) -> _Setup:
+           spans_H, window, q_run_T=None, k_run_T=None) -> _Setup:
   for name, length in (("query", q_codes_BTH.shape[1]), ("key", k_codes_BTK.shape[1])):
     if length % tile:
       raise ValueError(f"{name} block length {length} is not divisible by tile size {tile}")
-  q = sort_rows(q_codes_BTH, q_index_T, q_seg_BT)
-  k = sort_rows(k_codes_BTK, k_index_T, k_seg_BT)
+  q = sort_rows(q_codes_BTH, q_index_T, q_seg_BT, q_run_T)
+  k = sort_rows(k_codes_BTK, k_index_T, k_seg_BT, k_run_T)
   spans_R = None if spans_H is None else jnp.tile(spans_H, q_codes_BTH.shape[0])
   return _Setup(q, k, q_codes_BTH.shape[2] // k_codes_BTK.shape[2],
                 q_codes_BTH.shape[1] // tile, meets(q, k, tile, window), spans_R)
 
 
 def computed_tiles(q_codes_BTH, k_codes_BTK, q_seg_BT, k_seg_BT, q_index_T, k_index_T, *,
-                   tile: int, window: int | None = None) -> jax.Array:
+                   tile: int, window: int | None = None, q_run_T=None,
+                   k_run_T=None) -> jax.Array:
   """How many (query head, query tile, key tile) pairs the kernel computes on this block."""
   return _setup(q_codes_BTH, k_codes_BTK, q_seg_BT, k_seg_BT, q_index_T, k_index_T, tile,
-                None, window).meet.sum(dtype=jnp.int32)
+                None, window, q_run_T, k_run_T).meet.sum(dtype=jnp.int32)
 
 
 def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, q_codes_BTH, k_codes_BTK, *,
               q_index_T, k_index_T, tile: int, softcap: float = 0.0, spans_H=None,
-              window: int | None = None) -> tuple[jax.Array, jax.Array]:
-  """(out [B,Tq,Hq,D] f32, lse [B,Tq,Hq] f32) of the block pair, walking the met tiles."""
+              window: int | None = None, q_run_T=None,
+              k_run_T=None) -> tuple[jax.Array, jax.Array]:
+  """(out [B,Tq,Hq,D] f32, lse [B,Tq,Hq] f32) of the block pair, walking the met tiles.
+  `*_index_T`: original token indices; `*_run_T`: runs (`runs`; None: one run)."""
   at = _setup(q_codes_BTH, k_codes_BTK, q_seg_BT, k_seg_BT, q_index_T, k_index_T, tile,
-              spans_H, window)
+              spans_H, window, q_run_T, k_run_T)
   q_RTD = gather_rows(q_BTHD, at.q.order)
   k_RTD, v_RTD = (gather_rows(x, at.k.order) for x in (k_BTKD, v_BTKD))
   nq = at.num_q_tiles
@@ -204,12 +233,12 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, q_codes_BTH, k_codes_B
 
 def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k_seg_BT,
               q_codes_BTH, k_codes_BTK, *, q_index_T, k_index_T, tile: int,
-              softcap: float = 0.0, spans_H=None,
-              window: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+              softcap: float = 0.0, spans_H=None, window: int | None = None, q_run_T=None,
+              k_run_T=None) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(dq, dk, dv) float32 of the block pair from the GLOBAL lse and delta (the contract),
   per key tile over the (query head of its group, query tile) pairs that meet it."""
   at = _setup(q_codes_BTH, k_codes_BTK, q_seg_BT, k_seg_BT, q_index_T, k_index_T, tile,
-              spans_H, window)
+              spans_H, window, q_run_T, k_run_T)
   # lse -inf (a query that sees nothing) -> +inf so exp(s - lse) is 0 rather than NaN.
   lse_safe = jnp.where(jnp.isfinite(lse_BTH), lse_BTH, jnp.inf).astype(_F32)
   q_side = tuple(gather_rows(x, at.q.order)

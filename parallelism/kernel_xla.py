@@ -97,12 +97,14 @@ def _fwd_update_in_halves(carry, q_BKGtD, k_BKtD, v_BKtD, visible, *, scale: flo
 
 
 def _hash_options(schedule: RingSchedule, pair, tile: int, softcap: float, spans_H) -> dict:
-  """What hash attention's walk reads of the static schedule: the pair's token indices
-  (its representative blocks': distinct pairs are told apart by their masks, so any device
-  that computes the pair sees the same causal, window and span relation) and the window."""
+  """What hash attention's walk reads of the static schedule: the pair's token indices and
+  runs (its representative blocks': distinct pairs are told apart by their masks, so any
+  device that computes the pair sees the same causal, window and span relation; the runs only
+  order the walk) and the window."""
   index = tuple(jnp.asarray(index_PT)[pair] for index_PT in schedule.pair_index)
-  return dict(q_index_T=index[0], k_index_T=index[1], tile=tile, softcap=softcap,
-              spans_H=spans_H, window=schedule.window)
+  run = tuple(jnp.asarray(run_PT)[pair] for run_PT in kernel_hash.pair_runs(schedule))
+  return dict(q_index_T=index[0], k_index_T=index[1], q_run_T=run[0], k_run_T=run[1],
+              tile=tile, softcap=softcap, spans_H=spans_H, window=schedule.window)
 
 
 def _pair_index(schedule: RingSchedule, pair, spans_H):
