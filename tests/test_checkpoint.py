@@ -5,6 +5,7 @@ import gc
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from orbax.checkpoint._src import asyncio_utils
 
 import data
 import parallelism
-from conftest import SCHEDULE_FLAG, mounted_tmpfs
+from conftest import SCHEDULE_FLAG, SCHEDULE_STEPS, mounted_tmpfs
 from trainer.ckpt.checkpointing import CheckpointError, Checkpointer, _first_line
 from trainer.ckpt.tool_reads import open_step, read_step
 from trainer.core.state import TrainState
@@ -40,15 +41,28 @@ def _config(tiny_config, **overrides):
   return tiny_config(**{"train.log_every": 1, "checkpoint.every_steps": 10, **overrides})
 
 
-def test_resume_continues_exactly(tmp_path, tiny_config):
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory, shared_data_dir):
+  """20 uninterrupted steps of `_config` (saves at 10 and 20): the losses every resumed run
+  must give, and a run to damage (copy it first)."""
+  import importlib
+  config = importlib.import_module("configs.tiny_cpu").get_config()
+  config.data.data_dir = shared_data_dir
+  config.train.eval_every, config.train.schedule_steps = 0, SCHEDULE_STEPS
+  config.train.log_every, config.train.steps, config.checkpoint.every_steps = 1, 20, 10
+  workdir = tmp_path_factory.mktemp("straight")
+  train(config, str(workdir))
+  return workdir, _losses(workdir)
+
+
+def test_resume_continues_exactly(tmp_path, tiny_config, straight_run):
   every = {"checkpoint.every_steps": 5}
-  train(_config(tiny_config, **{"train.steps": 20, **every}), str(tmp_path / "straight"))
   train(_config(tiny_config, **{"train.steps": 10, **every}), str(tmp_path / "resumed"))
   assert sorted(os.listdir(tmp_path / "resumed" / "checkpoints")) == ["10", "5"]
   train(_config(tiny_config, **{"train.steps": 20, **every}), str(tmp_path / "resumed"))
-  straight, resumed = _losses(tmp_path / "straight"), _losses(tmp_path / "resumed")
+  resumed = _losses(tmp_path / "resumed")
   assert sorted(resumed) == list(range(1, 21))  # One file, appended, no step twice.
-  assert resumed == straight  # Bitwise on CPU: same batches, same state.
+  assert resumed == straight_run[1]  # Bitwise on CPU: same batches, same state.
 
 
 def test_incompatible_change_is_refused(tmp_path, tiny_config):
@@ -119,9 +133,9 @@ _CLOSED_SAVE_LOOP = pytest.mark.filterwarnings(
 
 @_CLOSED_SAVE_LOOP
 @pytest.mark.parametrize("how", ["delete_metadata", "truncate", "flip_bit"])
-def test_corrupt_newest_checkpoint_falls_back_to_previous(tmp_path, tiny_config, capsys, how):
-  config = _config(tiny_config, **{"train.steps": 20})
-  train(config, str(tmp_path))
+def test_corrupt_newest_checkpoint_falls_back_to_previous(tmp_path, tiny_config, capsys, how,
+                                                         straight_run):
+  shutil.copytree(straight_run[0], tmp_path, dirs_exist_ok=True)
   _corrupt_newest(str(tmp_path), how)
   summary = train(_config(tiny_config, **{"train.steps": 22}), str(tmp_path))
   out = capsys.readouterr().out
@@ -222,8 +236,8 @@ def _cli(workdir, *overrides, **popen):
 
 
 @pytest.mark.slow(45)
-def test_sigterm_saves_at_the_signal_step_and_resumes_exactly(tmp_path, tiny_config,
-                                                              shared_data_dir):
+def test_sigterm_saves_at_the_signal_step_and_resumes_exactly(tmp_path, shared_data_dir,
+                                                              straight_run):
   common = (f"--config.data.data_dir={shared_data_dir}", "--config.checkpoint.every_steps=1000",
             SCHEDULE_FLAG)
   process = _cli(tmp_path / "stopped", "--config.train.steps=20", *common,
@@ -241,9 +255,7 @@ def test_sigterm_saves_at_the_signal_step_and_resumes_exactly(tmp_path, tiny_con
                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
   assert f"resuming from step {stopped_at}" in resumed.communicate(timeout=180)[0]
   assert resumed.returncode == 0
-  config = tiny_config(**{"train.steps": 20, "train.log_every": 1, "checkpoint.every_steps": 1000})
-  train(config, str(tmp_path / "straight"))
-  assert _losses(tmp_path / "stopped") == _losses(tmp_path / "straight")
+  assert _losses(tmp_path / "stopped") == straight_run[1]
 
 
 def test_full_disk_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path, tiny_config,
