@@ -55,10 +55,15 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
   # Run-time sparse attention (issue #38): "none", or "hash" (SCFA's hash attention: per layer
   # and head, q and k fall in one of hash_buckets buckets by argmax([xR, -xR]) of a fixed
   # random projection R, and a query sees only the earlier keys of its document and bucket;
-  # model/hashing.py). Exact masked attention in every layout and strategy (xla kernel); no
-  # tile skipping yet, no decoding (sampling, needle evals).
+  # model/hashing.py). Exact masked attention in every layout and strategy (xla kernel, which
+  # skips tiles by code at run time); no decoding (sampling, needle evals).
   config.model.sparse = "none"
   config.model.hash_buckets = 0  # Buckets of hash attention: even, >= 2; 0 without it.
+  # "qk_drop" (SCFA's QK-dropping): per layer and head, each chunk of 64 consecutive positions
+  # keeps floor((1 - rate) * 64 + 1/2) queries and as many keys, by a fixed seeded hash of
+  # (layer, head, position), the same in every layout, in training and eval (model/dropping.py);
+  # a kept query sees the earlier kept keys of its document, a dropped one gives 0. No decoding.
+  config.model.qk_drop_rate = 0.0  # Share of queries and keys dropped, in (0, 1); 0 without it.
   config.model.norm_eps = 1e-5  # RMSNorm epsilon.
   config.model.tie_embeddings = False  # Share the input embedding with the output projection.
   config.model.init_std = 0.02  # Std of the normal initialiser of every matrix.

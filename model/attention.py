@@ -7,7 +7,8 @@ row in its original order: on a CUDA GPU by cuDNN's flash attention, elsewhere a
 softmax; `ring`, `striped` and `zigzag` hand q, k, v and the segment ids to
 `parallelism.ring_attention` with the layout's name, whose static schedule knows every
 token's original position without reading an index. With hash attention (`model.sparse`)
-a query also sees only keys of its bucket (model/hashing.py), in every layout alike.
+a query also sees only keys of its bucket (model/hashing.py), with QK-dropping only kept keys
+and only if kept itself (model/dropping.py), in every layout alike: both as run-time codes.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 import parallelism
 from model.config import GLOBAL, LOCAL, ModelConfig
+from model.dropping import drop_codes
 from model.hashing import bucket_codes
 from model.layers import Projection, constrain
 from model.rope import RopeScaling, apply_rope, frequencies
@@ -139,6 +141,8 @@ class Attention(nn.Module):
 
   With hash attention, `hash_KDR` is this layer's projection ([Hkv, D, b/2], scanned with
   the blocks): the roped q and k are hashed by it into bucket codes (model/hashing.py).
+  With QK-dropping, `layer` is this layer's index (scanned), the seed of its drop pattern
+  (model/dropping.py), whose kept/dropped codes mask attention the same way.
   """
 
   cfg: ModelConfig
@@ -147,7 +151,7 @@ class Attention(nn.Module):
   @nn.compact
   def __call__(self, x_BSE: jax.Array, positions_BS: jax.Array, segment_ids_BS: jax.Array,
                local: jax.Array | None = None, spans_H: jax.Array | None = None,
-               hash_KDR: jax.Array | None = None) -> jax.Array:
+               hash_KDR: jax.Array | None = None, layer: jax.Array | None = None) -> jax.Array:
     cfg = self.cfg
 
     def project(heads, names, name):
@@ -177,6 +181,12 @@ class Attention(nn.Module):
       codes = None
       if hash_KDR is not None:
         codes = bucket_codes(q_BSHD, hash_KDR), bucket_codes(k_BSKD, hash_KDR)
+      if layer is not None:  # Pinned like q and k: each device computes its own tokens'.
+        q_codes, k_codes = drop_codes(q_BSHD.shape[0], q_BSHD.shape[1], cfg.num_heads,
+                                      cfg.num_kv_heads, cfg.qk_drop_rate, layer, cfg.layout)
+        codes = (constrain(q_codes, ("activation_batch", "activation_seq", "activation_heads")),
+                 constrain(k_codes, ("activation_batch", "activation_seq",
+                                     "activation_kv_heads")))
       if self.decode:
         if codes is not None:
           raise ValueError(cfg.decode_problem())

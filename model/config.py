@@ -9,7 +9,8 @@ from model import spans as span_plans
 from model.rope import RopeScaling
 
 ATTENTIONS = ("dense", "ring", "striped", "zigzag")
-SPARSE = ("none", "hash")  # Run-time sparse attention (issue #38); hash: model/hashing.py.
+# Run-time sparse attention (issue #38): hash (model/hashing.py), qk_drop (model/dropping.py).
+SPARSE = ("none", "hash", "qk_drop")
 
 
 def layout_of(attention: str) -> str:
@@ -45,8 +46,9 @@ class ModelConfig:
   attention_softcap: float = 0.0  # Logits capped at c * tanh(logit / c) (Gemma 2); 0: none.
   head_spans: str = ""  # A plan of per-(layer, head) spans (model/spans.py); "": none.
   sink_tokens: int = 0  # Local layers also see the first k positions of each document.
-  sparse: str = "none"  # "hash": a query sees only keys of its bucket (model/hashing.py).
+  sparse: str = "none"  # "hash": a query sees only keys of its bucket; "qk_drop": kept ones.
   hash_buckets: int = 0  # Buckets of hash attention (even, >= 2); 0 without it.
+  qk_drop_rate: float = 0.0  # Share of queries and keys QK-dropping drops; 0 without it.
   span_length: int = 0  # The row length the plan resolves at (data.seq_len; the trainer's).
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
@@ -156,15 +158,23 @@ class ModelConfig:
   def _sparse_problem(self) -> str:
     if self.sparse not in SPARSE:
       return f"model.sparse='{self.sparse}' must be one of {SPARSE}"
+    if self.hash_buckets and self.sparse != "hash":
+      return (f"model.hash_buckets={self.hash_buckets} is set but model.sparse="
+              f"'{self.sparse}': set model.sparse='hash' too")
+    if self.qk_drop_rate and self.sparse != "qk_drop":
+      return (f"model.qk_drop_rate={self.qk_drop_rate:g} is set but model.sparse="
+              f"'{self.sparse}': set model.sparse='qk_drop' too")
     if self.sparse == "none":
-      return (f"model.hash_buckets={self.hash_buckets} is set but model.sparse='none': set "
-              f"model.sparse='hash' too" if self.hash_buckets else "")
-    if self.hash_buckets < 2 or self.hash_buckets % 2:
+      return ""
+    if self.sparse == "hash" and (self.hash_buckets < 2 or self.hash_buckets % 2):
       return (f"model.hash_buckets={self.hash_buckets} must be even and >= 2 with model.sparse="
               f"'hash' (the hash is argmax over [xR, -xR] of b/2 projections)")
+    if self.sparse == "qk_drop" and not 0 < self.qk_drop_rate < 1:
+      return (f"model.qk_drop_rate={self.qk_drop_rate:g} must be in (0, 1) with model.sparse="
+              f"'qk_drop' (the share of queries and keys dropped per head)")
     if self.sink_tokens:
-      return (f"model.sink_tokens={self.sink_tokens} does not combine with model.sparse='hash' "
-              f"(the sink path has no bucket mask)")
+      return (f"model.sink_tokens={self.sink_tokens} does not combine with model.sparse="
+              f"'{self.sparse}' (the sink path has no run-time code mask)")
     return ""
 
   @property
@@ -172,11 +182,21 @@ class ModelConfig:
     """Whether attention is hash attention (bucket codes mask every layer)."""
     return self.sparse == "hash"
 
+  @property
+  def dropped(self) -> bool:
+    """Whether attention is QK-dropping (kept/dropped codes mask every layer)."""
+    return self.sparse == "qk_drop"
+
+  @property
+  def coded(self) -> bool:
+    """Whether run-time codes (hash buckets or kept flags) mask every layer's attention."""
+    return self.sparse != "none"
+
   def decode_problem(self) -> str:
     """Why this model cannot decode (sample, needle evals); empty when it can."""
-    if self.hashed:
-      return ("model.sparse='hash' has no decoding yet (parallelism.decode_attention applies "
-              "no bucket mask): sampling and needle evals stop here")
+    if self.coded:
+      return (f"model.sparse='{self.sparse}' has no decoding yet (parallelism.decode_attention "
+              f"applies no run-time code mask): sampling and needle evals stop here")
     return ""
 
   def matmul_params(self) -> int:

@@ -26,12 +26,12 @@ class Block(nn.Module):
 
   @nn.compact
   def __call__(self, x_BSE, positions_BS, segment_ids_BS, local=None, spans_H=None,
-               hash_KDR=None):
+               hash_KDR=None, layer=None):
     cfg = self.cfg
     x_BSE = checkpoint_name(x_BSE, BLOCK_INPUT)  # What remat 'offload' keeps in host memory.
     h_BSE = RMSNorm(cfg, name="attention_norm")(x_BSE)
     x_BSE = x_BSE + Attention(cfg, self.decode, name="attention")(
-        h_BSE, positions_BS, segment_ids_BS, local, spans_H, hash_KDR)
+        h_BSE, positions_BS, segment_ids_BS, local, spans_H, hash_KDR, layer)
     h_BSE = RMSNorm(cfg, name="mlp_norm")(x_BSE)
     x_BSE = constrain(x_BSE + SwiGLU(cfg, name="mlp")(h_BSE), _ACTIVATION_BSE)
     return x_BSE, None
@@ -104,14 +104,17 @@ class Decoder(nn.Module):
     # Which layers are local (`ModelConfig.layer_pattern`) and, with a span plan whose spans
     # differ, each layer's per-head spans: scanned with the blocks, so the stack stays one
     # scan whatever the pattern.
-    # With hash attention, each layer's fixed projections (model/hashing.py) likewise; an
+    # With hash attention, each layer's fixed projections (model/hashing.py) likewise; with
+    # QK-dropping, each layer's index (its drop pattern's seed, model/dropping.py); an
     # operand a model lacks is a broadcast None.
-    scanned = [jnp.asarray([kind == LOCAL for kind in cfg.layer_kinds]), None, None]
+    scanned = [jnp.asarray([kind == LOCAL for kind in cfg.layer_kinds]), None, None, None]
     if cfg.narrowest_span is not None:
       scanned[1] = jnp.asarray(cfg.spans, jnp.int32)  # [L, Hq]
     if cfg.hashed:  # [L, Hkv, D, b/2]
       scanned[2] = jnp.asarray(projections(cfg.num_layers, cfg.num_kv_heads, cfg.head_size,
                                            cfg.hash_buckets))
+    if cfg.dropped:  # [L]
+      scanned[3] = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     blocks = nn.scan(
         block, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True},
         in_axes=(nn.broadcast, nn.broadcast,

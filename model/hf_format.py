@@ -184,7 +184,7 @@ def export_problem(cfg: ModelConfig) -> str:
       (cfg.attention_softcap and f"model.attention_softcap={cfg.attention_softcap:g}",
        "capped attention logits have"),
       (cfg.sink_tokens and f"model.sink_tokens={cfg.sink_tokens}", "sink tokens have"),
-      (cfg.hashed and f"model.sparse='{cfg.sparse}'", "hash attention has")]
+      (cfg.coded and f"model.sparse='{cfg.sparse}'", "run-time sparse attention has")]
   for setting, what in unexportable:
     if setting:
       return f"{setting}: {what} no LLaMA or Mistral config.json"
