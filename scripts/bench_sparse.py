@@ -23,7 +23,9 @@ Appends JSON lines to results/bench_sparse.jsonl (and $OUT/bench_sparse.jsonl wh
   per matmul, every tile masked) against the static kernel at about the same tiles. Its
   time ratio is the walk's own cost per tile; hash-b's ratio is that times the tiles saved.
 
-`--gpu`: SCFA's settings (bf16, B=4, H=48, D=64, 8k to 32k tokens, tile 128) on one device.
+`--gpu`: SCFA's settings (bf16, B=4, H=48, D=64, 8k to 32k tokens, tile 128), block part
+only, on whatever one device JAX finds (not run yet: the walk is one head per tile pair, so
+on a GPU each step is a few small launches; expect it launch-bound, not 1/buckets).
 """
 
 import os
@@ -194,7 +196,8 @@ def print_table(rows: list[dict]) -> None:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--part", choices=("all", "block", "ring"), default="all")
-  parser.add_argument("--seq_lens", default="4096,8192,16384", help="block part")
+  parser.add_argument("--seq_lens", default=None,
+                      help="block part (default 4096,8192,16384; with --gpu 8192,16384,32768)")
   parser.add_argument("--ring_seq_len", type=int, default=16384)
   parser.add_argument("--layout", choices=LAYOUTS, default="zigzag")
   parser.add_argument("--buckets", default="2,4,8,16,32,64")
@@ -207,10 +210,12 @@ def main() -> None:
   parser.add_argument("--gpu", action="store_true",
                       help="SCFA's settings: bf16, B=4, H=48, D=64, 8k-32k, block part only")
   args = parser.parse_args()
-  dtype, seq_lens, part = jnp.float32, [int(s) for s in args.seq_lens.split(",")], args.part
+  dtype, part = jnp.float32, args.part
+  seq_lens = args.seq_lens or "4096,8192,16384"
   if args.gpu:
     args.batch, args.heads, args.kv_heads, args.head_dim = 4, 48, 48, 64
-    dtype, seq_lens, part = jnp.bfloat16, [8192, 16384, 32768], "block"
+    dtype, seq_lens, part = jnp.bfloat16, args.seq_lens or "8192,16384,32768", "block"
+  seq_lens = [int(s) for s in seq_lens.split(",")]
   buckets = [int(b) for b in args.buckets.split(",")]
   shape = (args.batch, args.heads, args.kv_heads, args.head_dim, dtype)
   rows = []
