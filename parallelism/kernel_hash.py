@@ -18,8 +18,10 @@ its kv head's key code (and within the window / its span, when the layer has one
   window / span, document, bucket). Block pairs the schedule knows are empty never get here.
 - Tile lists of static capacity: per row and query tile, the met key tiles first (a stable
   argsort of the skip flags), then their count; the forward runs `fori_loop(0, count)` over
-  them, the backward the same per key tile over (query head of the group, query tile). The
-  compute saved is real; only the lists ([B*Hq, nq, nk] int32, twice) cost memory.
+  them, the backward the same per key tile over (query head of the group, query tile), so
+  skipped tiles cost nothing. Memory: the lists ([B*Hq, nq, nk] int32, once each way), the
+  sorted rows' metadata ([B*H, T] int32) and one sorted copy of each operand (and, before
+  they are scattered back, of the float32 results); nothing is kept for the backward.
 - GQA: no union of heads. A query head's sorted tile is matched against its kv head's sorted
   key tiles, so its skip rate is its own, whatever B, Hq or the group size: a tile shared by
   heads with different sorts would hold the union of their bucket and index ranges, and at
