@@ -19,6 +19,8 @@ Appends JSON lines to results/bench_sparse.jsonl (and $OUT/bench_sparse.jsonl wh
   steps: causal from the static schedule, hash from the kernel's own run-time rule
   (`kernel_hash.computed_tiles`). Ideal ratio about 1/buckets; the rule also computes each
   bucket's ragged edge tiles, which weigh more as buckets get fewer tiles each.
+- drop-r: QK-dropping at rate r through the same codes (`model.dropping`: kept 0, dropped
+  queries 1, dropped keys 2), so the same walk; ideal ratio (1 - r)^2.
 - hash-1: every code equal, so the mask is causal: the run-time walk (sorted rows, one head
   per matmul, every tile masked) against the static kernel at about the same tiles. Its
   time ratio is the walk's own cost per tile; hash-b's ratio is that times the tiles saved.
@@ -48,6 +50,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from model.dropping import drop_codes  # noqa: E402
 from model.hashing import bucket_codes, projections  # noqa: E402
 from parallelism import kernel_hash, kernel_xla  # noqa: E402
 from parallelism.layouts import LAYOUTS, permute  # noqa: E402
@@ -153,14 +156,16 @@ def measure(steps, args, variants: dict, repeats: int) -> dict:
   return times
 
 
-def run_part(part: str, seq_len: int, args, schedule, steps, bucket_list, repeats,
-             tile: int, perm) -> list[dict]:
+def run_part(part: str, seq_len: int, args, schedule, steps, bucket_list, drop_rates,
+             repeats, tile: int, perm) -> list[dict]:
   q, k = args[:2]
   # One bucket: the run-time walk on the causal mask, the control that separates the walk's
   # own speed per tile from what the buckets skip.
   one = (jnp.zeros(q.shape[:3], jnp.int32), jnp.zeros(k.shape[:3], jnp.int32))
   variants = {"causal": None, "hash-1": one}
   variants |= {f"hash-{b}": codes_of(q, k, b) for b in bucket_list}
+  variants |= {f"drop-{r}": drop_codes(q.shape[0], seq_len, q.shape[2], k.shape[2], r,
+                                       jnp.int32(0), "ring") for r in drop_rates}
   variants = {name: None if c is None else tuple(perm(x) for x in c)
               for name, c in variants.items()}
   args = [perm(x) for x in args]
@@ -172,8 +177,11 @@ def run_part(part: str, seq_len: int, args, schedule, steps, bucket_list, repeat
                dtype=str(q.dtype), tile=tile, variant=name, repeats=repeats)
     if codes is not None:
       causal_tiles, hash_tiles = tile_counts(schedule, tile, codes, q.shape[0])
-      row |= dict(buckets=int(name.split("-")[1]), tiles=hash_tiles, causal_tiles=causal_tiles,
-                  tile_ratio=hash_tiles / causal_tiles)
+      kind, value = name.split("-")
+      ideal = 1 / int(value) if kind == "hash" else (1 - float(value)) ** 2
+      row |= dict(tiles=hash_tiles, causal_tiles=causal_tiles, ideal=ideal,
+                  tile_ratio=hash_tiles / causal_tiles,
+                  **({"buckets": int(value)} if kind == "hash" else {"drop_rate": float(value)}))
     for kind in ("fwd", "fwd_bwd"):
       mine, base = times[name, kind], times["causal", kind]
       row[f"{kind}_s"] = statistics.median(mine)
@@ -184,9 +192,9 @@ def run_part(part: str, seq_len: int, args, schedule, steps, bucket_list, repeat
 
 def print_table(rows: list[dict]) -> None:
   print(f"{'part':<6}{'layout':<8}{'N':>3}{'seq':>7}{'variant':>10}{'tiles/causal':>14}"
-        f"{'fwd s':>9}{'fwd/causal':>12}{'f+b s':>9}{'f+b/causal':>12}{'1/b':>7}")
+        f"{'fwd s':>9}{'fwd/causal':>12}{'f+b s':>9}{'f+b/causal':>12}{'ideal':>7}")
   for r in rows:
-    ideal = f"{1 / r['buckets']:.3f}" if "buckets" in r else ""
+    ideal = f"{r['ideal']:.3f}" if "ideal" in r else ""
     tiles = f"{r['tile_ratio']:.3f}" if "tile_ratio" in r else "1.000"
     print(f"{r['part']:<6}{r['layout']:<8}{r['shards']:>3}{r['seq_len']:>7}{r['variant']:>10}"
           f"{tiles:>14}{r['fwd_s']:>9.3f}{r['fwd_ratio']:>12.3f}{r['fwd_bwd_s']:>9.3f}"
@@ -200,7 +208,9 @@ def main() -> None:
                       help="block part (default 4096,8192,16384; with --gpu 8192,16384,32768)")
   parser.add_argument("--ring_seq_len", type=int, default=16384)
   parser.add_argument("--layout", choices=LAYOUTS, default="zigzag")
-  parser.add_argument("--buckets", default="2,4,8,16,32,64")
+  parser.add_argument("--buckets", default="2,4,8,16,32,64", help="'' for none")
+  parser.add_argument("--drop_rates", default="0.2,0.5,0.8",
+                      help="QK-dropping (model.dropping's codes); '' for none")
   parser.add_argument("--batch", type=int, default=1)
   parser.add_argument("--heads", type=int, default=2)
   parser.add_argument("--kv_heads", type=int, default=2)
@@ -216,23 +226,24 @@ def main() -> None:
     args.batch, args.heads, args.kv_heads, args.head_dim = 4, 48, 48, 64
     dtype, seq_lens, part = jnp.bfloat16, args.seq_lens or "8192,16384,32768", "block"
   seq_lens = [int(s) for s in seq_lens.split(",")]
-  buckets = [int(b) for b in args.buckets.split(",")]
+  buckets = [int(b) for b in args.buckets.split(",") if b]
+  rates = [float(r) for r in args.drop_rates.split(",") if r]
   shape = (args.batch, args.heads, args.kv_heads, args.head_dim, dtype)
   rows = []
   if part in ("all", "block"):
     for seq_len in seq_lens:
       schedule = ring_schedule("ring", seq_len, 1)
       rows += run_part("block", seq_len, inputs(args.batch, seq_len, *shape[1:]), schedule,
-                       block_step(schedule, args.tile), buckets, args.repeats, args.tile,
-                       lambda x: x)
-      print_table(rows[-len(buckets) - 2:])
+                       block_step(schedule, args.tile), buckets, rates, args.repeats,
+                       args.tile, lambda x: x)
+      print_table(rows[-len(buckets) - len(rates) - 2:])
   if part in ("all", "ring"):
     n, seq_len = len(jax.devices()), args.ring_seq_len
     mesh = jax.make_mesh((n,), ("sequence",))
     schedule = ring_schedule(args.layout, seq_len, n)
     perm = lambda x: permute(np.asarray(x), args.layout, n)
     rows += run_part("ring", seq_len, inputs(args.batch, seq_len, *shape[1:]), schedule,
-                     ring_step(mesh, args.layout, args.tile), buckets, args.repeats,
+                     ring_step(mesh, args.layout, args.tile), buckets, rates, args.repeats,
                      args.tile, perm)
   record(rows)
   print(f"\nall rows ({len(rows)} appended to results/{RESULTS}):")
