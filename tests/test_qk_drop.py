@@ -2,8 +2,7 @@
 keeps exactly floor((1 - rate) * n + 1/2) queries and as many keys per head, the same tokens
 in every layout; kept/dropped codes through hash attention's code contract give the dense
 masked reference's output and gradients in a ring, a dropped query's output is 0 and nothing
-is NaN; the model's dense and zigzag (8 devices) logits and gradients agree; config errors
-are one line.
+is NaN; the model's dense and zigzag (8 devices) logits agree; config errors are one line.
 
 Shapes and tolerances as tests/test_hash_attention.py.
 """
@@ -33,18 +32,19 @@ def _codes(seq_len, rate, layer=0, layout="ring", heads=(4, 2)):
   return np.asarray(q[0]), np.asarray(k[0])
 
 
-@pytest.mark.parametrize("rate", [0.3, 0.5])
-def test_each_chunk_keeps_its_count_per_head_in_every_layout(rate):
+def test_each_chunk_keeps_its_count_per_head_in_every_layout():
   """160 positions: chunks of 64, 64 and a short one of 32. Each keeps its count per head (q
-  and k apart); ring, striped and zigzag on 8 devices drop the same tokens as the row in its
-  own order; the pattern differs by layer, head, q or k, and not by the row's length."""
+  and k apart; rates 0.3 and 0.5); ring, striped and zigzag on 8 devices drop the same tokens
+  as the row in its own order; the pattern differs by layer, head, q or k, and not by the
+  row's length."""
   seq_len = 160
-  q, k = _codes(seq_len, rate)
-  assert set(np.unique(q)) == {0, 1} and set(np.unique(k)) == {0, 2}
-  for codes in (q, k):
-    for start in range(0, seq_len, CHUNK):
-      kept = (codes[start:start + CHUNK] == 0).sum(axis=0)
-      np.testing.assert_array_equal(kept, kept_count(rate, min(CHUNK, seq_len - start)))
+  for rate in (0.3, 0.5):
+    q, k = _codes(seq_len, rate)
+    assert set(np.unique(q)) == {0, 1} and set(np.unique(k)) == {0, 2}
+    for codes in (q, k):
+      for start in range(0, seq_len, CHUNK):
+        kept = (codes[start:start + CHUNK] == 0).sum(axis=0)
+        np.testing.assert_array_equal(kept, kept_count(rate, min(CHUNK, seq_len - start)))
   assert kept_count(0.3) == 45 and kept_count(0.5, 32) == 16
   assert not np.array_equal(q[:, 0], q[:, 1]) and not np.array_equal(q[:, :2] == 0, k == 0)
   assert not np.array_equal(q, _codes(seq_len, rate, layer=1)[0])
@@ -74,21 +74,11 @@ def test_ring_with_drop_codes_matches_dense_and_dropped_queries_give_zero():
   assert np.abs(np.asarray(plain[0]) - np.asarray(want[0])).max() > 1e-2
 
 
-def _loss_and_logits(model, params, tokens, positions, segments):
-  logits = model.apply(params, tokens, positions, segments)
-  return jnp.mean(logits[..., 0] ** 2), logits
-
-
-def _graded(model, params, batch):
-  """((loss, logits), grads) of `_loss_and_logits`, jitted once."""
-  return jax.jit(jax.value_and_grad(lambda p: _loss_and_logits(model, p, *batch),
-                                    has_aux=True))(params)
-
-
-def test_the_model_gives_the_same_logits_and_gradients_dense_and_zigzag():
-  """Two layers, rate 0.3, two documents per row: the dense path and a zigzag ring on 8
-  devices (the batch permuted as the data pipeline does) drop the same tokens, so the same
-  logits, loss and finite gradients; dropping changes the logits (it is not ignored)."""
+def test_the_model_gives_the_same_logits_dense_and_zigzag():
+  """Two layers (each its own pattern), rate 0.3, two documents per row: the dense path and a
+  zigzag ring on 8 devices (the batch permuted as the data pipeline does) drop the same
+  tokens, so the same logits; dropping changes them (it is not ignored). (Forward only: the
+  ring test above checks the gradients and that none is NaN.)"""
   fields = dict(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=96, vocab_size=101,
                 dtype="float32", sparse="qk_drop", qk_drop_rate=0.3, attention_tile=4)
   rng = np.random.default_rng(5)
@@ -100,19 +90,15 @@ def test_the_model_gives_the_same_logits_and_gradients_dense_and_zigzag():
   batch = (tokens, positions, segments)
   dense = Decoder(ModelConfig(**fields))
   params = jax.jit(dense.init)(jax.random.key(0), *batch)
-  (want_loss, want), want_grads = _graded(dense, params, batch)
+  want = np.asarray(jax.jit(dense.apply)(params, *batch))
   plain = Decoder(ModelConfig(**{**fields, "sparse": "none", "qk_drop_rate": 0.0}))
   assert np.abs(np.asarray(jax.jit(plain.apply)(params, *batch)) - want).max() > 1e-2
 
   zigzag = Decoder(ModelConfig(**fields, attention="zigzag", kernel="xla"))
   mesh = jax.make_mesh((8,), ("sequence",), axis_types=(AxisType.Auto,))
   with jax.set_mesh(mesh), nn.logical_axis_rules((("activation_seq", "sequence"),)):
-    (loss, logits), grads = _graded(zigzag, params, [permute(x, "zigzag", 8) for x in batch])
+    logits = jax.jit(zigzag.apply)(params, *[permute(x, "zigzag", 8) for x in batch])
   np.testing.assert_allclose(unpermute(np.asarray(logits), "zigzag", 8), want, **_F32_TOL)
-  np.testing.assert_allclose(loss, want_loss, **_F32_TOL)
-  for got, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
-    assert np.isfinite(np.asarray(got)).all()
-    np.testing.assert_allclose(got, ref, **_F32_TOL)
 
 
 @pytest.mark.parametrize("overrides,field", [
