@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from trainer.config.config_check import ConfigError
@@ -17,7 +18,7 @@ TRITON = "__gpu$xla.gpu.triton"  # Pallas's kernels, lowered for CUDA
 
 @pytest.fixture(scope="module")
 def h100_plan(shared_data_dir):
-  """The tiny striped config (bf16 compute, remat 'full') compiled for 8 described H100s:
+  """The tiny striped config (bf16 compute, remat 'none') compiled for 8 described H100s:
   (plan, compiled program's text)."""
   config = importlib.import_module("configs.tiny_cpu").get_config("striped")
   config.data.data_dir = shared_data_dir
@@ -29,7 +30,7 @@ def test_the_gpu_plan_runs_the_fused_kernel_and_keeps_bf16(tiny_config, h100_pla
   on_gpu, text = h100_plan
   assert on_gpu["compiled_for"] == "NVIDIA H100 80GB HBM3" and on_gpu["devices"] == 8
   # `auto` is the Pallas kernel there, compiled to Triton, not interpreted: forward, dK/dV and
-  # dQ of the forward pass and of the backward's recompute (remat 'full').
+  # dQ.
   assert text.count(f'custom_call_target="{TRITON}"') >= 3
   assert on_gpu["floor_total_bytes"] == on_gpu["total_bytes"] and on_gpu["fits"]
   on_cpu, _ = dry_run.memory_plan(tiny_config("striped"), 80.0, floor=False)
@@ -47,14 +48,15 @@ def test_the_gpu_plan_runs_the_fused_kernel_and_keeps_bf16(tiny_config, h100_pla
 
 def test_offload_on_gpus_puts_exactly_the_layer_inputs_in_host_memory(tiny_config, h100_plan):
   """The CPU plan estimates what 'offload' moves (`dry_run.offloaded_bytes`); the GPU
-  compiler places it: the two agree to the byte, and the device keeps less than 'full'."""
+  compiler places it: the two agree to the byte, and the device keeps less than with no
+  remat (the shared plan's 'none')."""
   offload, _ = dry_run.memory_plan(tiny_config("striped", **{"train.remat": "offload"}), 80.0,
                                    gpu="h100")
-  full, _ = h100_plan
+  none, _ = h100_plan
   # 2 layers x 4 rows x 64 tokens x 128 wide, bf16 (as the CPU test's estimate).
   assert offload["host_temp_bytes"] == offload["offloaded_bytes"] == 2 * 4 * 64 * 128 * 2
-  assert full["host_temp_bytes"] == full["offloaded_bytes"] == 0
-  assert offload["temp_bytes"] < full["temp_bytes"]
+  assert none["host_temp_bytes"] == none["offloaded_bytes"] == 0
+  assert offload["temp_bytes"] < none["temp_bytes"]
 
 
 def test_more_than_8_gpus_are_hosts_of_8():
@@ -65,6 +67,14 @@ def test_more_than_8_gpus_are_hosts_of_8():
     plan_target.devices("h100", 12)
   with pytest.raises(ConfigError, match="no GPU description for 'tpu_v4'"):
     plan_target.devices("tpu_v4", 8)
+
+
+def test_described_gpus_compile_without_autotuning_and_attached_devices_as_they_are():
+  """A described GPU has nothing to time autotuning candidates on (XLA's defaults either
+  way): the planner turns it off, which halves a GPU plan's compile; CPUs are left alone."""
+  assert plan_target.compiler_options(plan_target.devices("h100", 8)) == {
+      "xla_gpu_autotune_level": 0}
+  assert plan_target.compiler_options(jax.devices()) == {}
 
 
 def test_a_cudnn_plan_for_described_gpus_is_one_config_error(tiny_config):

@@ -96,7 +96,8 @@ def compile_step(config: ml_collections.ConfigDict, mesh) -> tuple[Any, Any]:
     batch = {name: jax.ShapeDtypeStruct((config.train.batch_size, config.data.seq_len), dtype,
                                         sharding=parts.batch_sharding)
              for name, dtype in BATCH_DTYPES.items()}
-    compiled = parts.step_fn.lower(parts.abstract_state, batch).compile()
+    compiled = parts.step_fn.lower(parts.abstract_state, batch).compile(
+        compiler_options=plan_target.compiler_options(mesh.devices.flat))
   return compiled, parts.abstract_state
 
 
