@@ -1,6 +1,9 @@
 """`--dry_run` on fake CPU devices: the plan's memory matches a real compiled step, and it
 allocates no parameter (the plan for described GPUs: tests/test_plan_gpu.py)."""
 
+import contextlib
+import importlib
+import io
 import os
 import subprocess
 import sys
@@ -14,6 +17,7 @@ import pytest
 
 import data
 import parallelism
+from conftest import SCHEDULE_STEPS
 from trainer.config import flops
 from trainer.config.config_check import ConfigError
 from trainer.core.state import init_state
@@ -39,16 +43,32 @@ def _real_step_peak(config) -> tuple[int, list[tuple[int, ...]]]:
   return peak, [tuple(x.shape) for x in jax.tree.leaves(state.params)]
 
 
-def test_plan_matches_real_step_and_allocates_nothing(tiny_config, capsys):
-  config = tiny_config("striped")
+@pytest.fixture(scope="module")
+def offload_plan(shared_data_dir):
+  """The tiny striped config with remat 'offload', planned on the CPU with the floor's float32
+  compile (one plan for the tests of the CPU's figures): (config, plan, what it printed, the
+  arrays it left alive)."""
+  config = importlib.import_module("configs.tiny_cpu").get_config("striped")
+  config.data.data_dir = shared_data_dir
+  config.train.eval_every = 0
+  config.train.schedule_steps = SCHEDULE_STEPS
+  config.train.remat = "offload"
   assert jax.device_count() == 8  # the backend is up with the 8 test devices: plan reuses them
   before = {id(x) for x in jax.live_arrays()}
-  plan = dry_run.plan(config, device_memory_gib=80.0, mfu=0.4, accelerator="h100",
-                      floor=False, compiler="cpu")  # The floor's compile: tested below.
+  printed = io.StringIO()
+  with contextlib.redirect_stdout(printed):
+    plan = dry_run.plan(config, device_memory_gib=80.0, mfu=0.4, accelerator="h100",
+                        compiler="cpu")
   new = [x for x in jax.live_arrays() if id(x) not in before]
-  assert "fits in 80 GiB per device" in capsys.readouterr().out
+  return config, plan, printed.getvalue(), new
 
-  real_peak, param_shapes = _real_step_peak(config)
+
+@pytest.mark.slow(40)
+def test_plan_matches_real_step_and_allocates_nothing(offload_plan):
+  config, plan, printed, new = offload_plan
+  assert "fits in 80 GiB per device" in printed
+
+  real_peak, param_shapes = _real_step_peak(config)  # 'offload' runs as 'full' on the CPU
   assert real_peak / 2 <= plan["peak_bytes"] <= real_peak * 2, (plan["peak_bytes"], real_peak)
   # Nothing parameter-like was left allocated by the plan (a stray RNG key at most).
   assert not [x.shape for x in new if tuple(x.shape) in param_shapes]
@@ -142,11 +162,8 @@ def test_plan_names_a_device_count_it_cannot_have(tiny_config):
     dry_run.plan(config, compiler="cpu")
 
 
-@pytest.mark.slow(40)
-def test_plan_bounds_the_cpu_promotion_and_accounts_for_offload(tiny_config, capsys):
-  config = tiny_config("striped", **{"train.remat": "offload"})
-  plan = dry_run.plan(config, compiler="cpu")
-  out = capsys.readouterr().out
+def test_plan_bounds_the_cpu_promotion_and_accounts_for_offload(offload_plan):
+  _, plan, out, _ = offload_plan
   # Offload: the layer inputs of the tiny config (2 layers x 4 rows x 64 tokens x 128 bf16).
   assert plan["offloaded_bytes"] == 2 * 4 * 64 * 128 * 2
   assert plan["total_bytes"] == plan["peak_bytes"] + plan["code_bytes"] - plan["offloaded_bytes"]
