@@ -182,9 +182,10 @@ def _local_part(model_cfg: ModelConfig) -> str:
     local = f"; local layers {kinds} (L: window {model_cfg.window})"
   cap = (f"; logits soft-capped at {model_cfg.attention_softcap:g}"
          if model_cfg.attention_softcap else "")
-  hashed = (f"; hash attention, {model_cfg.hash_buckets} buckets (exact mask, no tile "
-            f"skipping)" if model_cfg.hashed else "")
-  return local + cap + hashed
+  sparse = {"hash": f"; hash attention, {model_cfg.hash_buckets} buckets",
+            "qk_drop": f"; QK-dropping at rate {model_cfg.qk_drop_rate:g}"}.get(model_cfg.sparse,
+                                                                             "")
+  return local + cap + sparse
 
 
 def _prepare_data(data_cfg: data.DataConfig, is_writer: bool) -> None:
