@@ -199,9 +199,17 @@ def test_ctrl_c_stops_sampling_in_one_line(trained_run):
   import signal
   import subprocess
   import sys
-  process = subprocess.Popen(
-      [sys.executable, "-m", "trainer.sample", f"--workdir={trained_run}", "--prompt=the code",
-       "--max_new_tokens=200"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  # The tool gets SIGINT as a terminal's Ctrl-C finds it: a suite started as a background job
+  # of a non-interactive shell inherits SIGINT ignored, a disposition that survives exec and
+  # that Python keeps (the signal would be lost), while a handler resets to the default.
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+  try:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "trainer.sample", f"--workdir={trained_run}",
+         "--prompt=the code", "--max_new_tokens=200"], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+  finally:
+    signal.signal(signal.SIGINT, previous)
   before = []
   for line in process.stderr:  # Up to "reading ...": the tool's work has begun.
     before.append(line)
