@@ -1,35 +1,25 @@
 """Hash attention's block kernel (SCFA, issue #38): tiles sorted by bucket, skipped at run time.
 
-The `xla` kernel hands a block pair here when it has bucket codes (`parallelism.kernels`):
-query head h sees a key iff causal by ORIGINAL token index, same document, same bucket as
-its kv head's key code (and within the window / its span, when the layer has one).
+The `xla` kernel hands a block pair here when it has codes (`parallelism.kernels`): query
+head h sees a key iff causal by ORIGINAL token index, same document, same code as its kv
+head's key (and within the window or its span, when the layer has one).
 
-- Rows. Each query head of each batch row is one row ([B*Hq, T]); each kv head one key row.
-  Per row, queries are sorted (stably) by (run, bucket, original index), and so are the keys
-  of the kv head: a tile of the sorted order holds one or two buckets, in causal order. A run
-  is a stretch of the block whose original indices advance by its usual stride (`runs`, on
-  the host from the layout): ring and striped blocks are one run, zigzag's two chunks two, so
-  a late chunk's keys never share a tile with an early chunk's and the causal rule still
-  skips what the static schedule skips between them.
-- The rule, per row and tile pair: SKIP when the bucket ranges cannot meet, when
-  `min(k_index) > max(q_index)` (the static schedule's causal rule, on the sorted tiles'
-  original indices), when `min(q_index) - max(k_index) >= window`, or when the segment
-  ranges cannot meet; every other pair is computed with the elementwise mask (causal,
-  window / span, document, bucket). Block pairs the schedule knows are empty never get here.
-- Tile lists of static capacity: per row and query tile, the met key tiles first (a stable
-  argsort of the skip flags), then their count; the forward runs `fori_loop(0, count)` over
-  them, the backward the same per key tile over (query head of the group, query tile), so
-  skipped tiles cost nothing. Memory: the lists ([B*Hq, nq, nk] int32, once each way), the
-  sorted rows' metadata ([B*H, T] int32) and one sorted copy of each operand (and, before
-  they are scattered back, of the float32 results); nothing is kept for the backward.
-- GQA: no union of heads. A query head's sorted tile is matched against its kv head's sorted
-  key tiles, so its skip rate is its own, whatever B, Hq or the group size: a tile shared by
-  heads with different sorts would hold the union of their bucket and index ranges, and at
-  SCFA's B=4, H=48 almost nothing would be skipped. The price is one head per matmul.
+- Rows: each (batch row, query head) is one row, each kv head one key row; both are sorted
+  stably by (run, bucket, original index). A run is a stretch of the block whose indices
+  advance by its stride (`runs`, from the layout on the host): zigzag's two chunks stay
+  apart, so the causal rule still skips between them.
+- SKIP a tile pair when the bucket ranges cannot meet, `min(k_index) > max(q_index)`,
+  `min(q_index) - max(k_index) >= window`, or the segment ranges cannot meet; compute every
+  other with the elementwise mask. Block pairs the schedule knows are empty never get here.
+- Static capacity: per row and query tile the met key tiles come first, then their count;
+  the forward runs `fori_loop(0, count)` over them, the backward the same per key tile, so a
+  skipped tile costs nothing. Memory: the lists ([B*Hq, nq, nk] int32 each way), the rows'
+  sort metadata and one sorted copy of each operand; nothing is kept for the backward.
+- GQA: no union of heads (at SCFA's B=4, H=48 a shared tile would skip almost nothing); one
+  head per matmul instead.
 
-Outputs, lse and gradients are scattered back to the block's order. A query that sees
-nothing gives out 0 and lse -inf, never NaN, as the `xla` kernel. Same tile arithmetic as
-the `xla` kernel (`parallelism.tile_math`), so results agree to float32 rounding.
+Results are scattered back to the block's order; a query that sees nothing gives 0 and lse
+-inf, never NaN. Tile arithmetic is the `xla` kernel's (`parallelism.tile_math`).
 """
 
 from __future__ import annotations

@@ -6,7 +6,6 @@ and rows that see nothing; the model's dense and ring paths agree; config errors
 Shapes and tolerances as tests/test_ring_attention.py and tests/test_sinks.py.
 """
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -200,6 +199,12 @@ def test_only_xla_applies_buckets():
      "train.eval_needle_lengths: model.sparse='hash' has no decoding"),
 ])
 def test_config_errors_are_one_line(overrides, field):
+  assert_one_line_config_error(overrides, field)
+
+
+def assert_one_line_config_error(overrides: dict, field: str) -> None:
+  """The zigzag tiny config with `overrides` ("group.key": value) stops the config check
+  with one line naming `field` (also tests/test_qk_drop.py's)."""
   import importlib  # pylint: disable=g-import-not-at-top
   from trainer.config.config_check import ConfigError, check_config  # pylint: disable=g-import-not-at-top
   config = importlib.import_module("configs.tiny_cpu").get_config("zigzag")

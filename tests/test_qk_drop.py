@@ -7,7 +7,6 @@ is NaN; the model's dense and zigzag (8 devices) logits agree; config errors are
 Shapes and tolerances as tests/test_hash_attention.py.
 """
 
-import importlib
 
 import flax.linen as nn
 import jax
@@ -19,7 +18,8 @@ from jax.sharding import AxisType
 from model import Decoder, ModelConfig
 from model.dropping import CHUNK, drop_codes, kept_count
 from parallelism.layouts import permute, unpermute
-from tests.test_hash_attention import _packed_inputs, _ring, hash_reference
+from tests.test_hash_attention import (_packed_inputs, _ring, assert_one_line_config_error,
+                                       hash_reference)
 from tests.test_ring_attention import _F32_TOL, assert_close, seq_mesh
 
 
@@ -115,11 +115,4 @@ def test_the_model_gives_the_same_logits_dense_and_zigzag():
      "train.eval_needle_lengths: model.sparse='qk_drop' has no decoding"),
 ])
 def test_config_errors_are_one_line(overrides, field):
-  from trainer.config.config_check import ConfigError, check_config  # pylint: disable=g-import-not-at-top
-  config = importlib.import_module("configs.tiny_cpu").get_config("zigzag")
-  for path, value in overrides.items():
-    group, key = path.split(".")
-    config[group][key] = value
-  with pytest.raises(ConfigError) as error:
-    check_config(config, num_devices=8)
-  assert field in str(error.value) and "\n" not in str(error.value)
+  assert_one_line_config_error(overrides, field)
