@@ -6,7 +6,6 @@ and rows that see nothing; the model's dense and ring paths agree; config errors
 Shapes and tolerances as tests/test_ring_attention.py and tests/test_sinks.py.
 """
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
