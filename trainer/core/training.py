@@ -49,14 +49,14 @@ def build_training(config: ml_collections.ConfigDict, mesh) -> Training:
   planner: the mesh's abstract mesh, its devices may be described only) and the config's
   logical axis rules.
   """
-  cfg = model_config(config)
-  model, optimizer = Decoder(cfg), make_optimizer(config.train)
+  cfg, settings = model_config(config), optimizer_settings(config.train)
+  model, optimizer = Decoder(cfg), make_optimizer(settings)
   batch_sharding = parallelism.batch_sharding(mesh)
   state = abstract_state(model, optimizer, mesh, config.mesh.rules)
   shardings = shardings_of(state)
   leaves, tree = jax.tree.flatten(shardings)
   step_fn = _step_fn(cfg, cfg.spans if cfg.head_spans else None,
-                     optimizer_settings(config.train), config.train.micro_batches,
+                     settings, config.train.micro_batches,
                      tuple(leaves), tree, batch_sharding, json.dumps(config.mesh.rules))
   return Training(model, optimizer, shardings, state, batch_sharding, step_fn)
 

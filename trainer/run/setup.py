@@ -183,9 +183,8 @@ def _local_part(model_cfg: ModelConfig) -> str:
   cap = (f"; logits soft-capped at {model_cfg.attention_softcap:g}"
          if model_cfg.attention_softcap else "")
   sparse = {"hash": f"; hash attention, {model_cfg.hash_buckets} buckets",
-            "qk_drop": f"; QK-dropping at rate {model_cfg.qk_drop_rate:g}"}.get(model_cfg.sparse,
-                                                                             "")
-  return local + cap + sparse
+            "qk_drop": f"; QK-dropping at rate {model_cfg.qk_drop_rate:g}"}
+  return local + cap + sparse.get(model_cfg.sparse, "")
 
 
 def _prepare_data(data_cfg: data.DataConfig, is_writer: bool) -> None:
