@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from parallelism import kernel_hash
+from parallelism import kernel_hash, kernel_sparsek
 from parallelism.schedule import RingSchedule, TileLists, over_tiles
 from parallelism.tile_math import bwd_update, fwd_result, fwd_update
 
@@ -107,6 +107,13 @@ def _hash_options(schedule: RingSchedule, pair, tile: int, softcap: float, spans
               tile=tile, softcap=softcap, spans_H=spans_H, window=schedule.window)
 
 
+def _sparsek_options(schedule: RingSchedule, pair, tile: int, window: int, index) -> dict:
+  """What SparseK's walk reads: the blocks' token indices (the ring's own, `index`; else the
+  pair's, which one block pair has alike)."""
+  index = index or tuple(jnp.asarray(index_PT)[pair] for index_PT in schedule.pair_index)
+  return dict(q_index_T=index[0], k_index_T=index[1], tile=tile, window=window)
+
+
 def _pair_index(schedule: RingSchedule, pair, spans_H):
   """The pair's query and key token indices ([T] int32 each), when spans narrow masks."""
   if spans_H is None:
@@ -116,9 +123,16 @@ def _pair_index(schedule: RingSchedule, pair, spans_H):
 
 def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSchedule, pair,
               tile: int, softcap: float = 0.0, spans_H=None, q_codes_BTH=None,
-              k_codes_BTK=None) -> tuple[jax.Array, jax.Array]:
+              k_codes_BTK=None, sparsek_window: int | None = None, sparsek_index=None
+              ) -> tuple[jax.Array, jax.Array]:
   """Attention of a query block on a key block: (out [B,Tq,Hq,D] f32, lse [B,Tq,Hq] f32).
-  With bucket codes, hash attention's run-time walk (`parallelism.kernel_hash`)."""
+  With bucket codes, hash attention's run-time walk (`parallelism.kernel_hash`); with
+  `sparsek_window`, the codes are SparseK's thresholds and scores (`kernel_sparsek`)."""
+  if sparsek_window is not None:
+    return kernel_sparsek.block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, q_codes_BTH,
+                                    k_codes_BTK, **_sparsek_options(schedule, pair, tile,
+                                                                    sparsek_window,
+                                                                    sparsek_index))
   if q_codes_BTH is not None:
     return kernel_hash.block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, q_codes_BTH,
                                  k_codes_BTK, **_hash_options(schedule, pair, tile, softcap,
@@ -188,13 +202,20 @@ def _bwd_update_in_halves(carry, q_xs, k_xs, visible_T, *, scale: float, softcap
 def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k_seg_BT, *,
               schedule: RingSchedule, pair, tile: int, out_BTHD=None,
               softcap: float = 0.0, spans_H=None, q_codes_BTH=None,
-              k_codes_BTK=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+              k_codes_BTK=None, sparsek_window: int | None = None,
+              sparsek_index=None) -> tuple[jax.Array, ...]:
   """Gradient contributions (dq, dk, dv, all float32) of one query block x key block.
 
   `lse_BTH` is the GLOBAL log-sum-exp of the queries (merged over all key blocks) and
   `delta_BTH = sum(dout * out, -1)` with the global output, so each block's
-  probabilities are recomputed exactly as the forward's final softmax.
+  probabilities are recomputed exactly as the forward's final softmax. With
+  `sparsek_window`, also the thresholds' and scores' gradients (`kernel_sparsek`).
   """
+  if sparsek_window is not None:
+    return kernel_sparsek.block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH,
+                                    q_seg_BT, k_seg_BT, q_codes_BTH, k_codes_BTK,
+                                    **_sparsek_options(schedule, pair, tile, sparsek_window,
+                                                       sparsek_index))
   if q_codes_BTH is not None:
     return kernel_hash.block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH,
                                  q_seg_BT, k_seg_BT, q_codes_BTH, k_codes_BTK,

@@ -3,7 +3,7 @@
 Each device keeps its query block and passes its K/V block (and the keys' segment ids when
 documents are packed, in one buffer) around the ring with `lax.ppermute`; after N steps
 every query block has met every key block. With hash attention the keys' bucket codes travel
-in the same buffer. The next transfer is issued before the current
+in the same buffer, with SparseK the keys' scores (and their gradient with dK/dV). The next transfer is issued before the current
 block is computed so communication can overlap compute. Partial (out, lse) pairs merge by
 the stable log-sum-exp rule.
 
@@ -121,12 +121,25 @@ class RingDevice:
   the steps one by one."""
 
   def __init__(self, schedule: RingSchedule, device, kernel: str, tile: int,
-               softcap: float = 0.0, spans_H=None):
+               softcap: float = 0.0, spans_H=None, sparsek_window: int | None = None):
     self.schedule, self.tile, self.kernel = schedule, tile, kernels.KERNELS[kernel]
-    # Per-head spans reach the kernels only when given (the cudnn kernel takes none).
-    self.options = dict(softcap=softcap) | ({} if spans_H is None else dict(spans_H=spans_H))
+    # Per-head spans and SparseK's window reach the kernels only when given (the cudnn
+    # kernel takes neither).
+    self.options = (dict(softcap=softcap) | ({} if spans_H is None else dict(spans_H=spans_H))
+                    | ({} if sparsek_window is None else dict(sparsek_window=sparsek_window)))
     self.pair_S = jnp.asarray(schedule.pair)[device]
     self.empty_S = jnp.asarray(schedule.empty)[device]
+    self.device, self.sparsek = device, sparsek_window is not None
+
+  def _step_options(self, step) -> dict:
+    """The kernel's options at `step`: with SparseK also the token indices of this device's
+    query block and of the K/V block it holds (its window depends on their distance, which a
+    schedule's representative pair does not keep)."""
+    if not self.sparsek:
+      return self.options
+    order_NT = jnp.asarray(self.schedule.order, jnp.int32)
+    held = (self.device - step) % self.schedule.num_shards
+    return self.options | dict(sparsek_index=(order_NT[self.device], order_NT[held]))
 
   def _unless_empty(self, step, carry, compute):
     """`compute()`, or `carry` where this step's block pair has nothing visible. Only
@@ -143,27 +156,44 @@ class RingDevice:
     of hash attention, or None."""
     attend = lambda: self.kernel.fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT,
                                      schedule=self.schedule, pair=self.pair_S[step],
-                                     tile=self.tile, **self.options, **_code_args(codes))
+                                     tile=self.tile, **self._step_options(step),
+                                     **_code_args(codes))
     if out_lse is None:
       return attend()  # a query always sees itself: the own block is never empty
     return self._unless_empty(step, out_lse, lambda: merge(*out_lse, *attend()))
 
   def backward_step(self, step, dq_dkv, q_BTHD, k_BTKD, v_BTKD, out_BTHD, dout_BTHD, lse_BTH,
                     delta_BTH, q_seg_BT, k_seg_BT, codes=None):
-    """At step 0 (`dq_dkv` None) the own block's (dq, dk, dv); after it, (dq, dK/dV
-    accumulator [2, B, T, Hkv, D]) with this step's block's contributions added."""
+    """At step 0 (`dq_dkv` None) the kernel's gradients (dq, dk, dv[, dtau, du]); after
+    it, (query side, key side) (`query_grads`, `key_grads`) with this step's block's
+    contributions added."""
     grads = lambda: self.kernel.bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH,
                                     q_seg_BT, k_seg_BT, schedule=self.schedule,
                                     pair=self.pair_S[step], tile=self.tile, out_BTHD=out_BTHD,
-                                    **self.options, **_code_args(codes))
+                                    **self._step_options(step), **_code_args(codes))
     if dq_dkv is None:
       return grads()
 
     def add():
-      dq_b, dk_b, dv_b = grads()
-      return dq_dkv[0] + dq_b, dq_dkv[1] + jnp.stack([dk_b, dv_b])
+      g = grads()
+      return _add(dq_dkv[0], query_grads(g)), _add(dq_dkv[1], key_grads(g))
 
     return self._unless_empty(step, dq_dkv, add)
+
+
+def query_grads(grads):
+  """The query side of a kernel's gradients: dq, or (dq, dtau) with SparseK."""
+  return grads[0] if len(grads) == 3 else (grads[0], grads[3])
+
+
+def key_grads(grads):
+  """The key side, what travels with K/V: dK/dV [2, B, T, Hkv, D], or (it, du) with SparseK."""
+  dkv_2BTKD = jnp.stack([grads[1], grads[2]])
+  return dkv_2BTKD if len(grads) == 3 else (dkv_2BTKD, grads[4])
+
+
+def _add(a, b):
+  return jax.tree.map(jnp.add, a, b)
 
 
 def _code_args(codes) -> dict:
@@ -200,12 +230,14 @@ def device_index(axis: str, num_shards: int):
 
 
 def forward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, *, axis: str, schedule: RingSchedule,
-                 tile: int, kernel: str, softcap: float = 0.0, spans_H=None, codes=None):
+                 tile: int, kernel: str, softcap: float = 0.0, spans_H=None, codes=None,
+                 sparsek_window: int | None = None):
   """Per-device forward ring: returns (out f32 [B,T,Hq,D], lse f32 [B,T,Hq]); `spans_H`: this
   device's query heads' spans ([Hq] int32), or None; `codes`: the bucket codes of hash
-  attention, (queries' [B,T,Hq], keys' [B,T,Hkv]) int32, or None (the keys' travel)."""
+  attention, (queries' [B,T,Hq], keys' [B,T,Hkv]) int32, or None (the keys' travel); with
+  `sparsek_window`, SparseK's (thresholds, scores) float32 instead."""
   ring = RingDevice(schedule, device_index(axis, schedule.num_shards), kernel, tile, softcap,
-                    spans_H)
+                    spans_H, sparsek_window)
 
   def step(s, out_lse, *block):
     k_b, v_b, seg_b, k_codes_b = key_side(block, seg_BT is not None, codes is not None)
@@ -221,10 +253,12 @@ def forward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, *, axis: str, schedule: RingSch
 
 def backward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, dout_BTHD, *, axis: str,
                   schedule: RingSchedule, tile: int, kernel: str, softcap: float = 0.0,
-                  spans_H=None, codes=None):
-  """Per-device backward ring: returns (dq, dk, dv) in float32."""
+                  spans_H=None, codes=None, sparsek_window: int | None = None):
+  """Per-device backward ring: returns (dq, dk, dv) in float32, and with SparseK the
+  thresholds' and scores' gradients (dtau, du) after them."""
   num_shards = schedule.num_shards
-  ring = RingDevice(schedule, device_index(axis, num_shards), kernel, tile, softcap, spans_H)
+  ring = RingDevice(schedule, device_index(axis, num_shards), kernel, tile, softcap, spans_H,
+                    sparsek_window)
   delta_BTH = softmax_delta(dout_BTHD, out_BTHD)
 
   def step(s, carry, *block):
@@ -233,24 +267,31 @@ def backward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, dout_BTHD, 
                               delta_BTH, seg_BT, seg_b, _with_keys(codes, k_codes_b))
 
   def start(*own):
-    # The own block's dK/dV stay here; the accumulator that travels (with the block this
-    # device sees next) starts empty, so the others make N - 1 hops, not N.
-    return (*step(0, None, *own), jnp.zeros((2, *k_BTKD.shape), jnp.float32))
+    # The own block's dK/dV (and with SparseK the scores' gradient: the key side) stay
+    # here; the accumulator that travels (with the block this device sees next) starts
+    # empty, so the others make N - 1 hops, not N.
+    grads = step(0, None, *own)
+    own_side = key_grads(grads)
+    return query_grads(grads), own_side, jax.tree.map(jnp.zeros_like, own_side)
 
   def visit(carry, s, *block):
-    dq_BTHD, dk_BTKD, dv_BTKD, dkv_2BTKD = carry
+    dq, own_side, travelling = carry
     if cut_short(schedule):
       # The block came straight from device d - s: its dK/dV go straight back, summed
-      # there with those of the other steps (`dkv_2BTKD` holds what came home).
-      dq_BTHD, dkv_s = step(s, (dq_BTHD, jnp.zeros_like(dkv_2BTKD)), *block)
-      home = lax.ppermute(dkv_s, axis, shifted(-s, num_shards))
-      return dq_BTHD, dk_BTKD, dv_BTKD, dkv_2BTKD + home
-    dq_BTHD, dkv_2BTKD = step(s, (dq_BTHD, dkv_2BTKD), *block)
+      # there with those of the other steps (`travelling` holds what came home).
+      dq, side_s = step(s, (dq, jax.tree.map(jnp.zeros_like, travelling)), *block)
+      home = lax.ppermute(side_s, axis, shifted(-s, num_shards))
+      return dq, own_side, _add(travelling, home)
+    dq, travelling = step(s, (dq, travelling), *block)
     # The accumulator follows its K/V block, one hop after each step; after the last step
     # that hop takes it home to the block's owner.
-    return dq_BTHD, dk_BTKD, dv_BTKD, lax.ppermute(dkv_2BTKD, axis, shifted(1, num_shards))
+    return dq, own_side, lax.ppermute(travelling, axis, shifted(1, num_shards))
 
-  dq_BTHD, dk_BTKD, dv_BTKD, dkv_2BTKD = around_ring(
+  dq, own_side, travelling = around_ring(
       blocks(k_BTKD, v_BTKD, seg_BT, None if codes is None else codes[1]), start, visit,
       axis=axis, schedule=schedule)
-  return dq_BTHD, dk_BTKD + dkv_2BTKD[0], dv_BTKD + dkv_2BTKD[1]
+  if sparsek_window is None:
+    dkv_2BTKD = own_side + travelling
+    return dq, dkv_2BTKD[0], dkv_2BTKD[1]
+  (dkv_2BTKD, du_BTK), (dq_BTHD, dtau_BTH) = _add(own_side, travelling), dq
+  return dq_BTHD, dkv_2BTKD[0], dkv_2BTKD[1], dtau_BTH, du_BTK

@@ -108,7 +108,10 @@ class _Passes:
     def per_device(q, k, v, out, lse, dout, *optional):
       seg, spans, pos, codes_d = _split_optional(optional, seg_BS, spans_H, pos_BS, codes)
       # The ring's pass with the global (merged) out and lse gives exactly its keys' share.
-      dq, dk, dv = self.strategy.backward(q, k, v, seg, out, lse, dout, spans, codes_d)
+      dq, dk, dv, *code_grads = self.strategy.backward(q, k, v, seg, out, lse, dout, spans,
+                                                       codes_d)
+      if code_grads:  # SparseK's thresholds and scores (float32, as they came)
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), *code_grads
       if self.sinks is not None:
         plan, order, axes, seg, pos, windows, cap = self._sink_args(q, seg, pos, spans)
         dq_s, dk_s, dv_s = sinks.backward(plan, order, axes, q, k, v, seg, pos, windows, cap,
@@ -116,9 +119,13 @@ class _Passes:
         dq, dk, dv = dq + dq_s, dk + dk_s, dv + dv_s
       return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
+    code_specs = ()
+    if self.strategy.sparsek_window is not None:
+      code_specs = self._optional_specs(None, None, None, codes)
     run = self._on_devices(
         per_device, (q_spec, kv_spec, kv_spec, q_spec, lse_spec, q_spec)
-        + self._optional_specs(seg_BS, spans_H, pos_BS, codes), (q_spec, kv_spec, kv_spec))
+        + self._optional_specs(seg_BS, spans_H, pos_BS, codes),
+        (q_spec, kv_spec, kv_spec) + code_specs)
     return run(q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BSH, dout_BSHD,
                *_optionals(seg_BS, spans_H, pos_BS, codes))
 
@@ -166,8 +173,10 @@ def _attention_fwd(q_BSHD, k_BSKD, v_BSKD, seg_BS, spans_H, pos_BS, q_codes_BSH,
 
 
 def _attention_bwd(passes: _Passes, residuals, dout_BSHD):
-  # Integer segment ids, spans, positions and bucket codes get no cotangent.
-  return (*passes.backward(*residuals, dout_BSHD), None, None, None, None, None)
+  # Integer segment ids, spans, positions and bucket codes get no cotangent; SparseK's float
+  # thresholds and scores do.
+  dq, dk, dv, *code_grads = passes.backward(*residuals, dout_BSHD)
+  return dq, dk, dv, None, None, None, *(code_grads or (None, None))
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -209,7 +218,10 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
                    spans: jax.Array | None = None, narrowest: int | None = None,
                    positions: jax.Array | None = None, sink_tokens: int = 0,
                    q_buckets: jax.Array | None = None,
-                   k_buckets: jax.Array | None = None) -> jax.Array:
+                   k_buckets: jax.Array | None = None,
+                   q_thresholds: jax.Array | None = None,
+                   k_scores: jax.Array | None = None,
+                   sparsek_window: int = 0) -> jax.Array:
   """Causal attention, exact, of q [B,S,Hq,D] on k/v [B,S,Hkv,D] sharded along S in `layout`.
 
   The sequence axis holds the tokens in the order of `layout` (`parallelism.layouts`) over
@@ -227,6 +239,10 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
   Hash attention (SCFA): bucket codes `q_buckets` [B,S,Hq] and `k_buckets` [B,S,Hkv] (int,
   in the layout's order, as q and k) also require query head h's code to equal the key's
   code of its kv head; they travel with K/V and mask every computed tile (xla kernel).
+  SparseK: thresholds `q_thresholds` [B,S,Hq] and scores `k_scores` [B,S,Hkv] (float, in the
+  layout's order) weigh key j by clip(score_j - threshold_i, 0, 1) unless it is fewer than
+  `sparsek_window` positions back (then 1), differentiably (`parallelism.kernel_sparsek`;
+  xla kernel, ring strategy); the scores travel with K/V.
   Batch and heads shard as `rules` map `activation_batch` and
   `activation_heads`/`activation_kv_heads` (no rules: `DEFAULT_RULES`). `mesh=None` uses
   the mesh set by `jax.set_mesh`, or, when none is set, computes locally as one block.
@@ -248,14 +264,18 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
                          q.shape[:2])
   positions = None if sink_plan is None else positions.astype(jnp.int32)
   codes = _bucket_codes(q_buckets, k_buckets, q.shape, k.shape, sink_plan)
+  sparsek = _sparsek_codes(q_thresholds, k_scores, q.shape, k.shape, sink_plan, codes)
+  codes = codes or sparsek
   q_buckets, k_buckets = codes or (None, None)
+  sparsek_window = None if sparsek is None else sparsek_window
   context_mesh = mesh is None
   mesh = jax.sharding.get_abstract_mesh() if context_mesh else mesh
   seq_len = q.shape[1]
   if context_mesh and mesh.empty:
     # No mesh anywhere (a single-device script, model.init outside a mesh): one block, local.
     local = local_strategy(layout, seq_len, tile_size, kernel, q.shape, k.shape, q.dtype,
-                           window, softcap, _narrowest(spans, narrowest), codes is not None)
+                           window, softcap, _narrowest(spans, narrowest), codes is not None,
+                           sparsek_window)
     return _attention(q, k, v, segment_ids, spans, positions, q_buckets, k_buckets,
                       _Passes(local, sinks=sink_plan))
   specs = operand_specs(mesh, rules, q.shape, k.shape[2])
@@ -263,7 +283,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
                                    q.shape[2], k.shape[2], q.shape[3], q.dtype,
                                    window=window, softcap=softcap,
                                    narrowest=_narrowest(spans, narrowest),
-                                   buckets=codes is not None),
+                                   buckets=codes is not None,
+                                   sparsek_window=sparsek_window),
                    None if context_mesh else mesh, specs, sink_plan)
   if not any(t == AxisType.Explicit for t in mesh.axis_types):
     return _attention(q, k, v, segment_ids, spans, positions, q_buckets, k_buckets, passes)
@@ -297,6 +318,20 @@ def _bucket_codes(q_buckets, k_buckets, q_shape, k_shape, sink_plan):
   if sink_plan is not None:
     raise ValueError("bucket codes (hash attention) do not combine with sink tokens")
   return q_buckets.astype(jnp.int32), k_buckets.astype(jnp.int32)
+
+
+def _sparsek_codes(q_thresholds, k_scores, q_shape, k_shape, sink_plan, buckets):
+  """(queries' thresholds, keys' scores) as float32, or None without SparseK."""
+  if q_thresholds is None and k_scores is None:
+    return None
+  if (q_thresholds is None or k_scores is None
+      or tuple(q_thresholds.shape) != tuple(q_shape[:3])
+      or tuple(k_scores.shape) != tuple(k_shape[:3])):
+    raise ValueError(f"SparseK needs both q_thresholds [B, S, Hq] = {tuple(q_shape[:3])} and "
+                     f"k_scores [B, S, Hkv] = {tuple(k_shape[:3])}")
+  if sink_plan is not None or buckets is not None:
+    raise ValueError("SparseK's thresholds do not combine with sink tokens or bucket codes")
+  return q_thresholds.astype(jnp.float32), k_scores.astype(jnp.float32)
 
 
 def _sink_plan(sink_tokens: int, positions, window: int | None, narrowest: int | None,

@@ -60,12 +60,13 @@ def split_attention(strategy: str, layout: str, seq_len: int, tile_size: int, ke
                     mesh, rules: Rules, num_heads: int, num_kv_heads: int, head_dim: int,
                     dtype, names: Names = Names(), window: int | None = None,
                     softcap: float = 0.0, narrowest: int | None = None,
-                    buckets: bool = False) -> Strategy:
+                    buckets: bool = False, sparsek_window: int | None = None) -> Strategy:
   """Each device's side of `strategy` for `layout` on `mesh` (concrete or abstract), its
   sequence over the axes `rules` map `activation_seq` to, each query seeing the `window`
   keys up to itself (None: causal; with per-head spans the widest, `narrowest` the
   narrowest), logits capped at `softcap` (0: not), with bucket codes (`buckets`, hash
-  attention) or not; a ValueError says why not."""
+  attention) or not, SparseK's codes with its `sparsek_window` (ring strategy only); a
+  ValueError says why not."""
   if strategy not in STRATEGIES:
     raise ValueError(f"unknown sequence-parallel strategy '{strategy}' ({names.strategy}); "
                      f"choose one of {STRATEGIES}")
@@ -75,6 +76,10 @@ def split_attention(strategy: str, layout: str, seq_len: int, tile_size: int, ke
     raise ValueError(f"attention soft cap {softcap} must be >= 0 (0: none)")
   axis, ulysses_axis = _sequence_axes(mesh, rules, strategy, names)
   num_shards = mesh.shape[axis]
+  if sparsek_window is not None and (ulysses_axis or (strategy == "allgather"
+                                                      and num_shards > 1)):
+    raise ValueError(f"{names.strategy}='{strategy}' does not carry SparseK's scores and "
+                     f"their gradients yet: use 'ring'")
   ulysses = mesh.shape[ulysses_axis] if ulysses_axis else 1
   check_seq_len(seq_len, layout, num_shards, name=names.seq_len)
   if seq_len % (num_shards * ulysses):
@@ -109,12 +114,13 @@ def split_attention(strategy: str, layout: str, seq_len: int, tile_size: int, ke
       (1, block, local_kv * repeat // ulysses, head_dim), tile, dtype, softcap,
       narrowest is not None, buckets)
   return Strategy(strategy, ring_schedule(layout, seq_len, num_shards, window, narrowest), axis,
-                  tile, chosen, ulysses_axis, repeat, fallback, softcap)
+                  tile, chosen, ulysses_axis, repeat, fallback, softcap, sparsek_window)
 
 
 def local_strategy(layout: str, seq_len: int, tile_size: int, kernel: str, q_shape, k_shape,
                    dtype, window: int | None = None, softcap: float = 0.0,
-                   narrowest: int | None = None, buckets: bool = False) -> Strategy:
+                   narrowest: int | None = None, buckets: bool = False,
+                   sparsek_window: int | None = None) -> Strategy:
   """Without a mesh: the whole row as one block, in its original order (a ring of one)."""
   check_seq_len(seq_len, layout, 1)
   tile = block_tile(seq_len, 1, tile_size)
@@ -125,7 +131,8 @@ def local_strategy(layout: str, seq_len: int, tile_size: int, kernel: str, q_sha
   chosen, fallback = kernels.choose(kernel, q_shape, k_shape, tile, dtype, softcap,
                                     narrowest is not None, buckets)
   return Strategy("ring", ring_schedule(layout, seq_len, 1, window, narrowest), "sequence",
-                  tile, chosen, kernel_fallback=fallback, softcap=softcap)
+                  tile, chosen, kernel_fallback=fallback, softcap=softcap,
+                  sparsek_window=sparsek_window)
 
 
 def _sequence_axes(mesh, rules: Rules, strategy: str, names: Names) -> tuple[str, str | None]:

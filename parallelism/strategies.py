@@ -69,6 +69,7 @@ class Strategy:
   kv_repeat: int = 1
   kernel_fallback: str | None = None  # why `kernel` is not the one the setup named
   softcap: float = 0.0  # logit soft cap (`parallelism.kernels`), 0: none
+  sparsek_window: int | None = None  # SparseK's (its codes are floats), ring only; None: not
 
   def forward(self, q_BTHD, k_BTKD, v_BTKD, seg_BT, spans_H=None, codes=None):
     """(out, lse) of this device's queries, float32; out [B,T,Hq,D], lse [B,T,Hq];
@@ -117,8 +118,9 @@ class Strategy:
     return self.name == "allgather" and self.schedule.num_shards > 1
 
   def _ring_args(self, spans_H=None, codes=None) -> dict:
+    sparsek = {} if self.sparsek_window is None else dict(sparsek_window=self.sparsek_window)
     return dict(axis=self.axis, schedule=self.schedule, tile=self.tile, kernel=self.kernel,
-                softcap=self.softcap, spans_H=spans_H, codes=codes)
+                softcap=self.softcap, spans_H=spans_H, codes=codes, **sparsek)
 
   def _codes_to_heads(self, codes):
     """Bucket codes as `_to_heads` moves q and (repeated) k: per token and head, like lse."""

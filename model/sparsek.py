@@ -1,0 +1,178 @@
+"""SparseK attention (Lou et al. 2024, "Sparser is Faster and Less is More"): a learned soft
+top-k mask over each query's keys, beside a sliding window.
+
+- Scores: a linear scoring network gives each token one score per kv head from the layer's
+  input, u = x W [d_model, Hkv] (`Scorer`, float32, trained end to end like any weight).
+- The operator: SparseK(z, k) = argmin_{p in [0,1]^n, sum p = k} ||p - z||^2
+  = clip(z - tau(z), 0, 1), tau the threshold where the sum is k; a vector of n <= k
+  entries keeps them all (tau = -inf here). Its gradient is the projection's: with S the
+  support {0 < z - tau < 1}, d tau / d z_j = 1 / |S| for j in S, else 0.
+- Causal LM: query i's candidates are its document's keys at least `window` positions back
+  (original positions j <= i - window); its threshold tau_i is SparseK's over their scores,
+  its mask m_ij = clip(u_j - tau_i, 0, 1) on them, and the `window` keys up to itself are
+  always seen (m = 1). Attention weights are m_ij exp(q_i.k_j) (log m added to the logits).
+
+Thresholds are exact to float32 rounding: per query a bisection of 30 halvings brackets tau,
+then tau is solved on the bracket's support, (sum_S u + |{u >= tau + 1}| - k) / |S|, twice.
+That is O(S^2) elementwise work per layer and kv head (queries in chunks, O(chunk x S)
+memory), not the paper's linear-time claim; the scores are all-gathered for it (S floats
+per row and kv head). The gradient is a custom VJP from the same support, recomputed.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from model.config import ModelConfig
+from model.layers import projection_kernel
+
+_F32 = jnp.float32
+_HALVINGS = 30  # Float32 brackets of scores within ~10^3 of each other stop shrinking by then.
+_CHUNK_ELEMENTS = 1 << 22  # Query chunk x keys per (row, kv head) held at once.
+
+
+class Scorer(nn.Module):
+  """SparseK's scoring network: u [B, S, Hkv] float32 = x W, one score per kv head."""
+
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BSE: jax.Array) -> jax.Array:
+    cfg = self.cfg
+    w_EK = projection_kernel(self, cfg, (cfg.d_model, cfg.num_kv_heads), ("embed", "kv_heads"))
+    return jnp.einsum("bse,ek->bsk", x_BSE.astype(_F32), w_EK.astype(_F32),
+                      precision="highest")
+
+
+def _solve(z_QK, member_QK, k: int):
+  """(tau [..., Q], support [..., Q, K]) of SparseK over each query's member scores; -inf
+  and an empty support where a query has k members or fewer."""
+  shape = jnp.broadcast_shapes(z_QK.shape, member_QK.shape)
+  z_QK, member_QK = jnp.broadcast_to(z_QK, shape), jnp.broadcast_to(member_QK, shape)
+  count_Q = member_QK.sum(-1)
+  lo_Q = jnp.min(jnp.where(member_QK, z_QK, jnp.inf), -1) - 1.0  # mass there: count > k
+  hi_Q = jnp.max(jnp.where(member_QK, z_QK, -jnp.inf), -1)  # mass there: 0 < k
+  mass = lambda t_Q: jnp.sum(jnp.where(member_QK, jnp.clip(z_QK - t_Q[..., None], 0.0, 1.0),
+                                       0.0), -1)
+
+  def halve(_, bracket):
+    lo, hi = bracket
+    mid = 0.5 * (lo + hi)
+    above = mass(mid) >= k
+    return jnp.where(above, mid, lo), jnp.where(above, hi, mid)
+
+  lo_Q, hi_Q = jax.lax.fori_loop(0, _HALVINGS, halve, (lo_Q, hi_Q))
+  tau_Q = 0.5 * (lo_Q + hi_Q)
+  for _ in range(2):  # Solve on the bracket's support: exact once the support is right.
+    support = _inside(z_QK, tau_Q, member_QK)
+    ones_Q = jnp.sum(member_QK & (z_QK - tau_Q[..., None] >= 1.0), -1)
+    size_Q = support.sum(-1)
+    solved = (jnp.sum(jnp.where(support, z_QK, 0.0), -1) + ones_Q - k) / jnp.maximum(size_Q, 1)
+    tau_Q = jnp.where(size_Q > 0, solved, tau_Q)
+  # No support: the mass is k on a flat stretch (k scores a gap of over 1 above the rest);
+  # take its middle, away from the kinks where the gradient is undefined.
+  gap_QK = z_QK - tau_Q[..., None]
+  below_Q = jnp.max(jnp.where(member_QK & (gap_QK <= 0.0), z_QK, -jnp.inf), -1)
+  above_Q = jnp.min(jnp.where(member_QK & (gap_QK >= 1.0), z_QK, jnp.inf), -1) - 1.0
+  tau_Q = jnp.where(_inside(z_QK, tau_Q, member_QK).any(-1), tau_Q, 0.5 * (below_Q + above_Q))
+  tau_Q = jnp.where(count_Q <= k, -jnp.inf, tau_Q)
+  return tau_Q, _inside(z_QK, tau_Q, member_QK)
+
+
+def _inside(z_QK, tau_Q, member_QK):
+  """The support: members whose mask clip(z - tau, 0, 1) is strictly between 0 and 1 (the
+  same float32 difference the kernels take)."""
+  gap_QK = z_QK - tau_Q[..., None]
+  return member_QK & (gap_QK > 0.0) & (gap_QK < 1.0)
+
+
+def _spread(g_Q, support_QK):
+  """d tau / d z applied to the thresholds' cotangent: each query's g / |S| on its support."""
+  size_Q = support_QK.sum(-1)
+  share_Q = jnp.where(size_Q > 0, g_Q / jnp.maximum(size_Q, 1), 0.0)
+  return jnp.sum(jnp.where(support_QK, share_Q[..., None], 0.0), -2)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def threshold(z_N: jax.Array, k: int) -> jax.Array:
+  """SparseK's threshold tau of the last axis of `z_N` (-inf where it has k entries or fewer)."""
+  return _solve(z_N[..., None, :], jnp.ones(z_N.shape[-1:], bool)[None], k)[0][..., 0]
+
+
+def _threshold_fwd(z_N, k):
+  return threshold(z_N, k), z_N
+
+
+def _threshold_bwd(k, z_N, g):
+  _, support = _solve(z_N[..., None, :], jnp.ones(z_N.shape[-1:], bool)[None], k)
+  return (_spread(g[..., None], support),)
+
+
+threshold.defvjp(_threshold_fwd, _threshold_bwd)
+
+
+def sparsek(z_N: jax.Array, k: int) -> jax.Array:
+  """SparseK(z, k) over the last axis: the soft top-k mask, clip(z - tau(z), 0, 1)."""
+  return jnp.clip(z_N - threshold(z_N, k)[..., None], 0.0, 1.0)
+
+
+def _members(index_C, seg_BC, seg_BS, window: int):
+  """[B, 1, C, S]: key j is a candidate of query i (j <= i - window, same document)."""
+  key_S = jnp.arange(seg_BS.shape[1])
+  back = index_C[:, None] - key_S[None, :] >= max(window, 0)
+  return (back[None] & (seg_BC[:, :, None] == seg_BS[:, None, :]))[:, None]
+
+
+def _chunk(seq_len: int) -> int:
+  return math.gcd(seq_len, max(1, _CHUNK_ELEMENTS // seq_len))
+
+
+def _query_chunks(fn, seq_len: int, *xs_BS):
+  """[n, ...] of `fn(index_C, *chunks)` over the row's query chunks (lax.map), each `x_BS`
+  sliced to the chunk along axis 1."""
+  chunk = _chunk(seq_len)
+
+  def one(start):
+    index_C = start + jnp.arange(chunk)
+    return fn(index_C, *(jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=1) for x in xs_BS))
+
+  return jax.lax.map(one, jnp.arange(0, seq_len, chunk))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def prefix_thresholds(u_BSK: jax.Array, seg_BS: jax.Array, k: int, window: int) -> jax.Array:
+  """Each query's threshold [B, S, Hkv] float32 over its candidates' scores, the row in its
+  original order (-inf where a query has k candidates or fewer: every mask is 1)."""
+  u_BK1S = jnp.swapaxes(u_BSK.astype(_F32), 1, 2)[:, :, None]
+
+  def chunk(index_C, seg_BC):
+    return _solve(u_BK1S, _members(index_C, seg_BC, seg_BS, window), k)[0]  # [B, K, C]
+
+  tau_nBKC = _query_chunks(chunk, u_BSK.shape[1], seg_BS)
+  return jnp.transpose(tau_nBKC, (1, 0, 3, 2)).reshape(u_BSK.shape)
+
+
+def _prefix_fwd(u_BSK, seg_BS, k, window):
+  tau_BSK = prefix_thresholds(u_BSK, seg_BS, k, window)
+  return tau_BSK, (u_BSK, seg_BS, tau_BSK)
+
+
+def _prefix_bwd(k, window, residuals, g_BSK):
+  u_BSK, seg_BS, tau_BSK = residuals
+  u_BK1S = jnp.swapaxes(u_BSK.astype(_F32), 1, 2)[:, :, None]
+
+  def chunk(index_C, seg_BC, tau_BCK, g_BCK):
+    support = _inside(u_BK1S, jnp.swapaxes(tau_BCK, 1, 2),
+                      _members(index_C, seg_BC, seg_BS, window))
+    return _spread(jnp.swapaxes(g_BCK, 1, 2), support)  # [B, K, S]
+
+  du_BKS = _query_chunks(chunk, u_BSK.shape[1], seg_BS, tau_BSK, g_BSK).sum(0)
+  return jnp.swapaxes(du_BKS, 1, 2).astype(u_BSK.dtype), None
+
+
+prefix_thresholds.defvjp(_prefix_fwd, _prefix_bwd)

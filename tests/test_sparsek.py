@@ -1,0 +1,209 @@
+"""SparseK attention (issue #38; model/sparsek.py, parallelism/kernel_sparsek.py): the operator
+and its prefix thresholds against a brute-force float64 solve (values and gradients); the
+soft-masked ring against a dense reference given the same thresholds and scores (forward,
+lse, gradients of q, k, v, thresholds and scores) in ring, striped and zigzag on 1-8
+devices, GQA, packed documents, rows that see nothing; tile skipping; the model's dense and
+zigzag paths; config errors are one line.
+
+Tolerances as tests/test_ring_attention.py (`_F32_TOL`).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model import sparsek as sk
+from parallelism import kernel_sparsek, kernel_xla
+from parallelism.layouts import permute, unpermute
+from parallelism.ring_attention import ring_attention
+from parallelism.schedule import ring_schedule
+from tests.test_hash_attention import assert_one_line_config_error
+from tests.test_ring_attention import _F32_TOL, make_inputs, seq_mesh
+
+K, WINDOW = 4, 3  # keys kept per query, keys always seen (itself and the two before)
+
+
+def brute_threshold(z, k):
+  """SparseK's threshold of z (float64): the root of sum clip(z - t, 0, 1) = k found on the
+  breakpoints of that piecewise-linear sum; -inf with k entries or fewer."""
+  z = np.asarray(z, np.float64)
+  if z.size <= k:
+    return -np.inf
+  mass = lambda t: np.clip(z - t, 0.0, 1.0).sum()
+  points = np.unique(np.concatenate([z, z - 1.0]))
+  for a, b in zip(points[:-1], points[1:]):
+    if mass(a) >= k >= mass(b) and mass(a) > mass(b):
+      return a + (mass(a) - k) / (mass(a) - mass(b)) * (b - a)
+  raise AssertionError("no root")
+
+
+def brute_mask_and_jacobian(z, k):
+  """(mask, d mask / d z) of SparseK(z, k) in float64 from the brute-force threshold."""
+  tau = brute_threshold(z, k)
+  gap = np.asarray(z, np.float64) - tau
+  support = (gap > 0) & (gap < 1)
+  jac = np.diag(support.astype(np.float64))
+  if support.any():
+    jac -= np.outer(support, support) / support.sum()
+  return np.clip(gap, 0.0, 1.0), jac
+
+
+def test_the_operator_is_the_capped_simplex_projection_with_its_gradient():
+  """Values and the Jacobian (diag(s) - s s^T / |s|) of the mask against the brute-force
+  solve, on random vectors, ties, n <= k, and one where k scores stand over 1 above the rest
+  (a flat stretch of thresholds: the mask is 0/1 and its gradient 0)."""
+  rng = np.random.default_rng(0)
+  cases = [rng.standard_normal(12) * 2, rng.standard_normal(7), np.zeros(6),
+           np.array([3.0, 2.5, 2.2, -1.0, -2.0]), rng.standard_normal(3)]
+  for z in cases:
+    z = z.astype(np.float32)
+    mask, jac = brute_mask_and_jacobian(z, 3)
+    got, got_jac = jax.jit(lambda z: (sk.sparsek(z, 3), jax.jacrev(sk.sparsek)(z, 3)))(z)
+    np.testing.assert_allclose(got, mask, atol=2e-6)
+    np.testing.assert_allclose(np.sum(got), min(3, z.size), rtol=1e-6)
+    np.testing.assert_allclose(got_jac, jac, atol=1e-6)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _thresholds_and_vjp(u, seg, k, window, g):
+  tau, vjp = jax.vjp(lambda u: sk.prefix_thresholds(u, seg, k, window), u)
+  return tau, vjp(jnp.where(jnp.isfinite(tau), g, 0.0))[0]
+
+
+def test_prefix_thresholds_per_query_and_document():
+  """Query i's candidates are its document's keys at least WINDOW back; its mask over them
+  and the VJP of its threshold (1/|S| on the support) match the brute force, per kv head."""
+  rng = np.random.default_rng(1)
+  seg = np.zeros((2, 24), np.int32)
+  seg[0, 9:] = 1
+  u = rng.standard_normal((2, 24, 2)).astype(np.float32)
+  g = rng.standard_normal(u.shape).astype(np.float32)
+  tau, du = _thresholds_and_vjp(u, seg, K, WINDOW, g)
+  want_du = np.zeros(u.shape)
+  for b, i, h in np.ndindex(u.shape):
+    cand = [j for j in range(24) if j <= i - WINDOW and seg[b, j] == seg[b, i]]
+    if len(cand) <= K:
+      assert tau[b, i, h] == -np.inf
+      continue
+    mask, _ = brute_mask_and_jacobian(u[b, cand, h], K)
+    np.testing.assert_allclose(np.clip(u[b, cand, h] - tau[b, i, h], 0, 1), mask, atol=2e-6)
+    support = (mask > 0) & (mask < 1)
+    if support.any():
+      want_du[b, np.asarray(cand)[support], h] += g[b, i, h] / support.sum()
+  np.testing.assert_allclose(du, want_du, atol=1e-5)
+
+
+def _weights(index, seg, tau_BSH, u_BSK, window):
+  """[B, Hq, Sq, Sk] mask weights of the dense reference, and what is seen (weight > 0)."""
+  group = tau_BSH.shape[2] // u_BSK.shape[2]
+  behind = index[:, :, None] - index[:, None, :]
+  visible = ((behind >= 0) & (seg[:, :, None] == seg[:, None, :]))[:, None]
+  near = (behind < window)[:, None]
+  u_BHK = jnp.repeat(u_BSK, group, axis=2).transpose(0, 2, 1)[:, :, None, :]
+  m = jnp.clip(u_BHK - tau_BSH.transpose(0, 2, 1)[..., None], 0.0, 1.0)
+  seen = visible & (near | (m > 0))
+  return jnp.where(near, 0.0, jnp.log(jnp.where(m > 0, m, 1.0))), seen
+
+
+@functools.partial(jax.jit, static_argnames=("window",))
+def sparsek_reference(q, k, v, dout, index, seg, tau, u, window=WINDOW):
+  """Dense attention with log m added to the logits: (out, dq, dk, dv, dtau, du), lse."""
+
+  def attend(q, k, v, tau, u):
+    group = q.shape[2] // k.shape[2]
+    kh, vh = (jnp.repeat(x, group, axis=2) for x in (k, v))
+    log_m, seen = _weights(index, seg, tau, u, window)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, kh, precision="highest") * q.shape[-1] ** -0.5
+    s = jnp.where(seen, s + log_m, -jnp.inf)
+    top = jnp.max(s, axis=-1, keepdims=True)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    p = jnp.where(seen, jnp.exp(s - top), 0.0)
+    total = p.sum(-1, keepdims=True)
+    out = jnp.einsum("bhqk,bkhd->bqhd", p / jnp.where(total > 0, total, 1.0), vh,
+                     precision="highest")
+    lse = jnp.where(total > 0, jnp.log(jnp.where(total > 0, total, 1.0)) + top, -jnp.inf)
+    return out, lse[..., 0].transpose(0, 2, 1)
+
+  (out, lse), vjp = jax.vjp(attend, q, k, v, tau, u)
+  return (out, *vjp((dout, jnp.zeros_like(lse)))), lse
+
+
+def _inputs(num_kv=2, seq_len=64, seed=3, empty=True):
+  """Packed rows (row 0: documents [0, 21), [21, 40), [40, S); row 1: one), scores u and
+  the exact prefix thresholds; with `empty`, query 5 of head 0 gets a threshold above every
+  score and, as a window of 0 leaves it, sees nothing."""
+  seg = np.zeros((2, seq_len), np.int32)
+  seg[0, 21:40], seg[0, 40:] = 1, 2
+  inputs = make_inputs(batch=2, seq_len=seq_len, num_heads=4, num_kv=num_kv, segments=seg,
+                       seed=seed)
+  u = np.random.default_rng(seed).standard_normal((2, seq_len, num_kv)).astype(np.float32)
+  tau = np.repeat(np.asarray(sk.prefix_thresholds(jnp.asarray(u), jnp.asarray(seg), K,
+                                                  WINDOW)), 4 // num_kv, axis=2)
+  if empty:
+    tau[0, 5, 0] = u.max() + 1.0
+  return inputs, tau, u
+
+
+def _ring(layout, n, inputs, tau, u, window=WINDOW):
+  """ring_attention on n devices in `layout` with its VJP; results in the original order."""
+  q, k, v, dout, _, seg = inputs
+  mesh = seq_mesh(n)
+  perm = functools.partial(permute, layout=layout, num_shards=n)
+
+  @jax.jit
+  def run(*args):
+    out, vjp = jax.vjp(lambda q, k, v, tau, u: ring_attention(
+        q, k, v, perm(seg), layout=layout, mesh=mesh, tile_size=8, q_thresholds=tau,
+        k_scores=u, sparsek_window=window), *args[:5])
+    return (out, *vjp(args[5]))
+
+  got = run(*(perm(x) for x in (q, k, v, tau, u, dout)))
+  return [unpermute(np.asarray(x), layout, n) for x in got]
+
+
+def _assert_close(got, want):
+  for name, g, w in zip(("out", "dq", "dk", "dv", "dtau", "du"), got, want):
+    np.testing.assert_allclose(g, np.asarray(w), err_msg=name, **_F32_TOL)
+
+
+@pytest.mark.parametrize("layout,n,num_kv", [("ring", 4, 2), ("striped", 8, 2),
+                                             ("zigzag", 2, 1), ("zigzag", 1, 2)])
+def test_ring_matches_the_dense_soft_mask(layout, n, num_kv):
+  """Out and the gradients of q, k, v, the thresholds and the scores; a query that sees
+  nothing gives 0 and nothing is NaN."""
+  inputs, tau, u = _inputs(num_kv)
+  window = 0 if layout == "zigzag" else WINDOW
+  want, _ = sparsek_reference(*inputs, tau, u, window=window)
+  got = _ring(layout, n, inputs, tau, u, window)
+  assert all(np.isfinite(x).all() for x in got)
+  _assert_close(got, want)
+  if not window:
+    np.testing.assert_array_equal(got[0][0, 5, 0], 0.0)
+  assert np.abs(got[5]).max() > 1e-2 and np.abs(got[4]).max() > 1e-2
+
+
+def test_block_kernel_lse_and_tile_skipping():
+  """One whole block: lse (-inf where nothing is seen) against dense; the kernel computes
+  fewer tiles than causal once thresholds exceed whole tiles' scores, and all of causal's
+  when every threshold is -inf (every mask 1)."""
+  (q, k, v, dout, index, seg), tau, u = _inputs(seq_len=64)
+  schedule = ring_schedule("ring", 64, 1)
+  at = dict(schedule=schedule, pair=schedule.pair[0, 0], tile=8, q_codes_BTH=tau,
+            k_codes_BTK=u, sparsek_window=0)
+  out, lse = jax.jit(functools.partial(kernel_xla.block_fwd, **at))(q, k, v, seg, seg)
+  _, want_lse = sparsek_reference(q, k, v, dout, index, seg, tau, u, window=0)
+  np.testing.assert_allclose(lse, want_lse, **_F32_TOL)
+  assert lse[0, 5, 0] == -np.inf
+  index_T = schedule.pair_index[0][0]
+  count = lambda tau, u, w: int(kernel_sparsek.computed_tiles(
+      tau, u, None, None, index_T, index_T, tile=8, window=w))
+  causal = int(schedule.computed_tiles(8)[0, 0]) * 2 * 4
+  assert count(np.full_like(tau, -np.inf), u, 0) == causal
+  # Thresholds of 0 over scores below 0 in the first half: that half is skipped past the window.
+  low = np.where(np.arange(64)[None, :, None] < 32, -1.0, 1.0).astype(np.float32)
+  low = np.broadcast_to(low, u.shape)
+  zero = np.zeros_like(tau)
+  assert count(zero, low, 0) < causal and count(zero, low, 8) > count(zero, low, 0)
