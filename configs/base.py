@@ -64,6 +64,12 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
   # (layer, head, position), the same in every layout, in training and eval (model/dropping.py);
   # a kept query sees the earlier kept keys of its document, a dropped one gives 0. No decoding.
   config.model.qk_drop_rate = 0.0  # Share of queries and keys dropped, in (0, 1); 0 without it.
+  # "sparsek" (SparseK, Lou et al. 2024): a learned score per token and kv head (u = x W, a
+  # weight of each layer) and per query the soft top-k mask clip(u - tau, 0, 1) over its
+  # document's keys at least sparsek_window back, summing to sparsek_k; the sparsek_window keys
+  # up to itself are always seen (model/sparsek.py). Ring strategy only; no decoding.
+  config.model.sparsek_k = 0  # Keys the soft top-k mask keeps per query, >= 1; 0 without it.
+  config.model.sparsek_window = 0  # Keys up to itself a query always sees; 0: none.
   config.model.norm_eps = 1e-5  # RMSNorm epsilon.
   config.model.tie_embeddings = False  # Share the input embedding with the output projection.
   config.model.init_std = 0.02  # Std of the normal initialiser of every matrix.

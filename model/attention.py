@@ -9,6 +9,8 @@ softmax; `ring`, `striped` and `zigzag` hand q, k, v and the segment ids to
 token's original position without reading an index. With hash attention (`model.sparse`)
 a query also sees only keys of its bucket (model/hashing.py), with QK-dropping only kept keys
 and only if kept itself (model/dropping.py), in every layout alike: both as run-time codes.
+With SparseK a learned score per key and a threshold per query weigh each key by a soft top-k
+mask beside a window (model/sparsek.py): the scores travel with K/V, trained end to end.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from jax.ad_checkpoint import checkpoint_name
 
 import parallelism
 from model.config import GLOBAL, LOCAL, ModelConfig
-from model.dropping import drop_codes
+from model.dropping import drop_codes, layout_shards
 from model.hashing import bucket_codes
 from model.layers import Projection, constrain
+from model.sparsek import Scorer, prefix_thresholds
 from model.rope import RopeScaling, apply_rope, frequencies
 
 
@@ -34,14 +37,17 @@ def dense_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
                     softcap: float = 0.0, spans_H: jax.Array | None = None,
                     positions_BS: jax.Array | None = None, sink_tokens: int = 0,
                     q_codes_BSH: jax.Array | None = None,
-                    k_codes_BSK: jax.Array | None = None) -> jax.Array:
+                    k_codes_BSK: jax.Array | None = None,
+                    sparsek: tuple | None = None) -> jax.Array:
   """Masked softmax attention over the whole row, in its original order (a token's index
   is its place), each query seeing the `window` keys up to itself (None: all before it; with
   per-head spans `spans_H` [Hq], query head h sees `spans_H[h]`) and, with `sink_tokens` k,
   every earlier key of its document at a position below k (`parallelism.sinks`), logits
   capped at `softcap` (0: not); K/V heads are shared by query groups. With bucket codes
   (hash attention: `q_codes_BSH` [B,S,Hq], `k_codes_BSK` [B,S,Hkv]) query head h also sees
-  only keys whose code of its kv head equals its own.
+  only keys whose code of its kv head equals its own. With `sparsek` (thresholds [B,S,Hq],
+  scores [B,S,Hkv], window), key j weighs clip(score_j - threshold_i, 0, 1) unless fewer than
+  window positions back (model/sparsek.py): log of it is added to the logits.
 
   Scores and softmax are float32. A query that sees no key gets zeros, not NaN.
   """
@@ -70,6 +76,14 @@ def dense_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
     q_codes_BKGS1 = jnp.moveaxis(q_codes_BSH.reshape(batch, seq, num_kv_heads, -1), 1, 3)
     k_codes_BK11T = jnp.moveaxis(k_codes_BSK, 1, 2)[:, :, None, None, :]
     visible_B11ST = visible_B11ST & (q_codes_BKGS1[..., None] == k_codes_BK11T)
+  if sparsek is not None:
+    tau_BSH, u_BSK, near = sparsek
+    tau_BKGS1 = jnp.moveaxis(tau_BSH.reshape(batch, seq, num_kv_heads, -1), 1, 3)[..., None]
+    u_BK11T = jnp.moveaxis(u_BSK, 1, 2)[:, :, None, None, :]
+    m_BKGST = jnp.clip(u_BK11T - tau_BKGS1, 0.0, 1.0)
+    near_B11ST = (token_index_BS[:, :, None] - token_index_BS[:, None, :] < near)[:, None, None]
+    visible_B11ST = visible_B11ST & (near_B11ST | (m_BKGST > 0))
+    scores_BKGST += jnp.where(near_B11ST, 0.0, jnp.log(jnp.where(m_BKGST > 0, m_BKGST, 1.0)))
   scores_BKGST = jnp.where(visible_B11ST, scores_BKGST, -jnp.inf)
   row_max_BKGS1 = jnp.max(scores_BKGST, axis=-1, keepdims=True)
   row_max_BKGS1 = jnp.where(jnp.isfinite(row_max_BKGS1), row_max_BKGS1, 0.0)
@@ -81,15 +95,18 @@ def dense_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
   return out_BSKGD.reshape(q_BSHD.shape).astype(q_BSHD.dtype)
 
 
-def _local_and_sparse(cfg: ModelConfig, spans_H, positions_BS, sinks: int, codes) -> dict:
-  """`parallelism.ring_attention`'s per-head spans, sink and bucket-code arguments."""
+def _local_and_sparse(cfg: ModelConfig, spans_H, positions_BS, sinks: int, codes,
+                      sparsek=None) -> dict:
+  """`parallelism.ring_attention`'s per-head spans, sink, bucket-code and SparseK arguments."""
   q_codes, k_codes = codes or (None, None)
+  tau, u, near = sparsek or (None, None, 0)
   return dict(spans=spans_H, narrowest=None if spans_H is None else cfg.narrowest_span,
-              positions=positions_BS, sink_tokens=sinks, q_buckets=q_codes, k_buckets=k_codes)
+              positions=positions_BS, sink_tokens=sinks, q_buckets=q_codes, k_buckets=k_codes,
+              q_thresholds=tau, k_scores=u, sparsek_window=near)
 
 
 def _whole_rows(cfg: ModelConfig, q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, window,
-                spans_H=None, positions_BS=None, sinks=0, codes=None):
+                spans_H=None, positions_BS=None, sinks=0, codes=None, sparsek=None):
   """`dense` attention: cuDNN's flash attention on a CUDA GPU (each packed document apart;
   a row of more documents than its packed layout takes runs the block kernels as a ring of
   one, and so do a local layer, capped logits and hash attention's `codes`, which cuDNN's
@@ -99,14 +116,14 @@ def _whole_rows(cfg: ModelConfig, q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, window
   if parallelism.cudnn_dense_reason(q_BSHD.shape, q_BSHD.dtype):
     return dense_attention(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, window,
                            cfg.attention_softcap, spans_H, positions_BS, sinks,
-                           *(codes or (None, None)))
+                           *(codes or (None, None)), sparsek)
   fallback = functools.partial(
       parallelism.ring_attention, layout="ring", rules=nn.get_logical_axis_rules(),
       tile_size=math.gcd(q_BSHD.shape[1], cfg.attention_tile), window=window,
       softcap=cfg.attention_softcap)
-  if window is not None or cfg.attention_softcap or codes is not None:
+  if window is not None or cfg.attention_softcap or codes is not None or sparsek is not None:
     return fallback(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS,
-                    **_local_and_sparse(cfg, spans_H, positions_BS, sinks, codes))
+                    **_local_and_sparse(cfg, spans_H, positions_BS, sinks, codes, sparsek))
   return parallelism.cudnn_dense_attention(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, fallback)
 
 
@@ -122,6 +139,22 @@ def dense_line(cfg: ModelConfig) -> str:
   if dense_kernel(cfg) == "cudnn":
     return "attention: dense, cuDNN flash attention (packed documents kept apart)"
   return "attention: dense, the plain masked softmax over whole rows"
+
+
+def _sparsek_operands(cfg: ModelConfig, u_BSK, segment_ids_BS) -> tuple:
+  """(thresholds [B, S, Hq], scores [B, S, Hkv], window) of SparseK, in the layout's order.
+  A query's threshold reads every earlier score of its row, so the scores are put in the
+  original order (an all-gather on a mesh: S floats per row and kv head) and the thresholds
+  back in the layout's."""
+  shards = layout_shards()
+  u_BSK = constrain(u_BSK, ("activation_batch", "activation_seq", "activation_kv_heads"))
+  original = functools.partial(parallelism.unpermute, layout=cfg.layout, num_shards=shards)
+  tau_BSK = prefix_thresholds(original(u_BSK), original(segment_ids_BS), cfg.sparsek_k,
+                              cfg.sparsek_window)
+  tau_BSK = parallelism.permute(tau_BSK, cfg.layout, shards)
+  tau_BSH = jnp.repeat(tau_BSK, cfg.num_heads // cfg.num_kv_heads, axis=2)
+  tau_BSH = constrain(tau_BSH, ("activation_batch", "activation_seq", "activation_heads"))
+  return tau_BSH, u_BSK, cfg.sparsek_window
 
 
 class Attention(nn.Module):
@@ -142,7 +175,9 @@ class Attention(nn.Module):
   With hash attention, `hash_KDR` is this layer's projection ([Hkv, D, b/2], scanned with
   the blocks): the roped q and k are hashed by it into bucket codes (model/hashing.py).
   With QK-dropping, `layer` is this layer's index (scanned), the seed of its drop pattern
-  (model/dropping.py), whose kept/dropped codes mask attention the same way.
+  (model/dropping.py), whose kept/dropped codes mask attention the same way. With SparseK a
+  scorer (`sparsek_score`, [d_model, Hkv]) scores each token from the layer's input, and each
+  query's threshold over its prefix follows (model/sparsek.py).
   """
 
   cfg: ModelConfig
@@ -163,6 +198,12 @@ class Attention(nn.Module):
     v_BSKD = project(cfg.num_kv_heads, ("embed", "kv_heads", "head_dim"), "value")
     cache = (self.get_variable("cache", "key"), self.get_variable("cache", "value")
              ) if self.decode else None
+    sparsek = None
+    if cfg.selects:
+      if self.decode:
+        raise ValueError(cfg.decode_problem())
+      sparsek = _sparsek_operands(cfg, Scorer(cfg, name="sparsek_score")(x_BSE),
+                                  segment_ids_BS)
 
     def attend(kind: str, q_BSHD, k_BSKD, v_BSKD, cache):
       """(out, the keys and values the cache keeps) of a layer of this kind."""
@@ -196,7 +237,7 @@ class Attention(nn.Module):
             spans=spans, sink_tokens=sinks)
       if cfg.attention == "dense":
         out_BSHD = _whole_rows(cfg, q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, window, spans,
-                               positions_BS, sinks, codes)
+                               positions_BS, sinks, codes, sparsek)
       else:
         # The ring's shardings come from the rules table the activations above are pinned
         # by; its schedule from the layout the data pipeline permuted the batch into.
@@ -205,7 +246,7 @@ class Attention(nn.Module):
             rules=nn.get_logical_axis_rules(), kernel=cfg.kernel,
             tile_size=cfg.attention_tile, strategy=cfg.sequence_parallel, window=window,
             softcap=cfg.attention_softcap,
-            **_local_and_sparse(cfg, spans, positions_BS, sinks, codes))
+            **_local_and_sparse(cfg, spans, positions_BS, sinks, codes, sparsek))
       return out_BSHD, k_BSKD, v_BSKD
 
     kinds = set(cfg.layer_kinds)

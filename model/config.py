@@ -9,8 +9,9 @@ from model import spans as span_plans
 from model.rope import RopeScaling
 
 ATTENTIONS = ("dense", "ring", "striped", "zigzag")
-# Run-time sparse attention (issue #38): hash (model/hashing.py), qk_drop (model/dropping.py).
-SPARSE = ("none", "hash", "qk_drop")
+# Run-time sparse attention (issue #38): hash (model/hashing.py), qk_drop (model/dropping.py),
+# sparsek (model/sparsek.py).
+SPARSE = ("none", "hash", "qk_drop", "sparsek")
 
 
 def layout_of(attention: str) -> str:
@@ -49,6 +50,8 @@ class ModelConfig:
   sparse: str = "none"  # "hash": a query sees only keys of its bucket; "qk_drop": kept ones.
   hash_buckets: int = 0  # Buckets of hash attention (even, >= 2); 0 without it.
   qk_drop_rate: float = 0.0  # Share of queries and keys QK-dropping drops; 0 without it.
+  sparsek_k: int = 0  # Keys SparseK's soft top-k mask keeps per query; 0 without it.
+  sparsek_window: int = 0  # Keys up to itself a SparseK query always sees; 0: none.
   span_length: int = 0  # The row length the plan resolves at (data.seq_len; the trainer's).
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
@@ -164,6 +167,10 @@ class ModelConfig:
     if self.qk_drop_rate and self.sparse != "qk_drop":
       return (f"model.qk_drop_rate={self.qk_drop_rate:g} is set but model.sparse="
               f"'{self.sparse}': set model.sparse='qk_drop' too")
+    if (self.sparsek_k or self.sparsek_window) and self.sparse != "sparsek":
+      field = "sparsek_k" if self.sparsek_k else "sparsek_window"
+      return (f"model.{field}={getattr(self, field)} is set but model.sparse='{self.sparse}': "
+              f"set model.sparse='sparsek' too")
     if self.sparse == "none":
       return ""
     if self.sparse == "hash" and (self.hash_buckets < 2 or self.hash_buckets % 2):
@@ -175,6 +182,23 @@ class ModelConfig:
     if self.sink_tokens:
       return (f"model.sink_tokens={self.sink_tokens} does not combine with model.sparse="
               f"'{self.sparse}' (the sink path has no run-time code mask)")
+    return self._sparsek_problem() if self.sparse == "sparsek" else ""
+
+  def _sparsek_problem(self) -> str:
+    if self.sparsek_k < 1:
+      return (f"model.sparsek_k={self.sparsek_k} must be >= 1 with model.sparse='sparsek' (the "
+              f"keys each query's soft top-k mask keeps)")
+    if self.sparsek_window < 0:
+      return f"model.sparsek_window={self.sparsek_window} must be >= 0 (0: no window)"
+    if self.window or self.head_spans:
+      return ("model.sparse='sparsek' does not combine with local layers (model.window, "
+              "model.head_spans): its own window is model.sparsek_window")
+    if self.attention_softcap:
+      return (f"model.attention_softcap={self.attention_softcap:g} does not combine with "
+              f"model.sparse='sparsek' (its kernel has no logit cap)")
+    if self.attention != "dense" and self.sequence_parallel != "ring":
+      return (f"model.sequence_parallel='{self.sequence_parallel}' does not carry SparseK's "
+              f"scores and their gradients yet: use 'ring' with model.sparse='sparsek'")
     return ""
 
   @property
@@ -186,6 +210,11 @@ class ModelConfig:
   def dropped(self) -> bool:
     """Whether attention is QK-dropping (kept/dropped codes mask every layer)."""
     return self.sparse == "qk_drop"
+
+  @property
+  def selects(self) -> bool:
+    """Whether attention is SparseK (a learned soft top-k mask scores every layer's keys)."""
+    return self.sparse == "sparsek"
 
   @property
   def coded(self) -> bool:
@@ -202,5 +231,6 @@ class ModelConfig:
   def matmul_params(self) -> int:
     """Parameters that take part in a matmul per token (all but the embedding lookup)."""
     attention = self.d_model * self.head_size * (2 * self.num_heads + 2 * self.num_kv_heads)
+    attention += self.d_model * self.num_kv_heads if self.selects else 0  # SparseK's scorer
     mlp = 3 * self.d_model * self.d_ff
     return self.num_layers * (attention + mlp) + self.d_model * self.vocab_size

@@ -183,7 +183,9 @@ def _local_part(model_cfg: ModelConfig) -> str:
   cap = (f"; logits soft-capped at {model_cfg.attention_softcap:g}"
          if model_cfg.attention_softcap else "")
   sparse = {"hash": f"; hash attention, {model_cfg.hash_buckets} buckets",
-            "qk_drop": f"; QK-dropping at rate {model_cfg.qk_drop_rate:g}"}
+            "qk_drop": f"; QK-dropping at rate {model_cfg.qk_drop_rate:g}",
+            "sparsek": f"; SparseK, {model_cfg.sparsek_k} keys per query beside a window of "
+                       f"{model_cfg.sparsek_window}"}
   return local + cap + sparse.get(model_cfg.sparse, "")
 
 
