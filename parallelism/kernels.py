@@ -15,7 +15,9 @@ schedule (`parallelism.schedule`) gives that device at that ring step:
 - `spans_H` ([Hq] int32; xla, pallas): head h sees keys fewer than `spans_H[h]` back; MASKED
   tiles narrow their mask by it (the schedule's `narrowest` and `window` bound the spans).
 - `q_codes_BTH`, `k_codes_BTK` (int32 codes of hash attention and QK-dropping; xla): head h
-  sees a key only where its code equals its kv head's key code (`parallelism.kernel_hash`).
+  sees a key only where its code equals its kv head's key code (`parallelism.kernel_hash`);
+  with `sparsek_window` (SparseK; xla) they are float32 thresholds and scores, a soft mask
+  (`parallelism.kernel_sparsek`), and block_bwd also returns their gradients (dtau, du).
 - Forward: output and natural-log lse, float32 (a query that sees no key: 0 and -inf, never
   NaN). Backward: from the GLOBAL lse and `delta = sum(dout * out, -1)` (and global `out`,
   for cuDNN), this block's dq, dk, dv in float32.
@@ -79,7 +81,7 @@ def choose(name: str, q_shape, k_shape, tile: int, dtype, softcap: float = 0.0,
   them. Decided once per attention setup (`parallelism.split`), never per call."""
   chosen = resolve(name)
   if buckets and chosen != "xla":
-    return "xla", f"the {chosen} kernel has no bucket mask (model.sparse='hash')"
+    return "xla", f"the {chosen} kernel has no bucket mask (model.sparse's run-time codes)"
   if chosen == "cudnn" and softcap:
     return "pallas", "the cudnn kernel has no logit soft-capping (model.attention_softcap)"
   if chosen == "cudnn" and head_spans:

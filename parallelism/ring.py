@@ -3,9 +3,9 @@
 Each device keeps its query block and passes its K/V block (and the keys' segment ids when
 documents are packed, in one buffer) around the ring with `lax.ppermute`; after N steps
 every query block has met every key block. With hash attention the keys' bucket codes travel
-in the same buffer, with SparseK the keys' scores (and their gradient with dK/dV). The next transfer is issued before the current
-block is computed so communication can overlap compute. Partial (out, lse) pairs merge by
-the stable log-sum-exp rule.
+in the same buffer, with SparseK the keys' scores (and their gradient with dK/dV). The next
+transfer is issued before the current block is computed so communication can overlap compute.
+Partial (out, lse) pairs merge by the stable log-sum-exp rule.
 
 What each device computes at each step is the layout's static schedule
 (`parallelism.schedule`): the ring looks up its block pair in a small table by device and
