@@ -21,6 +21,15 @@ Appends JSON lines to results/bench_sparse.jsonl (and $OUT/bench_sparse.jsonl wh
   bucket's ragged edge tiles, which weigh more as buckets get fewer tiles each.
 - drop-r: QK-dropping at rate r through the same codes (`model.dropping`: kept 0, dropped
   queries 1, dropped keys 2), so the same walk; ideal ratio (1 - r)^2.
+- sparsek-k: SparseK (`model.sparsek`) keeping k keys per query beside a window of one tile,
+  each query's exact prefix threshold over scores u per key and kv head: `--sparsek_scores
+  iid`, u ~ N(0, 4^2) independent of position (the worst case: nearly every key tile holds a
+  key above a query tile's threshold, so little is skipped), or `recent`, u = position / 8
+  plus N(0, 1/4) noise (the best case: the selected keys are the most recent ones, a band
+  the tiles skip around). Tiles from `kernel_sparsek.computed_tiles`, ideal about
+  (k + window) / (the causal keys per query, on average). Learned scores lie in between.
+  `sparsek-thresholds` times the thresholds themselves (forward and VJP, O(S^2), one row)
+  against causal.
 - hash-1: every code equal, so the mask is causal: the run-time walk (sorted rows, one head
   per matmul, every tile masked) against the static kernel at about the same tiles. Its
   time ratio is the walk's own cost per tile; hash-b's ratio is that times the tiles saved.
@@ -52,7 +61,8 @@ import numpy as np  # noqa: E402
 
 from model.dropping import drop_codes  # noqa: E402
 from model.hashing import bucket_codes, projections  # noqa: E402
-from parallelism import kernel_hash, kernel_xla  # noqa: E402
+from model.sparsek import prefix_thresholds  # noqa: E402
+from parallelism import kernel_hash, kernel_sparsek, kernel_xla  # noqa: E402
 from parallelism.layouts import LAYOUTS, permute  # noqa: E402
 from parallelism.ring_attention import ring_attention  # noqa: E402
 from parallelism.schedule import held_block, ring_schedule  # noqa: E402
@@ -85,6 +95,17 @@ def codes_of(q, k, buckets: int):
   return bucket_codes(q, proj_KDR), bucket_codes(k, proj_KDR)
 
 
+def sparsek_codes(q, k, keep: int, window: int, scores: str = "iid"):
+  """(thresholds [B, S, Hq], scores [B, S, Hkv]) float32 of SparseK keeping `keep` keys beside
+  `window`: scores as `scores` says (module docstring), the row's exact prefix thresholds."""
+  noise = jax.random.normal(jax.random.key(7), k.shape[:3], jnp.float32)
+  u = 4.0 * noise if scores == "iid" else (
+      jnp.arange(k.shape[1], dtype=jnp.float32)[None, :, None] / 8 + 0.5 * noise)
+  seg = jnp.zeros(k.shape[:2], jnp.int32)
+  tau = jax.jit(prefix_thresholds, static_argnums=(2, 3))(u, seg, keep, window)
+  return jnp.repeat(tau, q.shape[2] // k.shape[2], axis=2), u
+
+
 def block_step(schedule, tile: int):
   """Forward, and forward+backward, of one block pair (ring_attention's custom_vjp order)."""
   at = dict(schedule=schedule, pair=jnp.int32(0), tile=tile)
@@ -101,15 +122,22 @@ def block_step(schedule, tile: int):
 
 
 def _code_args(codes) -> dict:
-  return {} if codes is None else dict(q_codes_BTH=codes[0], k_codes_BTK=codes[1])
+  """Bucket or drop codes (int), or SparseK's (thresholds, scores, window)."""
+  if codes is None:
+    return {}
+  extra = {} if len(codes) == 2 else dict(sparsek_window=codes[2])
+  return dict(q_codes_BTH=codes[0], k_codes_BTK=codes[1], **extra)
 
 
 def ring_step(mesh, layout: str, tile: int):
   """Forward, and forward+backward, of ring_attention on `mesh` (inputs already permuted)."""
   def fwd(q, k, v, dout, codes):
+    if codes is not None and len(codes) == 3:
+      extra = dict(q_thresholds=codes[0], k_scores=codes[1], sparsek_window=codes[2])
+    else:
+      extra = {} if codes is None else dict(q_buckets=codes[0], k_buckets=codes[1])
     return ring_attention(q, k, v, layout=layout, mesh=mesh, kernel="xla", tile_size=tile,
-                          **({} if codes is None else dict(q_buckets=codes[0],
-                                                           k_buckets=codes[1])))
+                          **extra)
 
   def fwd_bwd(q, k, v, dout, codes):
     out, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, dout, codes), q, k, v)
@@ -125,6 +153,9 @@ def tile_counts(schedule, tile: int, codes, batch: int) -> tuple[int, int]:
   block, total = schedule.block_len, 0
   count = jax.jit(lambda qc, kc, qi, ki, qr, kr: kernel_hash.computed_tiles(
       qc, kc, None, None, qi, ki, tile=tile, window=schedule.window, q_run_T=qr, k_run_T=kr))
+  if len(codes) == 3:  # SparseK: the devices' own indices (its window reads distances)
+    count = jax.jit(lambda qc, kc, qi, ki, qr, kr: kernel_sparsek.computed_tiles(
+        qc, kc, None, None, qi, ki, tile=tile, window=codes[2]))
   (q_index_PT, k_index_PT), (q_run_PT, k_run_PT) = (schedule.pair_index,
                                                     kernel_hash.pair_runs(schedule))
   for device in range(schedule.num_shards):
@@ -133,8 +164,11 @@ def tile_counts(schedule, tile: int, codes, batch: int) -> tuple[int, int]:
       if schedule.shapes[p] == "empty":
         continue  # the ring skips the kernel
       kb = held_block(device, step, schedule.num_shards)
+      q_index, k_index = q_index_PT[p], k_index_PT[p]
+      if len(codes) == 3:
+        q_index, k_index = schedule.order[device], schedule.order[kb]
       total += int(count(codes[0][:, device * block:(device + 1) * block],
-                         codes[1][:, kb * block:(kb + 1) * block], q_index_PT[p], k_index_PT[p],
+                         codes[1][:, kb * block:(kb + 1) * block], q_index, k_index,
                          q_run_PT[p], k_run_PT[p]))
   return causal, total
 
@@ -157,7 +191,7 @@ def measure(steps, args, variants: dict, repeats: int) -> dict:
 
 
 def run_part(part: str, seq_len: int, args, schedule, steps, bucket_list, drop_rates,
-             repeats, tile: int, perm) -> list[dict]:
+             repeats, tile: int, perm, keeps=(), scores: str = "iid") -> list[dict]:
   q, k = args[:2]
   # One bucket: the run-time walk on the causal mask, the control that separates the walk's
   # own speed per tile from what the buckets skip.
@@ -166,7 +200,8 @@ def run_part(part: str, seq_len: int, args, schedule, steps, bucket_list, drop_r
   variants |= {f"hash-{b}": codes_of(q, k, b) for b in bucket_list}
   variants |= {f"drop-{r}": drop_codes(q.shape[0], seq_len, q.shape[2], k.shape[2], r,
                                        jnp.int32(0), "ring") for r in drop_rates}
-  variants = {name: None if c is None else tuple(perm(x) for x in c)
+  variants |= {f"sparsek-{n}": (*sparsek_codes(q, k, n, tile, scores), tile) for n in keeps}
+  variants = {name: None if c is None else tuple(perm(x) for x in c[:2]) + tuple(c[2:])
               for name, c in variants.items()}
   args = [perm(x) for x in args]
   times = measure(steps, args, variants, repeats)
@@ -178,10 +213,13 @@ def run_part(part: str, seq_len: int, args, schedule, steps, bucket_list, drop_r
     if codes is not None:
       causal_tiles, hash_tiles = tile_counts(schedule, tile, codes, q.shape[0])
       kind, value = name.split("-")
-      ideal = 1 / int(value) if kind == "hash" else (1 - float(value)) ** 2
+      option = {"hash": {"buckets": int(value)}, "drop": {"drop_rate": float(value)},
+                "sparsek": {"sparsek_k": int(value), "sparsek_window": tile,
+                            "sparsek_scores": scores}}[kind]
+      ideal = {"hash": lambda: 1 / int(value), "drop": lambda: (1 - float(value)) ** 2,
+               "sparsek": lambda: min(1.0, (int(value) + tile) / ((seq_len + 1) / 2))}[kind]()
       row |= dict(tiles=hash_tiles, causal_tiles=causal_tiles, ideal=ideal,
-                  tile_ratio=hash_tiles / causal_tiles,
-                  **({"buckets": int(value)} if kind == "hash" else {"drop_rate": float(value)}))
+                  tile_ratio=hash_tiles / causal_tiles, **option)
     for kind in ("fwd", "fwd_bwd"):
       mine, base = times[name, kind], times["causal", kind]
       row[f"{kind}_s"] = statistics.median(mine)
@@ -190,13 +228,36 @@ def run_part(part: str, seq_len: int, args, schedule, steps, bucket_list, drop_r
   return rows
 
 
+def threshold_row(seq_len: int, k, keep: int, window: int, causal: dict, repeats: int) -> dict:
+  """SparseK's prefix thresholds of one row's scores, forward and forward+VJP, timed against
+  the median causal times of the same part."""
+  u = 4.0 * jax.random.normal(jax.random.key(7), k.shape[:3], jnp.float32)
+  seg = jnp.zeros(k.shape[:2], jnp.int32)
+  fwd = jax.jit(lambda u: prefix_thresholds(u, seg, keep, window))
+  total = lambda u: jnp.sum(jnp.where(jnp.isfinite(fwd(u)), fwd(u), 0.0))
+  steps = (fwd, jax.jit(jax.grad(total)))
+  row = dict(part="block", layout="ring", shards=1, seq_len=seq_len, batch=k.shape[0],
+             heads=k.shape[2], kv_heads=k.shape[2], head_dim=k.shape[3], dtype="float32",
+             tile=window, variant="sparsek-thresholds", repeats=repeats, sparsek_k=keep)
+  for kind, fn in zip(("fwd", "fwd_bwd"), steps):
+    jax.block_until_ready(fn(u))
+    times = []
+    for _ in range(repeats):
+      start = time.perf_counter()
+      jax.block_until_ready(fn(u))
+      times.append(time.perf_counter() - start)
+    row[f"{kind}_s"] = statistics.median(times)
+    row[f"{kind}_ratio"] = row[f"{kind}_s"] / causal[kind]
+  return row
+
+
 def print_table(rows: list[dict]) -> None:
-  print(f"{'part':<6}{'layout':<8}{'N':>3}{'seq':>7}{'variant':>10}{'tiles/causal':>14}"
+  print(f"{'part':<6}{'layout':<8}{'N':>3}{'seq':>7}{'variant':>19}{'tiles/causal':>14}"
         f"{'fwd s':>9}{'fwd/causal':>12}{'f+b s':>9}{'f+b/causal':>12}{'ideal':>7}")
   for r in rows:
     ideal = f"{r['ideal']:.3f}" if "ideal" in r else ""
     tiles = f"{r['tile_ratio']:.3f}" if "tile_ratio" in r else "1.000"
-    print(f"{r['part']:<6}{r['layout']:<8}{r['shards']:>3}{r['seq_len']:>7}{r['variant']:>10}"
+    print(f"{r['part']:<6}{r['layout']:<8}{r['shards']:>3}{r['seq_len']:>7}{r['variant']:>19}"
           f"{tiles:>14}{r['fwd_s']:>9.3f}{r['fwd_ratio']:>12.3f}{r['fwd_bwd_s']:>9.3f}"
           f"{r['fwd_bwd_ratio']:>12.3f}{ideal:>7}", flush=True)
 
@@ -211,6 +272,9 @@ def main() -> None:
   parser.add_argument("--buckets", default="2,4,8,16,32,64", help="'' for none")
   parser.add_argument("--drop_rates", default="0.2,0.5,0.8",
                       help="QK-dropping (model.dropping's codes); '' for none")
+  parser.add_argument("--sparsek", default="256,1024",
+                      help="SparseK's keys per query (window: one tile); '' for none")
+  parser.add_argument("--sparsek_scores", choices=("iid", "recent"), default="iid")
   parser.add_argument("--batch", type=int, default=1)
   parser.add_argument("--heads", type=int, default=2)
   parser.add_argument("--kv_heads", type=int, default=2)
@@ -228,6 +292,7 @@ def main() -> None:
   seq_lens = [int(s) for s in seq_lens.split(",")]
   buckets = [int(b) for b in args.buckets.split(",") if b]
   rates = [float(r) for r in args.drop_rates.split(",") if r]
+  keeps = [int(n) for n in args.sparsek.split(",") if n]
   shape = (args.batch, args.heads, args.kv_heads, args.head_dim, dtype)
   rows = []
   if part in ("all", "block"):
@@ -235,8 +300,13 @@ def main() -> None:
       schedule = ring_schedule("ring", seq_len, 1)
       rows += run_part("block", seq_len, inputs(args.batch, seq_len, *shape[1:]), schedule,
                        block_step(schedule, args.tile), buckets, rates, args.repeats,
-                       args.tile, lambda x: x)
-      print_table(rows[-len(buckets) - len(rates) - 2:])
+                       args.tile, lambda x: x, keeps, args.sparsek_scores)
+      causal = next(r for r in rows[::-1] if r["variant"] == "causal")
+      if keeps:
+        rows.append(threshold_row(seq_len, inputs(args.batch, seq_len, *shape[1:])[1], keeps[0],
+                                  args.tile, {kind: causal[f"{kind}_s"]
+                                              for kind in ("fwd", "fwd_bwd")}, args.repeats))
+      print_table(rows[-len(buckets) - len(rates) - len(keeps) - 2 - bool(keeps):])
   if part in ("all", "ring"):
     n, seq_len = len(jax.devices()), args.ring_seq_len
     mesh = jax.make_mesh((n,), ("sequence",))
@@ -244,7 +314,7 @@ def main() -> None:
     perm = lambda x: permute(np.asarray(x), args.layout, n)
     rows += run_part("ring", seq_len, inputs(args.batch, seq_len, *shape[1:]), schedule,
                      ring_step(mesh, args.layout, args.tile), buckets, rates, args.repeats,
-                     args.tile, perm)
+                     args.tile, perm, keeps, args.sparsek_scores)
   record(rows)
   print(f"\nall rows ({len(rows)} appended to results/{RESULTS}):")
   print_table(rows)
