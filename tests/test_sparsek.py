@@ -53,18 +53,20 @@ def brute_mask_and_jacobian(z, k):
 
 def test_the_operator_is_the_capped_simplex_projection_with_its_gradient():
   """Values and the Jacobian (diag(s) - s s^T / |s|) of the mask against the brute-force
-  solve, on random vectors, ties, n <= k, and one where k scores stand over 1 above the rest
-  (a flat stretch of thresholds: the mask is 0/1 and its gradient 0)."""
+  solve, on random vectors of two scales, ties, and one where k scores stand over 1 above the
+  rest (a flat stretch of thresholds: the mask is 0/1 and its gradient 0); with n <= k every
+  entry is kept."""
   rng = np.random.default_rng(0)
-  cases = [rng.standard_normal(12) * 2, rng.standard_normal(7), np.zeros(6),
-           np.array([3.0, 2.5, 2.2, -1.0, -2.0]), rng.standard_normal(3)]
-  for z in cases:
-    z = z.astype(np.float32)
+  cases = np.stack([rng.standard_normal(8) * 2, rng.standard_normal(8) / 4, np.zeros(8),
+                    [3.0, 2.5, 2.2, -1.0, -2.0, -1.5, -3.0, -1.2]]).astype(np.float32)
+  masks, jacobians = jax.jit(jax.vmap(lambda z: (sk.sparsek(z, 3),
+                                                 jax.jacrev(sk.sparsek)(z, 3))))(cases)
+  for z, got, got_jac in zip(cases, masks, jacobians):
     mask, jac = brute_mask_and_jacobian(z, 3)
-    got, got_jac = jax.jit(lambda z: (sk.sparsek(z, 3), jax.jacrev(sk.sparsek)(z, 3)))(z)
     np.testing.assert_allclose(got, mask, atol=2e-6)
-    np.testing.assert_allclose(np.sum(got), min(3, z.size), rtol=1e-6)
+    np.testing.assert_allclose(np.sum(got), 3.0, rtol=1e-6)
     np.testing.assert_allclose(got_jac, jac, atol=1e-6)
+  np.testing.assert_array_equal(jax.jit(sk.sparsek, static_argnums=1)(cases[0, :3], 3), 1.0)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
