@@ -264,7 +264,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
                          q.shape[:2])
   positions = None if sink_plan is None else positions.astype(jnp.int32)
   codes = _bucket_codes(q_buckets, k_buckets, q.shape, k.shape, sink_plan)
-  sparsek = _sparsek_codes(q_thresholds, k_scores, q.shape, k.shape, sink_plan, codes)
+  sparsek = _sparsek_codes(q_thresholds, k_scores, q.shape, k.shape, sink_plan, codes,
+                           window is not None or softcap or spans is not None)
   codes = codes or sparsek
   q_buckets, k_buckets = codes or (None, None)
   sparsek_window = None if sparsek is None else sparsek_window
@@ -320,7 +321,7 @@ def _bucket_codes(q_buckets, k_buckets, q_shape, k_shape, sink_plan):
   return q_buckets.astype(jnp.int32), k_buckets.astype(jnp.int32)
 
 
-def _sparsek_codes(q_thresholds, k_scores, q_shape, k_shape, sink_plan, buckets):
+def _sparsek_codes(q_thresholds, k_scores, q_shape, k_shape, sink_plan, buckets, local):
   """(queries' thresholds, keys' scores) as float32, or None without SparseK."""
   if q_thresholds is None and k_scores is None:
     return None
@@ -329,8 +330,9 @@ def _sparsek_codes(q_thresholds, k_scores, q_shape, k_shape, sink_plan, buckets)
       or tuple(k_scores.shape) != tuple(k_shape[:3])):
     raise ValueError(f"SparseK needs both q_thresholds [B, S, Hq] = {tuple(q_shape[:3])} and "
                      f"k_scores [B, S, Hkv] = {tuple(k_shape[:3])}")
-  if sink_plan is not None or buckets is not None:
-    raise ValueError("SparseK's thresholds do not combine with sink tokens or bucket codes")
+  if sink_plan is not None or buckets is not None or local:
+    raise ValueError("SparseK's thresholds do not combine with sink tokens, bucket codes, a "
+                     "local window, per-head spans or a soft cap (its kernel applies none)")
   return q_thresholds.astype(jnp.float32), k_scores.astype(jnp.float32)
 
 
