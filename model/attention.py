@@ -28,7 +28,7 @@ from model.config import GLOBAL, LOCAL, ModelConfig
 from model.dropping import drop_codes, layout_shards
 from model.hashing import bucket_codes
 from model.layers import Projection, constrain
-from model.sparsek import Scorer, prefix_thresholds
+from model.sparsek import Scorer, thresholds
 from model.rope import RopeScaling, apply_rope, frequencies
 
 
@@ -143,15 +143,13 @@ def dense_line(cfg: ModelConfig) -> str:
 
 def _sparsek_operands(cfg: ModelConfig, u_BSK, segment_ids_BS) -> tuple:
   """(thresholds [B, S, Hq], scores [B, S, Hkv], window) of SparseK, in the layout's order.
-  A query's threshold reads every earlier score of its row, so the scores are put in the
-  original order (an all-gather on a mesh: S floats per row and kv head) and the thresholds
-  back in the layout's."""
-  shards = layout_shards()
+  A query's threshold reads every earlier score of its row: each device gathers the scores
+  (S floats per row and kv head) and computes its own queries' (`parallelism.per_query`)."""
   u_BSK = constrain(u_BSK, ("activation_batch", "activation_seq", "activation_kv_heads"))
-  original = functools.partial(parallelism.unpermute, layout=cfg.layout, num_shards=shards)
-  tau_BSK = prefix_thresholds(original(u_BSK), original(segment_ids_BS), cfg.sparsek_k,
-                              cfg.sparsek_window)
-  tau_BSK = parallelism.permute(tau_BSK, cfg.layout, shards)
+  tau_BSK = parallelism.per_query(
+      functools.partial(thresholds, k=cfg.sparsek_k, window=cfg.sparsek_window), u_BSK,
+      segment_ids_BS, layout=cfg.layout, num_shards=layout_shards(),
+      rules=nn.get_logical_axis_rules())
   tau_BSH = jnp.repeat(tau_BSK, cfg.num_heads // cfg.num_kv_heads, axis=2)
   tau_BSH = constrain(tau_BSH, ("activation_batch", "activation_seq", "activation_heads"))
   return tau_BSH, u_BSK, cfg.sparsek_window

@@ -15,8 +15,9 @@ top-k mask over each query's keys, beside a sliding window.
 Thresholds are exact to float32 rounding: per query a bisection of 30 halvings brackets tau,
 then tau is solved on the bracket's support, (sum_S u + |{u >= tau + 1}| - k) / |S|, twice.
 That is O(S^2) elementwise work per layer and kv head (queries in chunks, O(chunk x S)
-memory), not the paper's linear-time claim; the scores are all-gathered for it (S floats
-per row and kv head). The gradient is a custom VJP from the same support, recomputed.
+memory), not the paper's linear-time claim; on a mesh each device solves its own queries over
+the gathered scores (`parallelism.per_query`: S floats per row and kv head). The gradient is
+a custom VJP from the same support, recomputed.
 """
 
 from __future__ import annotations
@@ -121,58 +122,66 @@ def sparsek(z_N: jax.Array, k: int) -> jax.Array:
   return jnp.clip(z_N - threshold(z_N, k)[..., None], 0.0, 1.0)
 
 
-def _members(index_C, seg_BC, seg_BS, window: int):
+def _members(index_BC, seg_BC, seg_BS, window: int):
   """[B, 1, C, S]: key j is a candidate of query i (j <= i - window, same document)."""
   key_S = jnp.arange(seg_BS.shape[1])
-  back = index_C[:, None] - key_S[None, :] >= max(window, 0)
-  return (back[None] & (seg_BC[:, :, None] == seg_BS[:, None, :]))[:, None]
+  back = index_BC[:, :, None] - key_S[None, None, :] >= max(window, 0)
+  return (back & (seg_BC[:, :, None] == seg_BS[:, None, :]))[:, None]
 
 
-def _chunk(seq_len: int) -> int:
-  return math.gcd(seq_len, max(1, _CHUNK_ELEMENTS // seq_len))
+def _chunk(num_queries: int, seq_len: int) -> int:
+  return math.gcd(num_queries, max(1, _CHUNK_ELEMENTS // seq_len))
 
 
-def _query_chunks(fn, seq_len: int, *xs_BS):
-  """[n, ...] of `fn(index_C, *chunks)` over the row's query chunks (lax.map), each `x_BS`
-  sliced to the chunk along axis 1."""
-  chunk = _chunk(seq_len)
+def _query_chunks(fn, seq_len: int, *xs_BQ):
+  """[n, ...] of `fn(*chunks)` over query chunks (lax.map), each `x_BQ` (axis 1 the queries)
+  sliced to the chunk."""
+  num_queries = xs_BQ[0].shape[1]
+  chunk = _chunk(num_queries, seq_len)
 
   def one(start):
-    index_C = start + jnp.arange(chunk)
-    return fn(index_C, *(jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=1) for x in xs_BS))
+    return fn(*(jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=1) for x in xs_BQ))
 
-  return jax.lax.map(one, jnp.arange(0, seq_len, chunk))
+  return jax.lax.map(one, jnp.arange(0, num_queries, chunk))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def prefix_thresholds(u_BSK: jax.Array, seg_BS: jax.Array, k: int, window: int) -> jax.Array:
-  """Each query's threshold [B, S, Hkv] float32 over its candidates' scores, the row in its
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def thresholds(u_BSK: jax.Array, seg_BS: jax.Array, index_BQ: jax.Array, seg_BQ: jax.Array,
+               k: int, window: int) -> jax.Array:
+  """The thresholds [B, Q, Hkv] float32 of queries at original positions `index_BQ` (of
+  document `seg_BQ`) over their candidates' scores, `u_BSK` and `seg_BS` the whole row in its
   original order (-inf where a query has k candidates or fewer: every mask is 1)."""
   u_BK1S = jnp.swapaxes(u_BSK.astype(_F32), 1, 2)[:, :, None]
 
-  def chunk(index_C, seg_BC):
-    return _solve(u_BK1S, _members(index_C, seg_BC, seg_BS, window), k)[0]  # [B, K, C]
+  def chunk(index_BC, seg_BC):
+    return _solve(u_BK1S, _members(index_BC, seg_BC, seg_BS, window), k)[0]  # [B, K, C]
 
-  tau_nBKC = _query_chunks(chunk, u_BSK.shape[1], seg_BS)
-  return jnp.transpose(tau_nBKC, (1, 0, 3, 2)).reshape(u_BSK.shape)
-
-
-def _prefix_fwd(u_BSK, seg_BS, k, window):
-  tau_BSK = prefix_thresholds(u_BSK, seg_BS, k, window)
-  return tau_BSK, (u_BSK, seg_BS, tau_BSK)
+  tau_nBKC = _query_chunks(chunk, u_BSK.shape[1], index_BQ, seg_BQ)
+  return jnp.transpose(tau_nBKC, (1, 0, 3, 2)).reshape(*seg_BQ.shape, u_BSK.shape[2])
 
 
-def _prefix_bwd(k, window, residuals, g_BSK):
-  u_BSK, seg_BS, tau_BSK = residuals
+def _thresholds_fwd(u_BSK, seg_BS, index_BQ, seg_BQ, k, window):
+  tau_BQK = thresholds(u_BSK, seg_BS, index_BQ, seg_BQ, k, window)
+  return tau_BQK, (u_BSK, seg_BS, index_BQ, seg_BQ, tau_BQK)
+
+
+def _thresholds_bwd(k, window, residuals, g_BQK):
+  u_BSK, seg_BS, index_BQ, seg_BQ, tau_BQK = residuals
   u_BK1S = jnp.swapaxes(u_BSK.astype(_F32), 1, 2)[:, :, None]
 
-  def chunk(index_C, seg_BC, tau_BCK, g_BCK):
+  def chunk(index_BC, seg_BC, tau_BCK, g_BCK):
     support = _inside(u_BK1S, jnp.swapaxes(tau_BCK, 1, 2),
-                      _members(index_C, seg_BC, seg_BS, window))
+                      _members(index_BC, seg_BC, seg_BS, window))
     return _spread(jnp.swapaxes(g_BCK, 1, 2), support)  # [B, K, S]
 
-  du_BKS = _query_chunks(chunk, u_BSK.shape[1], seg_BS, tau_BSK, g_BSK).sum(0)
-  return jnp.swapaxes(du_BKS, 1, 2).astype(u_BSK.dtype), None
+  du_BKS = _query_chunks(chunk, u_BSK.shape[1], index_BQ, seg_BQ, tau_BQK, g_BQK).sum(0)
+  return jnp.swapaxes(du_BKS, 1, 2).astype(u_BSK.dtype), None, None, None
 
 
-prefix_thresholds.defvjp(_prefix_fwd, _prefix_bwd)
+thresholds.defvjp(_thresholds_fwd, _thresholds_bwd)
+
+
+def prefix_thresholds(u_BSK: jax.Array, seg_BS: jax.Array, k: int, window: int) -> jax.Array:
+  """Every query's threshold [B, S, Hkv] of a row in its original order (`thresholds`)."""
+  index_BS = jnp.broadcast_to(jnp.arange(u_BSK.shape[1], dtype=jnp.int32), seg_BS.shape)
+  return thresholds(u_BSK, seg_BS, index_BS, seg_BS, k, window)

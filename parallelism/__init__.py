@@ -16,3 +16,4 @@ from parallelism.split import Names, block_tile, shortest_ring_length, split_att
 from parallelism.strategies import STRATEGIES, ULYSSES, kv_repeat
 from parallelism.target import compiling_for
 from parallelism.tiles import visible
+from parallelism.whole_row import per_query
