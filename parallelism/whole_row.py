@@ -15,6 +15,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import AxisType
 
 from parallelism.layouts import permutation, unpermute
 from parallelism.mesh import Rules, as_axes, logical_to_spec, spec_on_mesh
@@ -39,6 +40,8 @@ def per_query(fn: Callable, x_BSH: jax.Array, seg_BS: jax.Array, *, layout: str,
   x_spec, seg_spec = (spec_on_mesh(logical_to_spec(names, rules), mesh)
                       for names in (_X_NAMES, _SEG_NAMES))
   axes = as_axes(x_spec[1])
+  if any(t == AxisType.Explicit for t in mesh.axis_types):  # shard_map takes them as specified
+    x_BSH, seg_BS = jax.reshard(x_BSH, x_spec), jax.reshard(seg_BS, seg_spec)
 
   def per_device(x_BTH, seg_BT):
     gather = lambda a: unpermute(lax.all_gather(a, axes, axis=1, tiled=True), layout,

@@ -96,6 +96,16 @@ def test_prefix_thresholds_per_query_and_document():
     if support.any():
       want_du[b, np.asarray(cand)[support], h] += g[b, i, h] / support.sum()
   np.testing.assert_allclose(du, want_du, atol=1e-5)
+  # On 4 devices in zigzag each device solves its own queries over the gathered scores: the
+  # same thresholds, and the same gradient back through the gather.
+  from parallelism import per_query  # pylint: disable=g-import-not-at-top
+  perm = functools.partial(permute, layout="zigzag", num_shards=4)
+  with jax.set_mesh(seq_mesh(4)):
+    split = jax.jit(lambda u, g: jax.vjp(lambda u: per_query(
+        functools.partial(sk.thresholds, k=K, window=WINDOW), u, perm(seg), layout="zigzag",
+        num_shards=4, rules=(("activation_seq", "sequence"),)), u)[1](g)[0])
+    split_du = split(perm(u), perm(np.where(np.isfinite(tau), g, 0.0)))
+  np.testing.assert_allclose(unpermute(np.asarray(split_du), "zigzag", 4), want_du, atol=1e-5)
 
 
 def _weights(index, seg, tau_BSH, u_BSK, window):
