@@ -19,30 +19,19 @@ def _stopped_before_training(signum, frame):
 
 
 console.install_hooks()
-# Before the imports below (seconds of JAX): a signal while they run exits cleanly too.
+# Before the imports (seconds of JAX, in `main`): a signal while they run exits cleanly too.
 # `train` installs its own handlers (stop after the current step) while it runs.
 for _signal in (signal.SIGTERM, signal.SIGINT):
   signal.signal(_signal, _stopped_before_training)
 
+# Only what parses and checks the flags: a mistyped flag or field, a config file that does
+# not load and a misplaced plan flag are said before JAX is imported, at once.
 from absl import app, flags, logging
-import jax
 import ml_collections
 from ml_collections import config_flags
 
-import data
-from model.hf_format import HFFormatError
-from trainer.ckpt import hf_import
-from trainer.ckpt.checkpointing import CheckpointError
-from trainer.config import cli, fields, stages
-from trainer.config.config_check import ConfigError, check_config
-from trainer.config.workdir import WorkdirError
+from trainer.config import cli, fields
 from trainer.plan import command as planner
-from trainer.run import distributed
-from trainer.run.loop import NonFiniteError, train
-from trainer.run.stop_signals import StoppedBeforeTraining
-from trainer.tools import needle
-from trainer.track import profiling, wandb_tracker
-from trainer.track.tracking import TrackingError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).",
                                           lock_config=True)
@@ -84,6 +73,7 @@ def _shared_fields(config: ml_collections.ConfigDict) -> dict[str, Any]:
 
 
 def _wandb_mode_problem(config: ml_collections.ConfigDict) -> str | None:
+  from trainer.track import wandb_tracker  # pylint: disable=g-import-not-at-top
   try:
     wandb_tracker.resolve_mode(config.wandb.mode)
   except ValueError as error:
@@ -101,6 +91,23 @@ def main(argv: list[str]) -> None:
     sys.exit(f"error: {problem}")
   if _PROFILE_STEPS.value and planner.DRY_RUN.value:
     sys.exit("error: --profile_steps traces training steps; a --dry_run trains none")
+  # pylint: disable=g-import-not-at-top  # The flags are fine: now the seconds of imports.
+  import jax
+
+  import data
+  from model.hf_format import HFFormatError
+  from trainer.ckpt import hf_import
+  from trainer.ckpt.checkpointing import CheckpointError
+  from trainer.config import stages
+  from trainer.config.config_check import ConfigError, check_config
+  from trainer.config.workdir import WorkdirError
+  from trainer.run import distributed
+  from trainer.run.loop import NonFiniteError, train
+  from trainer.run.stop_signals import StoppedBeforeTraining
+  from trainer.tools import needle
+  from trainer.track import profiling
+  from trainer.track.tracking import TrackingError
+  # pylint: enable=g-import-not-at-top
   try:
     profile_steps = profiling.parse_steps(_PROFILE_STEPS.value)
   except ValueError as error:

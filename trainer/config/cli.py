@@ -12,8 +12,6 @@ import traceback
 import ml_collections
 from absl import flags
 
-import parallelism
-
 
 def config_argument(argv: list[str]) -> str:
   """The --config value ('' if none): `file.py`, or `file.py:arg` for get_config(arg)."""
@@ -62,6 +60,7 @@ def config_file_problem(argument: str) -> str | None:
 
 def _moved(path: str) -> str:
   """Where a config of one layout went: each model has one file, its layout the argument."""
+  import parallelism  # pylint: disable=g-import-not-at-top  # JAX: only on this error's path.
   stem, _, layout = os.path.basename(path)[:-3].rpartition("_")
   model = os.path.join(os.path.dirname(path), f"{stem}_striped.py")
   if layout in parallelism.LAYOUTS and os.path.isfile(model):

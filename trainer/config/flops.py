@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from model import ModelConfig
-
-if TYPE_CHECKING:  # Only for annotations: the GPU benchmark imports this without ml_collections.
+if TYPE_CHECKING:  # Only for annotations: the GPU benchmark imports this without
+  # ml_collections, and the train command's flags (trainer/plan/command.py) before JAX.
   import ml_collections
+
+  from model import ModelConfig
 
 # Dense bf16 peak FLOP/s of one device (chip), from the vendors' spec sheets (no sparsity).
 PEAK_FLOPS = {

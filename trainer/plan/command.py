@@ -7,7 +7,7 @@ import ml_collections
 from absl import flags
 
 from trainer.config import flops, stages
-from trainer.plan import plan_target
+from trainer.plan import COMPILERS
 
 DRY_RUN = flags.DEFINE_bool(
     "dry_run", False, "Plan only: compile the train step for the config's mesh of "
@@ -21,7 +21,7 @@ _MEMORY_GIB = flags.DEFINE_float(
     "device_memory_gib", None, "Dry run: memory of one accelerator to check the plan against "
     "(default: --plan_accelerator's).")
 _COMPILER = flags.DEFINE_enum(
-    "plan_compiler", "auto", list(plan_target.COMPILERS), "Dry run: compile for described GPUs of "
+    "plan_compiler", "auto", list(COMPILERS), "Dry run: compile for described GPUs of "
     "--plan_accelerator's kind (gpu: XLA's GPU compiler, installed by `make plan_gpu`), or for "
     "fake CPU devices (cpu: bf16 buffers may be float32, bounded by a second compile); auto: "
     "gpu when installed and the accelerator is a GPU.")
@@ -78,8 +78,9 @@ def flags_problem() -> str | None:
 
 def run(config: ml_collections.ConfigDict) -> None:
   """The dry run the flags ask for, for each stage of `config` in order."""
-  # Imported here: the planner sets up JAX's (CPU) backend before it starts.
-  from trainer.plan import dry_run  # pylint: disable=g-import-not-at-top
+  # Imported here: the planner sets up JAX's (CPU) backend before it starts, and the flags
+  # above are parsed and checked without JAX.
+  from trainer.plan import dry_run, plan_target  # pylint: disable=g-import-not-at-top
   # find/compare plan by the GPU they compile for; `plan` resolves the same from its flags.
   gpu = (plan_target.gpu_target(_COMPILER.value, _ACCELERATOR.value)
          if _FIND_MAX.value or _COMPARE.value else None)

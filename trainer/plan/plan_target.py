@@ -36,6 +36,7 @@ import jax
 
 import parallelism
 from trainer.config.config_check import ConfigError
+from trainer.plan import COMPILERS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PLUGIN_DIR = os.environ.get("PLAN_GPU_DIR") or os.path.join(ROOT, ".plan_gpu")
@@ -78,7 +79,6 @@ def target_config(gpu: str) -> str:
           f"device_description_str: \"{spec['name']}\"\n")
 
 
-COMPILERS = ("auto", "gpu", "cpu")
 DEFAULT_MEMORY_FRACTION = 0.95  # The Dockerfile's XLA_PYTHON_CLIENT_MEM_FRACTION.
 
 
