@@ -1,4 +1,4 @@
-"""The Pallas block kernel (interpret mode on CPU) against the xla kernel and dense attention.
+"""The Pallas block kernel (interpret mode on CPU) against dense attention.
 
 Block pairs come from the static schedules of real layouts: device `dq`'s query block
 against the key block of device `dk` in ring, striped and zigzag order, plus an order no
@@ -7,10 +7,11 @@ tiles interleave and a row's UNMASKED tiles form several runs).
 Row 1 of every batch is packed with three documents whose boundaries fall inside tiles, so
 some of its queries see no key of some blocks (out 0, lse -inf) next to ones that do.
 
-Tolerance: both kernels compute in float32 on unit-normal inputs (O(1) values, D = 16) and
-differ only in summation order (different tiles; exp2 vs exp), so they agree to float32
-rounding, a few ulps times the O(sqrt(T)) accumulation: observed <= 2e-6. `_F32_TOL`
-(1e-5 absolute and relative) allows that and nothing coarser, as in test_ring_attention.
+Tolerance: kernel and reference compute in float32 on unit-normal inputs (O(1) values,
+D = 16) and differ only in summation order (tiled online softmax vs one dense softmax;
+exp2 vs exp), so they agree to float32 rounding, a few ulps times the O(sqrt(T))
+accumulation. `_F32_TOL` (1e-5 absolute and relative) allows that and nothing coarser, as
+in test_ring_attention.
 """
 
 import functools
@@ -21,10 +22,11 @@ import numpy as np
 import pytest
 from jax import export
 
-from parallelism import kernel_pallas, kernel_xla, tiles
+from parallelism import kernel_pallas, tiles
 from parallelism.layouts import LAYOUTS, permute, unpermute
 from parallelism.ring_attention import ring_attention
 from parallelism.schedule import ring_schedule, schedule_of_order
+from tests.test_ring_attention import dense_attention
 
 _F32_TOL = dict(atol=1e-5, rtol=1e-5)
 N, BLOCK, HEADS, HEAD_DIM, TILE = 4, 64, 4, 16, 16
@@ -67,16 +69,34 @@ def _block_pair(layout: str, dq: int, dk: int):
   return schedule, pair, q_seg, k_seg
 
 
-def _fwd_bwd(kernel, schedule, **config):
-  """Forward, then the backward given that forward's lse and delta as the global ones."""
+def _fwd_bwd(schedule, **config):
+  """The Pallas forward, then its backward given that forward's lse and delta as the global
+  ones."""
   @jax.jit
   def run(q, k, v, dout, pair, q_seg, k_seg):
     at = dict(schedule=schedule, pair=pair, tile=TILE, **config)
-    out, lse = kernel.block_fwd(q, k, v, q_seg, k_seg, **at)
+    out, lse = kernel_pallas.block_fwd(q, k, v, q_seg, k_seg, **at)
     delta = jnp.sum(out * dout, axis=-1)
-    grads = kernel.block_bwd(q, k, v, dout, lse, delta, q_seg, k_seg, **at)
+    grads = kernel_pallas.block_bwd(q, k, v, dout, lse, delta, q_seg, k_seg, **at)
     return out, lse, grads
   return run
+
+
+# Jitted once for every layout and pair: the tokens' indices are arguments (a kernel's
+# schedule is static, one compile per layout).
+@jax.jit
+def _dense_block(q, k, v, dout, q_index, q_seg, k_index, k_seg):
+  """Dense attention of queries at original tokens `q_index` on keys at `k_index`: out,
+  lse [B, T, H] (-inf where a query sees no key) and the pair's own gradients."""
+  out, vjp = jax.vjp(lambda q, k, v: dense_attention(q, k, v, q_index, q_seg, k_index, k_seg),
+                     q, k, v)
+  group = q.shape[2] // k.shape[2]
+  s_BHQK = jnp.einsum("bqhd,bkhd->bhqk", q, jnp.repeat(k, group, axis=2),
+                      precision="highest") * q.shape[-1] ** -0.5
+  visible_BQK = ((k_index[:, None, :] <= q_index[:, :, None])
+                 & (k_seg[:, None, :] == q_seg[:, :, None]))
+  lse_BHQ = jax.nn.logsumexp(jnp.where(visible_BQK[:, None], s_BHQK, -jnp.inf), axis=-1)
+  return out, jnp.swapaxes(lse_BHQ, 1, 2), vjp(dout)
 
 
 # Every call with query and key tiles of different sizes (each call's schedule at its own
@@ -87,22 +107,28 @@ _UNEVEN = kernel_pallas.KernelConfig(fwd_q=16, fwd_k=8, dkv_q=16, dkv_k=8, dq_q=
 # GQA (group 2) runs with the uneven tiles (each case is ~15 s of interpret-mode compiles;
 # wider groups add nothing here: a group only indexes K/V heads, as in the xla kernel).
 @pytest.mark.parametrize("group, config", [(1, None), (2, _UNEVEN)])
-def test_block_matches_xla(group, config):
+def test_block_matches_dense(group, config):
+  """Forward and backward of every pair in PAIRS, in every layout and the shuffled order;
+  ring's pair of device 1's queries on device 2's keys is wholly in the future (`empty`):
+  zeros and lse -inf, exactly."""
   rng = np.random.default_rng(group)
   kv_shape = (2, BLOCK, HEADS // group, HEAD_DIM)
   q, dout = (rng.standard_normal((2, BLOCK, HEADS, HEAD_DIM), np.float32) for _ in range(2))
   k, v = (rng.standard_normal(kv_shape, np.float32) for _ in range(2))
-  seen_some = partly_seen = 0
+  seen_some = partly_seen = wholly_future = 0
   for layout in (*LAYOUTS, "shuffled"):
     schedule = _schedule(layout)
-    pallas = _fwd_bwd(kernel_pallas, schedule, **({"config": config} if config else {}))
-    xla = _fwd_bwd(kernel_xla, schedule)
+    pallas = _fwd_bwd(schedule, **({"config": config} if config else {}))
     for dq, dk in PAIRS:
       _, pair, q_seg, k_seg = _block_pair(layout, dq, dk)
       # Packed rows exercise the segment mask; one layout also runs without segment ids.
       segs = (None, None) if layout == "ring" else (q_seg, k_seg)
       out, lse, grads = pallas(q, k, v, dout, pair, *segs)
-      want_out, want_lse, want_grads = xla(q, k, v, dout, pair, *segs)
+      q_index, k_index = (np.stack([schedule.order[d]] * 2) for d in (dq, dk))
+      if layout == "ring":  # one document: what no segment ids mean
+        q_seg, k_seg = np.zeros_like(q_seg), np.zeros_like(k_seg)
+      want_out, want_lse, want_grads = _dense_block(q, k, v, dout, q_index, q_seg, k_index,
+                                                    k_seg)
       where = f"{layout} q block {dq} k block {dk}"
       lse, want_lse = np.asarray(lse), np.asarray(want_lse)
       unseen = np.isneginf(want_lse)
@@ -113,9 +139,16 @@ def test_block_matches_xla(group, config):
       for name, got, want in zip(("dq", "dk", "dv"), grads, want_grads):
         assert np.isfinite(np.asarray(got)).all(), f"{name} not finite: {where}"
         np.testing.assert_allclose(got, want, err_msg=f"{name} {where}", **_F32_TOL)
+      np.testing.assert_array_equal(np.asarray(grads[0])[unseen], 0.0, err_msg=where)
+      if schedule.shapes[pair] == "empty":
+        assert unseen.all(), where
+        for name, got in zip(("dq", "dk", "dv"), grads):
+          np.testing.assert_array_equal(np.asarray(got), 0.0, err_msg=f"{name} {where}")
+        wholly_future += 1
       seen_some += int((~unseen).any())
       partly_seen += int((unseen.any(axis=(1, 2)) & (~unseen).any(axis=(1, 2))).any())
   assert seen_some and partly_seen, "the cases must include rows that see only some keys"
+  assert wholly_future, "the cases must include a key block wholly in the future"
 
 
 def test_cases_cover_every_tile_class():
@@ -134,20 +167,6 @@ def test_cases_cover_every_tile_class():
       split_runs |= (plan.by_query.num_runs[pair] > 1).any()
   assert found == {tiles.SKIP, tiles.UNMASKED, tiles.MASKED}
   assert skip_inside and split_runs
-
-
-def test_wholly_future_block_gives_zeros():
-  rng = np.random.default_rng(7)
-  q, k, v = (rng.standard_normal((1, 32, 2, 8), np.float32) for _ in range(3))
-  schedule = ring_schedule("ring", 64, 2)
-  pair = schedule.pair[0, 1]  # device 0's queries on device 1's keys: all in the future
-  out, lse = kernel_pallas.block_fwd(q, k, v, None, None, schedule=schedule, pair=pair, tile=8)
-  np.testing.assert_array_equal(np.asarray(out), 0.0)
-  assert np.all(np.isneginf(np.asarray(lse)))
-  grads = kernel_pallas.block_bwd(q, k, v, q, lse, jnp.zeros(lse.shape), None, None,
-                                  schedule=schedule, pair=pair, tile=8)
-  for g in grads:
-    np.testing.assert_array_equal(np.asarray(g), 0.0)
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -187,6 +206,13 @@ def _dense(q, k, v, index, seg, window=None, softcap=0.0):
   return jnp.einsum("bhqk,bkhd->bqhd", p, v, precision="highest")
 
 
+# Jitted: one compile, where op-by-op dispatch compiled each of its ops.
+@functools.partial(jax.jit, static_argnums=(6, 7))
+def _dense_fwd_bwd(q, k, v, dout, index, seg, window, softcap):
+  out, vjp = jax.vjp(lambda q, k, v: _dense(q, k, v, index, seg, window, softcap), q, k, v)
+  return (out, *vjp(dout))
+
+
 @pytest.mark.parametrize("layout,window,softcap", [("striped", None, 0.0), ("zigzag", 12, 2.0)])
 def test_ring_attention_pallas_matches_dense(layout, window, softcap):
   """kernel='pallas' inside the ring on 4 of the 8 fake devices: forward and gradients;
@@ -209,8 +235,8 @@ def test_ring_attention_pallas_matches_dense(layout, window, softcap):
     return (out, *vjp(dout))
 
   got = [unpermute(np.asarray(x), layout, n) for x in run(perm(q), perm(k), perm(v), perm(dout))]
-  out, vjp = jax.vjp(lambda q, k, v: _dense(q, k, v, index, seg, window, softcap), q, k, v)
-  for name, g, w in zip(("out", "dq", "dk", "dv"), got, (out, *vjp(dout))):
+  want = _dense_fwd_bwd(q, k, v, dout, index, seg, window, softcap)
+  for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
     np.testing.assert_allclose(g, np.asarray(w), err_msg=name, **_F32_TOL)
 
 
