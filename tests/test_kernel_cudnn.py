@@ -262,35 +262,45 @@ def _packed_rows(batch_rows=((37, 90), (5, 6, 7, 8, 9, 64, 100, 120)), length=12
   return seg
 
 
-@pytest.mark.parametrize("layout, documents_per_call", [
-    ("ring", 16), ("zigzag", 16), ("striped", 3)])
+# Zigzag's pairs are a causal diagonal (packed as ring's and striped's; its packing is its
+# mask, test_each_pairs_packing_is_its_mask) and `general` pairs, which the kernel hands to
+# the fallback whole, segment ids and all, packed or not (the decomposition test above).
+@pytest.mark.parametrize("layout, documents_per_call", [("ring", 16), ("striped", 3)])
 def test_packed_documents_are_exact_in_every_layout(layout, documents_per_call,
                                                     reference_cudnn, monkeypatch):
-  """Packed rows, GQA, N=4: each document a sequence of cuDNN's packed layout per block pair;
-  with 3 documents per call (striped: every pair shape but `general`) the busy row's pairs
-  run the fallback kernel and the other row's cuDNN, in one call."""
+  """Packed rows, GQA, N=4: each document a sequence of cuDNN's packed layout per block pair
+  (ring: full, causal and empty pairs); with 3 documents per call (striped: causal and
+  strictly causal pairs) the pairs of the busy row's block run the fallback kernel and the
+  others cuDNN, in one call."""
   monkeypatch.setattr(kernel_cudnn.cudnn_packing, "DOCUMENTS_PER_CALL", documents_per_call)
   inputs = make_inputs(batch=2, seq_len=128, segments=_packed_rows(), seed=4)
   got = ring_in_layout(layout, seq_mesh(4), *inputs, tile_size=8, kernel="cudnn")
   assert_close(got, reference(*inputs), **_F32_TOL)
 
 
-@pytest.mark.parametrize("documents_per_call", [16, 3])
-def test_dense_attention_is_cudnn_with_documents_apart(documents_per_call, reference_cudnn,
-                                                       monkeypatch):
+def test_dense_attention_is_cudnn_with_documents_apart(reference_cudnn):
   """`model.attention='dense'` on a CUDA GPU: cuDNN over whole rows, differentiated by its
-  own rule; rows of more documents than a call takes run the fallback."""
-  monkeypatch.setattr(kernel_cudnn.cudnn_packing, "DOCUMENTS_PER_CALL", documents_per_call)
-  q, k, v, dout, index, seg = make_inputs(batch=2, seq_len=128, segments=_packed_rows(), seed=5)
+  own rule; rows of more documents than a call takes run the fallback. Both from one
+  compile: the segment ids are an argument and the route is decided at run time."""
+  busy = _packed_rows(((37, 90), tuple(range(2, 128, 6))))
+  assert (np.diff(busy[1]) != 0).sum() + 1 > cudnn_packing.DOCUMENTS_PER_CALL
   fallback = functools.partial(ring_attention, layout="ring", tile_size=8, kernel="xla")
 
   @jax.jit
-  def run(q, k, v, dout):
+  def run(q, k, v, dout, seg):
     out, vjp = jax.vjp(lambda q, k, v: parallelism.cudnn_dense_attention(
-        q, k, v, jnp.asarray(seg), fallback), q, k, v)
+        q, k, v, seg, fallback), q, k, v)
     return (out, *vjp(dout))
 
-  assert_close(run(q, k, v, dout), reference(q, k, v, dout, index, seg), **_F32_TOL)
+  for rows in (_packed_rows(), busy):
+    q, k, v, dout, index, seg = make_inputs(batch=2, seq_len=128, segments=rows, seed=5)
+    assert_close(run(q, k, v, dout, seg), reference(q, k, v, dout, index, seg), **_F32_TOL)
+
+
+# Jitted: one compile per shape, where op-by-op dispatch compiled each of their ops.
+_block_pair = jax.jit(cudnn_packing.block_pair, static_argnums=(2, 3))
+_whole_rows = jax.jit(cudnn_packing.whole_rows, static_argnums=1)
+_visible = jax.jit(_ReferenceCudnn._visible, static_argnums=(0, 1, 2))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -315,9 +325,8 @@ def test_each_pairs_packing_is_its_mask(layout):
                   k_seg[:, None, :] == q_seg[:, :, None])
       if shape == "strictly_causal":  # queries from row 1 on keys up to row T-2
         q_seg, k_seg, rule = q_seg[:, 1:], k_seg[:, :-1], rule[:, 1:, :-1]
-      packing = cudnn_packing.block_pair(jnp.asarray(q_seg), jnp.asarray(k_seg),
-                                         shape != "full", 16)
-      visible, _ = _ReferenceCudnn._visible(
+      packing = _block_pair(jnp.asarray(q_seg), jnp.asarray(k_seg), shape != "full", 16)
+      visible, _ = _visible(
           q_seg.shape[1], k_seg.shape[1], _ReferenceCudnn.MaskType[
               "PADDING" if shape == "full" else "PADDING_CAUSAL"],
           (packing.q_lengths, packing.kv_lengths, packing.q_offsets, packing.kv_offsets))
@@ -330,15 +339,21 @@ def test_each_pairs_packing_is_its_mask(layout):
 
 def test_the_statistics_round_trip_and_uncovered_queries_see_nothing():
   seg = jnp.asarray(_packed_rows())
-  packing = cudnn_packing.block_pair(seg, seg, True, 16)
-  lse = jax.random.normal(jax.random.key(0), (*seg.shape, 4))
-  stats = cudnn_packing.stats_of_tokens(lse, packing)
+  packing = _block_pair(seg, seg, True, 16)
+  lse = np.random.default_rng(0).standard_normal((*seg.shape, 4)).astype(np.float32)
+
+  @jax.jit
+  def there_and_back(lse, packing):
+    stats = cudnn_packing.stats_of_tokens(lse, packing)
+    return stats, cudnn_packing.lse_of_tokens(stats, packing)
+
+  stats, lse_again = there_and_back(lse, packing)
   assert stats.shape == (2 * 16, 4, seg.shape[1])
-  np.testing.assert_array_equal(cudnn_packing.lse_of_tokens(stats, packing), lse)
+  np.testing.assert_array_equal(lse_again, lse)
   # A pair where document 2 starts one token later among the keys: its first query sees none.
   q_seg = jnp.asarray([[1, 1, 2, 2, 2, 2]])
   k_seg = jnp.asarray([[1, 1, 1, 2, 2, 2]])
-  packing = cudnn_packing.block_pair(q_seg, k_seg, True, 16)
+  packing = _block_pair(q_seg, k_seg, True, 16)
   assert bool(packing.exact)
   np.testing.assert_array_equal(packing.q_covered, [[1, 1, 0, 1, 1, 1]])
   np.testing.assert_array_equal(packing.q_offsets, [[0, 3] + [-1] * 15])
@@ -347,9 +362,9 @@ def test_the_statistics_round_trip_and_uncovered_queries_see_nothing():
 
 def test_what_the_packing_cannot_express_is_not_exact():
   runs = jnp.asarray([[1, 2, 3, 4, 5, 5]])
-  assert not bool(cudnn_packing.whole_rows(runs, 4).exact)  # 5 documents, 4 per call
-  assert bool(cudnn_packing.whole_rows(runs, 5).exact)
+  assert not bool(_whole_rows(runs, 4).exact)  # 5 documents, 4 per call
+  assert bool(_whole_rows(runs, 5).exact)
   split = jnp.asarray([[1, 1, 2, 2, 1, 1]])  # document 1 in two runs: no layout does this
-  assert not bool(cudnn_packing.whole_rows(split, 16).exact)
-  apart = cudnn_packing.block_pair(runs, jnp.asarray([[7] * 6]), False, 16)
+  assert not bool(_whole_rows(split, 16).exact)
+  apart = _block_pair(runs, jnp.asarray([[7] * 6]), False, 16)
   assert bool(apart.exact) and not bool(apart.any_pair)  # no document meets itself
