@@ -71,58 +71,50 @@ def test_fsdp_alone_with_dense_attention_gives_the_same_losses(tmp_path, tiny_co
   np.testing.assert_allclose(losses, reference_losses, rtol=1e-4)
 
 
-# data x sequence x tensor (data alone adds nothing: the batch splits over `data` here too);
-# fsdp x sequence x tensor is the rules test's mesh.
-def test_data_sequence_and_tensor_give_the_same_losses(tmp_path, tiny_config, reference_losses):
-  train(_config(tiny_config, "striped", (2, 1, 2, 2)), str(tmp_path))
-  np.testing.assert_allclose(_losses(tmp_path), reference_losses[:10], rtol=1e-5)
-
-
-def test_other_rules_give_the_same_losses(tmp_path, tiny_config, reference_losses):
-  """Heads not over `tensor` and batch over `data` only: the ring's shard_map follows the
-  rules table like the activations around it, and training is unchanged."""
-  config = _config(tiny_config, "striped", (1, 2, 2, 2))
+def test_data_sequence_and_tensor_under_other_rules_give_the_same_losses(tmp_path, tiny_config,
+                                                                        reference_losses):
+  """Batch over `data`, the ring over `sequence`, parameters over `tensor` (data alone adds
+  nothing: the batch splits over `data` in every run), under a rules table whose
+  activation heads are not over `tensor` and batch is over `data` only: the ring's
+  shard_map follows the rules table like the activations around it, and training is
+  unchanged. The default table's heads over `tensor` inside the ring (the same spec code,
+  other values) are checked against dense in tests/test_strategies.py and in the compiled
+  program in tests/test_attention_sharding.py."""
+  config = _config(tiny_config, "striped", (2, 1, 2, 2))
   other = {"activation_batch": "data", "activation_heads": None, "activation_kv_heads": None}
   config.mesh.rules = tuple((name, other.get(name, target)) for name, target in config.mesh.rules)
   train(config, str(tmp_path))
   np.testing.assert_allclose(_losses(tmp_path), reference_losses[:10], rtol=1e-5)
 
 
-def test_the_ring_layout_in_micro_batches_trains_the_same_losses(tmp_path, tiny_config,
-                                                                 reference_losses):
-  """The ring layout (rows not permuted) and the reference's batch of 8 as 4 micro-batches
-  of 2 (one row per fsdp shard), together: each changes the step, neither the losses.
-  (Zigzag trains under hybrid in the resume test below; every layout's attention is checked
-  against dense in tests/test_ring_attention.py.)"""
-  train(_config(tiny_config, "ring", **{"train.steps": 20, "train.micro_batches": 4}),
+def test_the_ring_layout_in_micro_batches_under_allgather_trains_the_same_losses(
+    tmp_path, tiny_config, reference_losses):
+  """The ring layout (rows not permuted), the reference's batch of 8 as 4 micro-batches of 2
+  (one row per fsdp shard) and the all-gather strategy, together: each changes the step,
+  none the losses. One run for the three, as none of them changes another's code path: the
+  layout is the data pipeline's permutation and the ring's static schedule, micro-batches
+  the step's loop around the model, the strategy how attention's devices exchange K/V.
+  (Zigzag trains under hybrid in the resume test below; every layout under every strategy
+  is checked against dense in tests/test_ring_attention.py and tests/test_strategies.py.)"""
+  train(_config(tiny_config, "ring", **{"train.steps": 20, "train.micro_batches": 4,
+                                        "model.sequence_parallel": "allgather"}),
         str(tmp_path))
   losses = _losses(tmp_path)
   assert len(losses) == 20
   np.testing.assert_allclose(losses, reference_losses, rtol=1e-4)
 
 
-# Hybrid (zigzag over Ulysses pairs) trains in the resume test below.
-@pytest.mark.parametrize("attention, strategy, mesh, ulysses", [
-    ("striped", "allgather", (1, 2, 4, 1), 1),
-    ("ring", "ulysses", (1, 2, 1, 1), 4),  # 2 kv heads, each repeated twice
-])
-def test_strategies_train_to_the_same_losses(tmp_path, tiny_config, reference_losses, attention,
-                                             strategy, mesh, ulysses):
-  config = _config(tiny_config, attention, mesh, **{"train.steps": 20,
-                                                    "model.sequence_parallel": strategy})
-  config.mesh.ulysses = ulysses
-  train(config, str(tmp_path))
-  np.testing.assert_allclose(_losses(tmp_path), reference_losses, rtol=1e-4)
-
-
 def test_a_ring_run_resumes_under_hybrid(tmp_path, tiny_config, reference_losses):
-  """10 steps of a striped ring saved, 10 more resumed as Ulysses x ring (2 x 2) on another
-  mesh: the checkpoint does not depend on the strategy, and the losses are the reference's."""
+  """10 steps of a striped ring saved, 10 more resumed as Ulysses x ring (4 x 2) on another
+  mesh: the checkpoint does not depend on the strategy, and the losses are the reference's.
+  Ulysses 4 over the tiny config's 2 K/V heads repeats each twice, so this is also the
+  training run of the Ulysses path: `ulysses` runs the same code (`Strategy` with a
+  Ulysses axis) around a ring of one, which tests/test_strategies.py checks against dense."""
   config = _config(tiny_config, "striped", **{"checkpoint.every_steps": 10})
   train(config, str(tmp_path))
-  config = _config(tiny_config, "zigzag", (1, 2, 2, 1), **{
+  config = _config(tiny_config, "zigzag", (1, 1, 2, 1), **{
       "train.steps": 20, "checkpoint.every_steps": 10, "model.sequence_parallel": "hybrid"})
-  config.mesh.ulysses = 2
+  config.mesh.ulysses = 4
   train(config, str(tmp_path))
   np.testing.assert_allclose(_losses(tmp_path), reference_losses, rtol=1e-4)
 

@@ -60,17 +60,20 @@ def test_allgather_matches_dense(layout, n, num_kv):
   assert_close(got, reference(*inputs), **_F32_TOL)
 
 
-@pytest.mark.parametrize("ulysses,num_kv", [(2, 8), (4, 2), (8, 1)])
+# Degree 4 over 2 K/V heads (repeated twice) runs under hybrid below: Ulysses is hybrid's
+# code around a ring of one, so the degrees here are the two ends and a repeat of eight.
+@pytest.mark.parametrize("ulysses,num_kv", [(2, 8), (8, 1)])
 def test_ulysses_matches_dense(ulysses, num_kv):
-  """GQA 1, 4 and 8 (kv heads 8, 2, 1 of 8); kv heads fewer than the degree are repeated."""
+  """GQA 1 and 8 (kv heads 8 and 1 of 8); kv heads fewer than the degree are repeated."""
   inputs = make_inputs(batch=2, seq_len=64, num_heads=8, num_kv=num_kv, head_dim=8,
                        segments=packed_segments(2, 64), seed=ulysses + num_kv)
   got = run_strategy("ulysses", "striped", mesh_of(1, ulysses), *inputs)
   assert_close(got, reference(*inputs), **_F32_TOL)
 
 
+# Each layout once, rings of 2 and 4, K/V heads repeated (Ulysses 4) and not (Ulysses 2).
 @pytest.mark.parametrize("layout,ring,ulysses", [("ring", 2, 4), ("striped", 4, 2),
-                                                 ("zigzag", 2, 4), ("striped", 2, 4)])
+                                                 ("zigzag", 2, 4)])
 def test_hybrid_matches_dense(layout, ring, ulysses):
   inputs = make_inputs(batch=2, seq_len=64, num_heads=8, num_kv=2, head_dim=8,
                        segments=packed_segments(2, 64), seed=ring)
