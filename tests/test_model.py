@@ -31,16 +31,25 @@ def _init_apply(cfg, *inputs):
   return jax.jit(model.apply), jax.jit(model.init)(jax.random.key(0), *inputs)
 
 
+def _init_then_apply(module, *inputs):
+  """A module's parameters and its output on `inputs`, from one compile."""
+  @jax.jit
+  def run(*inputs):
+    variables = module.init(jax.random.key(1), *inputs)
+    return variables, module.apply(variables, *inputs)
+  return run(*inputs)
+
+
 def test_shapes_and_dtypes():
   cfg = _config(dtype="bfloat16")
+  # The decoder's init is the program the float32 tests below init with (the cache serves it).
   apply, variables = _init_apply(cfg, *_inputs())
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(variables))
   logits = apply(variables, *_inputs())
   assert logits.shape == (B, S, cfg.vocab_size) and logits.dtype == jnp.float32
   # The residual stream and every block's output are computed in bf16.
   x_BSE = jnp.ones((B, S, cfg.d_model), jnp.bfloat16)
-  block_vars = jax.jit(Block(cfg).init)(jax.random.key(1), x_BSE, *_inputs()[1:])
-  out_BSE, _ = jax.jit(Block(cfg).apply)(block_vars, x_BSE, *_inputs()[1:])
+  _, (out_BSE, _) = _init_then_apply(Block(cfg), x_BSE, *_inputs()[1:])
   assert out_BSE.dtype == jnp.bfloat16
 
 
@@ -74,6 +83,14 @@ def test_changing_a_future_token_never_changes_earlier_logits():
   assert not np.allclose(changed[:, t:], base[:, t:])
 
 
+# Jitted: one compile per group, where op-by-op dispatch compiled each op.
+@jax.jit
+def _gqa_and_multihead(q, k, v, segments):
+  groups = q.shape[2] // k.shape[2]
+  return dense_attention(q, k, v, segments), dense_attention(
+      q, jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2), segments)
+
+
 @pytest.mark.parametrize("groups", [1, 2, 4])
 def test_gqa_equals_multihead_with_repeated_kv(groups):
   rng = np.random.default_rng(groups)
@@ -82,9 +99,7 @@ def test_gqa_equals_multihead_with_repeated_kv(groups):
   k = jnp.asarray(rng.normal(size=(B, S, kv_heads, dim)), jnp.float32)
   v = jnp.asarray(rng.normal(size=(B, S, kv_heads, dim)), jnp.float32)
   segments = jnp.asarray(np.repeat([[1, 2]], S // 2, axis=1), jnp.int32).repeat(B, 0)
-  gqa = dense_attention(q, k, v, segments)
-  mha = dense_attention(q, jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2),
-                        segments)
+  gqa, mha = _gqa_and_multihead(q, k, v, segments)
   np.testing.assert_allclose(gqa, mha, atol=1e-6, rtol=1e-6)
 
 
