@@ -61,17 +61,8 @@ def _ring(layout, num_shards, inputs, positions, **kwargs):
 
 # The sinks' own code (`parallelism.sinks`) is the same in every layout but for the host-side
 # order it is handed; the ring beside it is the windowed ring of tests/test_windows.py. So
-# each layout runs once: zigzag here (and with spans below), ring in
-# test_more_sinks_than_one_table_run_more_rounds, striped in the strategies test.
-@pytest.mark.parametrize("layout,num_shards,window", [("zigzag", 2, 1)])
-def test_ring_with_sinks_matches_dense(layout, num_shards, window):
-  """A window, here w = 1: each query sees only itself and its document's sinks."""
-  inputs, positions = _inputs()
-  want = sink_reference(*inputs, positions, (window,) * 4)
-  assert_close(_ring(layout, num_shards, inputs, positions, window=window), want, **_F32_TOL)
-  # The sinks are not ignored.
-  plain = sink_reference(*inputs, positions, (window,) * 4, sinks=0)
-  assert np.abs(np.asarray(plain[0]) - np.asarray(want[0])).max() > 1e-2
+# each layout runs once: ring (cut short) in test_ring_with_sinks_matches_dense_over_several_rounds,
+# zigzag with spans below and, with w = 1, in the hybrid strategy; striped in allgather.
 
 
 def test_ring_with_sinks_and_per_head_spans_matches_dense():
@@ -83,21 +74,23 @@ def test_ring_with_sinks_and_per_head_spans_matches_dense():
   assert_close(got, want, **_F32_TOL)
 
 
-@pytest.mark.parametrize("strategy,ring,ulysses,layout", [("allgather", 4, 1, "striped"),
-                                                          ("hybrid", 2, 2, "zigzag")])
-def test_other_strategies_take_sinks(strategy, ring, ulysses, layout):
-  """Also the other strategies' window (the reference has it), in two layouts."""
+@pytest.mark.parametrize("strategy,ring,ulysses,layout,window", [
+    ("allgather", 4, 1, "striped", 9), ("hybrid", 2, 2, "zigzag", 1)])
+def test_other_strategies_take_sinks(strategy, ring, ulysses, layout, window):
+  """Also the other strategies' window (the reference has it), in two layouts; w = 1 sees
+  only itself and its document's sinks."""
   inputs, positions = _inputs()
   mesh = jax.make_mesh((ring, ulysses), ("sequence", "ulysses"),
                        devices=jax.devices()[:ring * ulysses])
-  got = ring_in_layout(layout, mesh, *inputs, tile_size=8, window=9, strategy=strategy,
+  got = ring_in_layout(layout, mesh, *inputs, tile_size=8, window=window, strategy=strategy,
                        rules=(("activation_seq", ("sequence", "ulysses")),),
                        positions=permute(positions, layout, ring), sink_tokens=SINKS)
-  assert_close(got, sink_reference(*inputs, positions, (9,) * 4), **_F32_TOL)
+  assert_close(got, sink_reference(*inputs, positions, (window,) * 4), **_F32_TOL)
 
 
-def test_more_sinks_than_one_table_run_more_rounds():
-  """Positions that restart every 5 tokens inside one segment (as with cross-document
+def test_ring_with_sinks_matches_dense_over_several_rounds():
+  """The ring with sinks matches dense (forward and gradients, the sinks not ignored).
+  Positions that restart every 5 tokens inside one segment (as with cross-document
   attention) make 77 sinks in row 1, over the capacity 3 * (128 // 10) = 36: three rounds,
   exact; row 0 needs one round (the rounds are one loop, its count the row's), in the ring
   layout cut short by the window."""
