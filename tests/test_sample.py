@@ -72,8 +72,13 @@ def tokenizer(tiny_config):
   return data.Tokenizer(data.tokenizer_path(data_config(config)))
 
 
+# Two cases hold every path of the plain striped ring (it was a third case): the zigzag one
+# prefills by the ring strategy and decodes its global layer over a cache on 4 sequence
+# devices, the hybrid one permutes striped and decodes with no window anywhere; the striped
+# ring's own permutation on 4 devices is checked against dense attention from a checkpoint
+# below.
 @pytest.mark.parametrize("attention,prompt_length,strategy,window", [
-    ("striped", 5, "ring", 0), ("zigzag", 37, "ring", 8), ("striped", 11, "hybrid", 0)])
+    ("zigzag", 37, "ring", 8), ("striped", 11, "hybrid", 0)])
 def test_sharded_decoding_gives_the_dense_greedy_tokens(tiny_config, tokenizer, attention,
                                                         prompt_length, strategy, window):
   """With a window (local:global layers, 'LG', logits soft-capped), the prefill's ring is
