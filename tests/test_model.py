@@ -31,25 +31,16 @@ def _init_apply(cfg, *inputs):
   return jax.jit(model.apply), jax.jit(model.init)(jax.random.key(0), *inputs)
 
 
-def _init_then_apply(module, *inputs):
-  """A module's parameters and its output on `inputs`, from one compile."""
-  @jax.jit
-  def run(*inputs):
-    variables = module.init(jax.random.key(1), *inputs)
-    return variables, module.apply(variables, *inputs)
-  return run(*inputs)
-
-
 def test_shapes_and_dtypes():
   cfg = _config(dtype="bfloat16")
-  # The decoder's init is the program the float32 tests below init with (the cache serves it).
   apply, variables = _init_apply(cfg, *_inputs())
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(variables))
   logits = apply(variables, *_inputs())
   assert logits.shape == (B, S, cfg.vocab_size) and logits.dtype == jnp.float32
   # The residual stream and every block's output are computed in bf16.
   x_BSE = jnp.ones((B, S, cfg.d_model), jnp.bfloat16)
-  _, (out_BSE, _) = _init_then_apply(Block(cfg), x_BSE, *_inputs()[1:])
+  block_vars = jax.jit(Block(cfg).init)(jax.random.key(1), x_BSE, *_inputs()[1:])
+  out_BSE, _ = jax.jit(Block(cfg).apply)(block_vars, x_BSE, *_inputs()[1:])
   assert out_BSE.dtype == jnp.bfloat16
 
 
