@@ -14,10 +14,9 @@ schedule (`parallelism.schedule`) gives that device at that ring step:
   reads its tile tables (tiles no coarser than `tile`) or switches on `schedule.shapes[p]`.
 - `spans_H` ([Hq] int32; xla, pallas): head h sees keys fewer than `spans_H[h]` back; MASKED
   tiles narrow their mask by it (the schedule's `narrowest` and `window` bound the spans).
-- `q_codes_BTH`, `k_codes_BTK` (int32 codes of hash attention and QK-dropping; xla): head h
-  sees a key only where its code equals its kv head's key code (`parallelism.kernel_hash`);
-  with `sparsek_window` (SparseK; xla) they are float32 thresholds and scores, a soft mask
-  (`parallelism.kernel_sparsek`), and block_bwd also returns their gradients (dtau, du).
+- `q_codes_BTH`, `k_codes_BTK` (xla): hash/QK-dropping's int32 codes, a key seen only where
+  they are equal (`kernel_hash`); with `sparsek_window`, SparseK's float32 thresholds and
+  scores, a soft mask whose gradients (dtau, du) block_bwd also returns (`kernel_sparsek`).
 - Forward: output and natural-log lse, float32 (a query that sees no key: 0 and -inf, never
   NaN). Backward: from the GLOBAL lse and `delta = sum(dout * out, -1)` (and global `out`,
   for cuDNN), this block's dq, dk, dv in float32.
