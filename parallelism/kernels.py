@@ -17,9 +17,8 @@ schedule (`parallelism.schedule`) gives that device at that ring step:
 - `q_codes_BTH`, `k_codes_BTK` (xla): hash/QK-dropping's int32 codes, a key seen only where
   they are equal (`kernel_hash`); with `sparsek_window`, SparseK's float32 thresholds and
   scores, a soft mask whose gradients (dtau, du) block_bwd also returns (`kernel_sparsek`).
-- Forward: output and natural-log lse, float32 (a query that sees no key: 0 and -inf, never
-  NaN). Backward: from the GLOBAL lse and `delta = sum(dout * out, -1)` (and global `out`,
-  for cuDNN), this block's dq, dk, dv in float32.
+- Forward: output and natural-log lse, float32 (no key seen: 0 and -inf, never NaN).
+  Backward: from the GLOBAL lse, `delta = sum(dout * out, -1)` (and `out`, for cuDNN).
 
 `xla` is the reference (any backend); `pallas` is fused (Triton on GPUs, interpreted on the
 CPU); `cudnn` is cuDNN's flash attention where the pair's mask allows. `auto` resolves per
