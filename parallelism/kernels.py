@@ -18,7 +18,7 @@ schedule (`parallelism.schedule`) gives that device at that ring step:
   they are equal (`kernel_hash`); with `sparsek_window`, SparseK's float32 thresholds and
   scores, a soft mask whose gradients (dtau, du) block_bwd also returns (`kernel_sparsek`).
 - Forward: output and natural-log lse, float32 (no key seen: 0 and -inf, never NaN).
-  Backward: from the GLOBAL lse, `delta = sum(dout * out, -1)` (and `out`, for cuDNN).
+  Backward: float32 dq, dk, dv from the GLOBAL lse and `delta = sum(dout * out, -1)`.
 
 `xla` is the reference (any backend); `pallas` is fused (Triton on GPUs, interpreted on the
 CPU); `cudnn` is cuDNN's flash attention where the pair's mask allows. `auto` resolves per
