@@ -82,7 +82,7 @@ def tiny_config(shared_data_dir):
 
 def pytest_collection_modifyitems(items):
   """Modules with slow tests first, the slowest module first, each module's slow tests at
-  its head (`@pytest.mark.slow(SECONDS)`). `make test` hands whole modules to its two xdist
+  its head (`@pytest.mark.slow(SECONDS)`). `make test` hands whole modules to its xdist
   workers (`--dist loadscope`: a module-scoped fixture is set up once, on one worker), so a
   module of minutes that started last would leave the other worker idle for its length."""
   def seconds(item):
