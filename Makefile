@@ -22,7 +22,7 @@ train: $(STAMP)
 
 # Three workers on 2 cores: most tests wait on one single-threaded XLA compile, and the
 # third fills the time the others wait on subprocesses and the Slurm job's daemons (about
-# 10% idle with two: 714 s against 668 s with three, the same suite back to back).
+# 10% idle with two: 714 s, against 668 s and 706 s with three, on one quiet 2-core machine).
 # Whole modules to a worker (a module-scoped fixture runs once), in the order
 # tests/conftest.py sets: modules with slow tests first, the slowest first.
 TEST_WORKERS ?= 3
