@@ -196,10 +196,7 @@ class ModelConfig:
     if self.attention_softcap:
       return (f"model.attention_softcap={self.attention_softcap:g} does not combine with "
               f"model.sparse='sparsek' (its kernel has no logit cap)")
-    if self.attention != "dense" and self.sequence_parallel != "ring":
-      return (f"model.sequence_parallel='{self.sequence_parallel}' does not carry SparseK's "
-              f"scores and their gradients yet: use 'ring' with model.sparse='sparsek'")
-    return ""
+    return ""  # Which strategies carry it is parallelism.split_attention's to say.
 
   @property
   def hashed(self) -> bool:

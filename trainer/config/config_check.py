@@ -212,7 +212,7 @@ def attention_split(config: ml_collections.ConfigDict, num_devices: int):
         jnp.dtype(m.dtype), CONFIG_NAMES, window=cfg.window_of(cfg.layer_kinds[0]),
         softcap=cfg.attention_softcap,
         narrowest=cfg.narrowest_span if cfg.layer_kinds[0] == "L" else None,
-        buckets=cfg.coded)
+        buckets=cfg.coded, sparsek_window=cfg.sparsek_window if cfg.selects else None)
   except ValueError as error:
     raise ConfigError(str(error)) from None
 
