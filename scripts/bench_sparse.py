@@ -1,6 +1,7 @@
 """Hash attention (SCFA, issue #38) against causal attention: time and computed tile pairs.
 
-  python scripts/bench_sparse.py                                  # CPU: block, then ring
+  python scripts/bench_sparse.py                                  # CPU: block, ring, ring2
+  python scripts/bench_sparse.py --part ring2 --ring2_seq_len 16384
   python scripts/bench_sparse.py --part block --seq_lens 4096,8192,16384
   python scripts/bench_sparse.py --gpu                            # SCFA's settings on a GPU
 
@@ -15,6 +16,14 @@ Appends JSON lines to results/bench_sparse.jsonl (and $OUT/bench_sparse.jsonl wh
 - ring: the same through `ring_attention` on 8 simulated CPU devices (one process; the
   devices share its cores, so this is total work, not a ring's critical path) in
   `--layout`.
+- ring2: the same through `ring_attention` on a ring of 2 devices that really run side by
+  side: the script starts itself again as 2 processes joined by `jax.distributed` on
+  loopback, each pinned to a core of its own with single-threaded XLA and holding one CPU
+  device (`scripts/two_cores.py`, as `scripts/compare_demo.py` trains). A ring step waits
+  for the slower device, so this times the ring's critical path, not its total work. Both
+  processes make the same inputs and run the same calls (the collectives pair them); process
+  0 alone prints and records (rows with `processes`), its clock covering both devices
+  through the ring's collectives. Needs 2 cores and `taskset`.
 - tiles: (query head, query tile, key tile) pairs computed, summed over devices and ring
   steps: causal from the static schedule, hash from the kernel's own run-time rule
   (`kernel_hash.computed_tiles`). Ideal ratio about 1/buckets; the rule also computes each
@@ -42,8 +51,12 @@ on a GPU each step is a few small launches; expect it launch-bound, not 1/bucket
 import os
 import sys
 
+# Set by this script on the command lines of part ring2's 2 processes.
+_RING2_PROCESS = any(arg.startswith("--process_id") for arg in sys.argv)
+
 if __name__ == "__main__":
-  if "--gpu" not in sys.argv:  # before JAX starts: the ring part's 8 CPU devices
+  # Before JAX starts: the ring part's 8 CPU devices (a ring2 process keeps two_cores' one).
+  if "--gpu" not in sys.argv and not _RING2_PROCESS:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -57,6 +70,7 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 import numpy as np  # noqa: E402
 
 from model.dropping import drop_codes  # noqa: E402
@@ -67,6 +81,7 @@ from parallelism.layouts import LAYOUTS, permute  # noqa: E402
 from parallelism.ring_attention import ring_attention  # noqa: E402
 from parallelism.schedule import held_block, ring_schedule  # noqa: E402
 import bench_results  # noqa: E402  (scripts/, first on the path)
+import two_cores  # noqa: E402
 
 RESULTS = "bench_sparse.jsonl"
 _STAMP = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -191,7 +206,10 @@ def measure(steps, args, variants: dict, repeats: int) -> dict:
 
 
 def run_part(part: str, seq_len: int, args, schedule, steps, bucket_list, drop_rates,
-             repeats, tile: int, perm, keeps=(), scores: str = "iid") -> list[dict]:
+             repeats, tile: int, perm, keeps=(), scores: str = "iid",
+             place=lambda x: x) -> list[dict]:
+  """One row per variant; `perm` puts an array in the layout's order (NumPy, which the tile
+  counts read), `place` on the devices where the timed steps take it."""
   q, k = args[:2]
   # One bucket: the run-time walk on the causal mask, the control that separates the walk's
   # own speed per tile from what the buckets skip.
@@ -203,8 +221,9 @@ def run_part(part: str, seq_len: int, args, schedule, steps, bucket_list, drop_r
   variants |= {f"sparsek-{n}": (*sparsek_codes(q, k, n, tile, scores), tile) for n in keeps}
   variants = {name: None if c is None else tuple(perm(x) for x in c[:2]) + tuple(c[2:])
               for name, c in variants.items()}
-  args = [perm(x) for x in args]
-  times = measure(steps, args, variants, repeats)
+  args = [place(perm(x)) for x in args]
+  times = measure(steps, args, {name: None if c is None else tuple(map(place, c[:2])) + c[2:]
+                                for name, c in variants.items()}, repeats)
   rows = []
   for name, codes in variants.items():
     row = dict(part=part, layout=schedule.layout, shards=schedule.num_shards, seq_len=seq_len,
@@ -213,11 +232,13 @@ def run_part(part: str, seq_len: int, args, schedule, steps, bucket_list, drop_r
     if codes is not None:
       causal_tiles, hash_tiles = tile_counts(schedule, tile, codes, q.shape[0])
       kind, value = name.split("-")
-      option = {"hash": {"buckets": int(value)}, "drop": {"drop_rate": float(value)},
-                "sparsek": {"sparsek_k": int(value), "sparsek_window": tile,
-                            "sparsek_scores": scores}}[kind]
-      ideal = {"hash": lambda: 1 / int(value), "drop": lambda: (1 - float(value)) ** 2,
-               "sparsek": lambda: min(1.0, (int(value) + tile) / ((seq_len + 1) / 2))}[kind]()
+      # Lambdas: only this kind's value parses (int('0.5') would fail).
+      option, ideal = {
+          "hash": lambda: ({"buckets": int(value)}, 1 / int(value)),
+          "drop": lambda: ({"drop_rate": float(value)}, (1 - float(value)) ** 2),
+          "sparsek": lambda: ({"sparsek_k": int(value), "sparsek_window": tile,
+                               "sparsek_scores": scores},
+                              min(1.0, (int(value) + tile) / ((seq_len + 1) / 2)))}[kind]()
       row |= dict(tiles=hash_tiles, causal_tiles=causal_tiles, ideal=ideal,
                   tile_ratio=hash_tiles / causal_tiles, **option)
     for kind in ("fwd", "fwd_bwd"):
@@ -251,6 +272,29 @@ def threshold_row(seq_len: int, k, keep: int, window: int, causal: dict, repeats
   return row
 
 
+def ring2_part(args, shape, buckets, rates, keeps) -> list[dict]:
+  """Part ring2 in one of its 2 processes: ring_attention over one CPU device per process.
+  Both make the same inputs (same seeds); each device is handed only its own block."""
+  jax.distributed.initialize(args.coordinator, 2, args.process_id)
+  n, seq_len = jax.device_count(), args.ring2_seq_len
+  mesh = jax.make_mesh((n,), ("sequence",))
+  on_ring = NamedSharding(mesh, P(None, "sequence"))
+  place = lambda x: jax.make_array_from_callback(x.shape, on_ring, lambda index: x[index])
+  perm = lambda x: permute(np.asarray(x), args.layout, n)
+  rows = run_part("ring2", seq_len, inputs(args.batch, seq_len, *shape[1:]),
+                  ring_schedule(args.layout, seq_len, n), ring_step(mesh, args.layout, args.tile),
+                  buckets, rates, args.repeats, args.tile, perm, keeps, args.sparsek_scores,
+                  place)
+  return [row | dict(processes=jax.process_count()) for row in rows]
+
+
+def start_ring2() -> None:
+  """Runs this script's command line again as part ring2's 2 processes, one per core."""
+  two_cores.run(lambda index, address: [
+      sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--part=ring2",
+      f"--process_id={index}", f"--coordinator={address}"], two_cores.cores(), "part ring2")
+
+
 def print_table(rows: list[dict]) -> None:
   print(f"{'part':<6}{'layout':<8}{'N':>3}{'seq':>7}{'variant':>19}{'tiles/causal':>14}"
         f"{'fwd s':>9}{'fwd/causal':>12}{'f+b s':>9}{'f+b/causal':>12}{'ideal':>7}")
@@ -264,10 +308,12 @@ def print_table(rows: list[dict]) -> None:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--part", choices=("all", "block", "ring"), default="all")
+  parser.add_argument("--part", choices=("all", "block", "ring", "ring2"), default="all")
   parser.add_argument("--seq_lens", default=None,
                       help="block part (default 4096,8192,16384; with --gpu 8192,16384,32768)")
   parser.add_argument("--ring_seq_len", type=int, default=16384)
+  parser.add_argument("--ring2_seq_len", type=int, default=8192,
+                      help="part ring2 (default 8192: the part in a few minutes on 2 cores)")
   parser.add_argument("--layout", choices=LAYOUTS, default="zigzag")
   parser.add_argument("--buckets", default="2,4,8,16,32,64", help="'' for none")
   parser.add_argument("--drop_rates", default="0.2,0.5,0.8",
@@ -283,6 +329,9 @@ def main() -> None:
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--gpu", action="store_true",
                       help="SCFA's settings: bf16, B=4, H=48, D=64, 8k-32k, block part only")
+  # Set by start_ring2 on the command lines of part ring2's processes.
+  parser.add_argument("--process_id", type=int, help=argparse.SUPPRESS)
+  parser.add_argument("--coordinator", help=argparse.SUPPRESS)
   args = parser.parse_args()
   dtype, part = jnp.float32, args.part
   seq_lens = args.seq_lens or "4096,8192,16384"
@@ -294,6 +343,13 @@ def main() -> None:
   rates = [float(r) for r in args.drop_rates.split(",") if r]
   keeps = [int(n) for n in args.sparsek.split(",") if n]
   shape = (args.batch, args.heads, args.kv_heads, args.head_dim, dtype)
+  if _RING2_PROCESS:
+    rows = ring2_part(args, shape, buckets, rates, keeps)
+    if jax.process_index() == 0:  # one writer
+      record(rows)
+      print(f"\npart ring2 ({len(rows)} rows appended to results/{RESULTS}):")
+      print_table(rows)
+    return
   rows = []
   if part in ("all", "block"):
     for seq_len in seq_lens:
@@ -315,9 +371,13 @@ def main() -> None:
     rows += run_part("ring", seq_len, inputs(args.batch, seq_len, *shape[1:]), schedule,
                      ring_step(mesh, args.layout, args.tile), buckets, rates, args.repeats,
                      args.tile, perm, keeps, args.sparsek_scores)
-  record(rows)
-  print(f"\nall rows ({len(rows)} appended to results/{RESULTS}):")
-  print_table(rows)
+  if rows:
+    record(rows)
+    print(f"\nall rows ({len(rows)} appended to results/{RESULTS}):")
+    print_table(rows)
+  if part in ("all", "ring2"):
+    print(f"\npart ring2: 2 processes, one core each, {args.ring2_seq_len} tokens", flush=True)
+    start_ring2()
 
 
 if __name__ == "__main__":

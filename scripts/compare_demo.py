@@ -27,26 +27,19 @@ import datetime
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(ROOT, "scripts"), ROOT]
 import compare_runs  # noqa: E402  (the table and PNG of any two workdirs)
+import two_cores  # noqa: E402  (2 processes, one core each)
 from configs import tiny_cpu  # noqa: E402  (what the demo trains)
 
 LAYOUTS = ("ring", "striped")
 RESULTS = os.path.join(ROOT, "results", "compare_demo.jsonl")
 WORKSPACE = os.path.join(ROOT, "runs", "compare", "wandb")  # wandb.workspace's default here.
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def _overrides(args) -> list[str]:
@@ -64,19 +57,11 @@ def _overrides(args) -> list[str]:
 
 def train_on_two_cores(layout: str, workdir: str, cores: list[int], args) -> None:
   """One ring device per process, each process alone on its core."""
-  address = f"127.0.0.1:{_free_port()}"
-  env = {**os.environ, "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}  # One thread: one core each.
-  processes = [subprocess.Popen(
-      ["taskset", "-c", str(core), sys.executable, "-m", "trainer",
-       "--config", f"configs/tiny_cpu.py:{layout}", f"--workdir={workdir}",
-       f"--coordinator_address={address}", "--num_processes=2", f"--process_id={index}",
-       f"--config.wandb.name={os.path.basename(workdir)}", *_overrides(args)],
-      cwd=ROOT, env=env, stdout=None if index == 0 else subprocess.DEVNULL,
-      stderr=subprocess.STDOUT) for index, core in enumerate(cores)]
-  codes = [process.wait() for process in processes]
-  if any(codes):
-    sys.exit(f"error: the {layout} run failed (exit codes {codes}); its output is above")
+  two_cores.run(lambda index, address: [
+      sys.executable, "-m", "trainer", "--config", f"configs/tiny_cpu.py:{layout}",
+      f"--workdir={workdir}", f"--coordinator_address={address}", "--num_processes=2",
+      f"--process_id={index}", f"--config.wandb.name={os.path.basename(workdir)}",
+      *_overrides(args)], cores, f"the {layout} run", cwd=ROOT)
 
 
 def main() -> None:
@@ -94,10 +79,7 @@ def main() -> None:
   args = parser.parse_args()
   if args.steps < 3:
     parser.error(f"--steps={args.steps}: at least 3, so that some steps are timed")
-  cores = sorted(os.sched_getaffinity(0))[:2]
-  if len(cores) < 2 or not shutil.which("taskset"):
-    sys.exit("error: the demo needs 2 cores and `taskset` (util-linux) to pin one process "
-             "to each")
+  cores = two_cores.cores()
   order = [("ring", 1), ("striped", 1), ("striped", 2), ("ring", 2)]
   workdirs = {run: os.path.join(ROOT, "runs", "compare", f"{run[0]}-{run[1]}") for run in order}
   for run, workdir in workdirs.items():
