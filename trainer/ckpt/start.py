@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import jax
 import ml_collections
 
 from trainer.ckpt import hf_import
-from trainer.core.state import TrainState, init_state, state_from_params
+from trainer.core.state import TrainState, state_from_params
 from trainer.core.training import Training, model_config
 
 
@@ -16,7 +17,7 @@ def initial_state(config: ml_collections.ConfigDict, parts: Training,
                   log: Callable[[str], None]) -> TrainState:
   """Step 0's state: random weights from the seed, or a Hugging Face checkpoint's."""
   if not config.init.from_hf:
-    return init_state(parts.model, parts.optimizer, parts.shardings, config.seed)
+    return parts.init_fn(jax.random.key(config.seed))
   return state_from_params(initial_params(config, parts, log), parts.optimizer,
                            parts.shardings)
 
@@ -26,7 +27,7 @@ def initial_params(config: ml_collections.ConfigDict, parts: Training,
   """Step 0's parameters (the sampler's untrained baseline, and a Hugging Face checkpoint
   sampled as it is): a checkpoint's are read without building an optimizer state."""
   if not config.init.from_hf:
-    return init_state(parts.model, parts.optimizer, parts.shardings, config.seed).params
+    return parts.init_fn(jax.random.key(config.seed)).params
   log(f"loading weights from {config.init.from_hf}")
   return hf_import.load_params(config.init.from_hf, model_config(config),
                                parts.abstract_state.params, log)

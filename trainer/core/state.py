@@ -98,11 +98,15 @@ def state_from_params(params, optimizer: optax.GradientTransformation,
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
 
 
+def jit_init(model: Decoder, optimizer: optax.GradientTransformation, shardings: TrainState):
+  """The jitted init: a PRNG key -> step 0's state, each leaf written in its shard."""
+  mesh = shardings.step.mesh
+  return jax.jit(lambda rng: _init(model, optimizer, rng, mesh), out_shardings=shardings)
+
+
 def init_state(model: Decoder, optimizer: optax.GradientTransformation, shardings: TrainState,
                seed: int) -> TrainState:
-  mesh = shardings.step.mesh
-  return jax.jit(lambda rng: _init(model, optimizer, rng, mesh),
-                 out_shardings=shardings)(jax.random.key(seed))
+  return jit_init(model, optimizer, shardings)(jax.random.key(seed))
 
 
 def shard_bytes(leaf) -> int:

@@ -18,7 +18,7 @@ import parallelism
 from model import Decoder, ModelConfig
 from trainer.core.optimizer import (OptimizerSettings, make_optimizer, make_schedule,
                                     optimizer_settings)
-from trainer.core.state import TrainState, abstract_state, shardings_of
+from trainer.core.state import TrainState, abstract_state, jit_init, shardings_of
 from trainer.core.step import jit_train_step
 
 
@@ -40,6 +40,7 @@ class Training(NamedTuple):
   abstract_state: TrainState  # ShapeDtypeStructs with those shardings (restores, AOT).
   batch_sharding: jax.sharding.NamedSharding
   step_fn: Any  # The jitted train step.
+  init_fn: Any  # The jitted init: a PRNG key -> step 0's state (trainer/core/state.py).
 
 
 def build_training(config: ml_collections.ConfigDict, mesh) -> Training:
@@ -50,15 +51,29 @@ def build_training(config: ml_collections.ConfigDict, mesh) -> Training:
   logical axis rules.
   """
   cfg, settings = model_config(config), optimizer_settings(config.train)
-  model, optimizer = Decoder(cfg), make_optimizer(settings)
+  spans, rules_json = cfg.spans if cfg.head_spans else None, json.dumps(config.mesh.rules)
+  model, optimizer, state, init_fn = _state_parts(cfg, spans, settings, mesh, rules_json)
   batch_sharding = parallelism.batch_sharding(mesh)
-  state = abstract_state(model, optimizer, mesh, config.mesh.rules)
   shardings = shardings_of(state)
   leaves, tree = jax.tree.flatten(shardings)
-  step_fn = _step_fn(cfg, cfg.spans if cfg.head_spans else None,
-                     settings, config.train.micro_batches,
-                     tuple(leaves), tree, batch_sharding, json.dumps(config.mesh.rules))
-  return Training(model, optimizer, shardings, state, batch_sharding, step_fn)
+  step_fn = _step_fn(cfg, spans, settings, config.train.micro_batches,
+                     tuple(leaves), tree, batch_sharding, rules_json)
+  return Training(model, optimizer, shardings, state, batch_sharding, step_fn, init_fn)
+
+
+@functools.lru_cache(maxsize=8)
+def _state_parts(cfg: ModelConfig, spans, settings: OptimizerSettings, mesh, rules_json: str):
+  """(model, optimizer, abstract state, jitted init), one per process for each model,
+  optimizer, mesh and rules, for the reason `_step_fn` is: the abstract state traces the
+  model's init twice and the init once more, about 2.5 s of CPU per run of the tiny model,
+  which a repeated run would spend again for the same result."""
+  del spans
+  # The rules as the config holds them (tuples), not as JSON gives them back (lists).
+  rules = tuple((name, tuple(axes) if isinstance(axes, list) else axes)
+                for name, axes in json.loads(rules_json))
+  model, optimizer = Decoder(cfg), make_optimizer(settings)
+  state = abstract_state(model, optimizer, mesh, rules)
+  return model, optimizer, state, jit_init(model, optimizer, shardings_of(state))
 
 
 @functools.lru_cache(maxsize=8)
