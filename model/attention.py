@@ -25,10 +25,10 @@ from jax.ad_checkpoint import checkpoint_name
 
 import parallelism
 from model.config import GLOBAL, LOCAL, ModelConfig
-from model.dropping import drop_codes, layout_shards
+from model.dropping import codes_at, drop_codes, layout_shards
 from model.hashing import bucket_codes
 from model.layers import Projection, constrain
-from model.sparsek import Scorer, thresholds
+from model.sparsek import Scorer, decode_thresholds, thresholds
 from model.rope import RopeScaling, apply_rope, frequencies
 
 
@@ -155,6 +155,43 @@ def _sparsek_operands(cfg: ModelConfig, u_BSK, segment_ids_BS) -> tuple:
   return tau_BSH, u_BSK, cfg.sparsek_window
 
 
+def cache_names(cfg: ModelConfig) -> tuple[str, ...]:
+  """What a sampler's cache keeps per layer and slot: the roped key and the value, and with a
+  run-time mask the key's side of it, [B, C, Hkv]: its code (hash bucket, QK-dropping's kept
+  flag; int32) or its SparseK score (float32)."""
+  side = ("key_scores",) if cfg.selects else ("key_codes",) if cfg.coded else ()
+  return ("key", "value") + side
+
+
+def _position_drop_codes(cfg: ModelConfig, positions_BS, capacity: int, layer) -> tuple:
+  """QK-dropping's codes ([B, S, Hq], [B, S, Hkv]) of decoded tokens: those of their
+  positions in a row of the cache's `capacity`, what the prefill's row gave every slot (a
+  sampler's row is one document, its positions its original places). So the decode of
+  position p is the whole row's forward at p, the row being the cache's length: a sequence
+  that grows is coded as the full row it will be, and a slot's flag never changes."""
+  batch, seq = positions_BS.shape
+  q_SH, k_SK = codes_at(positions_BS.reshape(-1), capacity, cfg.num_heads, cfg.num_kv_heads,
+                        cfg.qk_drop_rate, layer)
+  return q_SH.reshape(batch, seq, -1), k_SK.reshape(batch, seq, -1)
+
+
+def _decode_step(cfg: ModelConfig, q_B1HD, k_B1KD, v_B1KD, cache: dict, position_B, window,
+                 spans, sinks, codes, u_B1K) -> tuple:
+  """(out, the updated cache) of one token per row by `parallelism.decode_attention`; a
+  run-time mask's side of the cache (`cache_names`) is written and read beside K/V."""
+  mask = {}
+  if codes is not None:
+    mask["codes"] = (*codes, cache["key_codes"])
+  if u_B1K is not None:
+    threshold = functools.partial(decode_thresholds, k=cfg.sparsek_k, window=cfg.sparsek_window)
+    mask["sparsek"] = (u_B1K, cache["key_scores"], threshold, cfg.sparsek_window)
+  out_B1HD, *kept = parallelism.decode_attention(
+      q_B1HD, k_B1KD, v_B1KD, cache["key"], cache["value"], position_B, layout=cfg.layout,
+      rules=nn.get_logical_axis_rules(), window=window, softcap=cfg.attention_softcap,
+      spans=spans, sink_tokens=sinks, **mask)
+  return out_B1HD, dict(zip(cache_names(cfg), kept))
+
+
 class Attention(nn.Module):
   """Self-attention of a whole row (training, eval, a sampler's prefill) or, with `decode`,
   of one new token per row over the `cache` collection a prefill left (for sampling).
@@ -168,7 +205,9 @@ class Attention(nn.Module):
   A prefill (an apply, not an init) with the `cache` collection mutable stores each layer's
   roped keys and values there, in the row's layout order; a decode step writes the new
   token's into the slot of its position and attends to the whole cache by
-  `parallelism.decode_attention`.
+  `parallelism.decode_attention`. With a run-time mask the cache also keeps each key's code
+  or SparseK score (`cache_names`) and a step masks as the whole row's forward does; for
+  QK-dropping that row is the cache's capacity (`_position_drop_codes`).
 
   With hash attention, `hash_KDR` is this layer's projection ([Hkv, D, b/2], scanned with
   the blocks): the roped q and k are hashed by it into bucket codes (model/hashing.py).
@@ -194,17 +233,15 @@ class Attention(nn.Module):
     q_BSHD = project(cfg.num_heads, ("embed", "heads", "head_dim"), "query")
     k_BSKD = project(cfg.num_kv_heads, ("embed", "kv_heads", "head_dim"), "key")
     v_BSKD = project(cfg.num_kv_heads, ("embed", "kv_heads", "head_dim"), "value")
-    cache = (self.get_variable("cache", "key"), self.get_variable("cache", "value")
-             ) if self.decode else None
+    cache = {name: self.get_variable("cache", name) for name in cache_names(cfg)
+             } if self.decode else None
+    u_BSK = Scorer(cfg, name="sparsek_score")(x_BSE) if cfg.selects else None
     sparsek = None
-    if cfg.selects:
-      if self.decode:
-        raise ValueError(cfg.decode_problem())
-      sparsek = _sparsek_operands(cfg, Scorer(cfg, name="sparsek_score")(x_BSE),
-                                  segment_ids_BS)
+    if cfg.selects and not self.decode:
+      sparsek = _sparsek_operands(cfg, u_BSK, segment_ids_BS)
 
     def attend(kind: str, q_BSHD, k_BSKD, v_BSKD, cache):
-      """(out, the keys and values the cache keeps) of a layer of this kind."""
+      """(out, what the cache keeps: `cache_names`) of a layer of this kind."""
       theta, scaling = cfg.rope_theta, cfg.rope_scaling
       if kind == LOCAL and cfg.local_rope_theta:
         theta, scaling = cfg.local_rope_theta, RopeScaling()
@@ -220,19 +257,17 @@ class Attention(nn.Module):
       codes = None
       if hash_KDR is not None:
         codes = bucket_codes(q_BSHD, hash_KDR), bucket_codes(k_BSKD, hash_KDR)
-      if layer is not None:  # Pinned like q and k: each device computes its own tokens'.
+      if layer is not None and self.decode:  # The token's own, in a row of the capacity.
+        codes = _position_drop_codes(cfg, positions_BS, cache["key"].shape[1], layer)
+      elif layer is not None:  # Pinned like q and k: each device computes its own tokens'.
         q_codes, k_codes = drop_codes(q_BSHD.shape[0], q_BSHD.shape[1], cfg.num_heads,
                                       cfg.num_kv_heads, cfg.qk_drop_rate, layer, cfg.layout)
         codes = (constrain(q_codes, ("activation_batch", "activation_seq", "activation_heads")),
                  constrain(k_codes, ("activation_batch", "activation_seq",
                                      "activation_kv_heads")))
       if self.decode:
-        if codes is not None:
-          raise ValueError(cfg.decode_problem())
-        return parallelism.decode_attention(
-            q_BSHD, k_BSKD, v_BSKD, *cache, positions_BS[:, 0], layout=cfg.layout,
-            rules=nn.get_logical_axis_rules(), window=window, softcap=cfg.attention_softcap,
-            spans=spans, sink_tokens=sinks)
+        return _decode_step(cfg, q_BSHD, k_BSKD, v_BSKD, cache, positions_BS[:, 0], window,
+                            spans, sinks, codes, u_BSK)
       if cfg.attention == "dense":
         out_BSHD = _whole_rows(cfg, q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, window, spans,
                                positions_BS, sinks, codes, sparsek)
@@ -245,18 +280,23 @@ class Attention(nn.Module):
             tile_size=cfg.attention_tile, strategy=cfg.sequence_parallel, window=window,
             softcap=cfg.attention_softcap,
             **_local_and_sparse(cfg, spans, positions_BS, sinks, codes, sparsek))
-      return out_BSHD, k_BSKD, v_BSKD
+      kept = {"key": k_BSKD, "value": v_BSKD}
+      if codes is not None:
+        kept["key_codes"] = codes[1]
+      if sparsek is not None:
+        kept["key_scores"] = sparsek[1]
+      return out_BSHD, kept
 
     kinds = set(cfg.layer_kinds)
     operands = (q_BSHD, k_BSKD, v_BSKD, cache)
     if len(kinds) == 1:
-      out_BSHD, k_BSKD, v_BSKD = attend(kinds.pop(), *operands)
+      out_BSHD, kept = attend(kinds.pop(), *operands)
     else:  # Both branches are traced once; each layer runs one.
-      out_BSHD, k_BSKD, v_BSKD = jax.lax.cond(
+      out_BSHD, kept = jax.lax.cond(
           local, functools.partial(attend, LOCAL), functools.partial(attend, GLOBAL), *operands)
     if self.is_mutable_collection("cache") and not self.is_initializing():
-      self.put_variable("cache", "key", k_BSKD)
-      self.put_variable("cache", "value", v_BSKD)
+      for name, value in kept.items():
+        self.put_variable("cache", name, value)
     # Named so that the `save_attention` remat policy can keep it (the ring names its
     # backward's residuals itself).
     out_BSHD = checkpoint_name(out_BSHD, "attention_out")

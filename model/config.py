@@ -218,13 +218,6 @@ class ModelConfig:
     """Whether run-time codes (hash buckets or kept flags) mask every layer's attention."""
     return self.sparse != "none"
 
-  def decode_problem(self) -> str:
-    """Why this model cannot decode (sample, needle evals); empty when it can."""
-    if self.coded:
-      return (f"model.sparse='{self.sparse}' has no decoding yet (parallelism.decode_attention "
-              f"applies no run-time code mask): sampling and needle evals stop here")
-    return ""
-
   def matmul_params(self) -> int:
     """Parameters that take part in a matmul per token (all but the embedding lookup)."""
     attention = self.d_model * self.head_size * (2 * self.num_heads + 2 * self.num_kv_heads)

@@ -18,6 +18,12 @@ same tokens; and each device computes its own tokens' flags from their positions
 collective. A content-based rule (e.g. the largest key norms of each chunk) would need every
 chunk's tokens in one place, which striped scatters over all devices.
 
+Decoding (a sampler's KV cache of `capacity` positions) codes position p as the forward of
+a row of `capacity` codes it, the row the prefill coded: the decode of p equals the whole
+row's dense masked forward at p. A growing sequence is not re-coded as it grows (a prefix of
+length p + 1 would change the kept count of a short last chunk, and with it flags of keys
+already in the cache); the price is that a short last chunk's flags depend on the capacity.
+
 It is expressed through the run-time code contract of hash attention (`parallelism.kernels`:
 a query sees a key iff causal, same document and equal codes): a kept query has code 0, a
 dropped one 1; a kept key 0, a dropped one 2. Codes carry no gradient.
@@ -84,15 +90,23 @@ def layout_shards() -> int:
   return 1 if mesh.empty else mesh.shape.get("sequence", 1)
 
 
+def codes_at(index_S: jax.Array, seq_len: int, num_heads: int, num_kv_heads: int, rate: float,
+             layer: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(query codes [S, Hq], key codes [S, Hkv]) int32 of one layer for the tokens at original
+  positions `index_S` of a row of `seq_len`: what training and decoding both read."""
+  q_SH = jnp.where(keep_flags(index_S, seq_len, num_heads, rate, layer, _QUERY),
+                   KEPT, DROPPED_QUERY)
+  k_SK = jnp.where(keep_flags(index_S, seq_len, num_kv_heads, rate, layer, _KEY),
+                   KEPT, DROPPED_KEY)
+  return q_SH.astype(jnp.int32), k_SK.astype(jnp.int32)
+
+
 def drop_codes(batch: int, seq_len: int, num_heads: int, num_kv_heads: int, rate: float,
                layer: jax.Array, layout: str) -> tuple[jax.Array, jax.Array]:
   """(query codes [B, S, Hq], key codes [B, S, Hkv]) int32 of one layer, in the order of
   `layout` over `layout_shards()`, the same for every row."""
   index_S = parallelism.permute(np.arange(seq_len, dtype=np.int32), layout, layout_shards(),
                                 axis=0)
-  q_SH = jnp.where(keep_flags(index_S, seq_len, num_heads, rate, layer, _QUERY),
-                   KEPT, DROPPED_QUERY)
-  k_SK = jnp.where(keep_flags(index_S, seq_len, num_kv_heads, rate, layer, _KEY),
-                   KEPT, DROPPED_KEY)
-  return (jnp.broadcast_to(q_SH[None], (batch, seq_len, num_heads)).astype(jnp.int32),
-          jnp.broadcast_to(k_SK[None], (batch, seq_len, num_kv_heads)).astype(jnp.int32))
+  q_SH, k_SK = codes_at(index_S, seq_len, num_heads, num_kv_heads, rate, layer)
+  return (jnp.broadcast_to(q_SH[None], (batch, seq_len, num_heads)),
+          jnp.broadcast_to(k_SK[None], (batch, seq_len, num_kv_heads)))

@@ -185,3 +185,12 @@ def prefix_thresholds(u_BSK: jax.Array, seg_BS: jax.Array, k: int, window: int) 
   """Every query's threshold [B, S, Hkv] of a row in its original order (`thresholds`)."""
   index_BS = jnp.broadcast_to(jnp.arange(u_BSK.shape[1], dtype=jnp.int32), seg_BS.shape)
   return thresholds(u_BSK, seg_BS, index_BS, seg_BS, k, window)
+
+
+def decode_thresholds(u_BSK: jax.Array, position_B: jax.Array, k: int,
+                      window: int) -> jax.Array:
+  """The thresholds [B, Hkv] of one query per row, at original position `position_B`, over a
+  row of one document in its original order (a sampler's gathered cache): `thresholds`, so a
+  decode step solves what the whole row's forward solves for that query."""
+  seg_BS = jnp.ones(u_BSK.shape[:2], jnp.int32)
+  return thresholds(u_BSK, seg_BS, position_B[:, None], seg_BS[:, :1], k, window)[:, 0]

@@ -194,8 +194,6 @@ def test_only_xla_applies_buckets():
     ({"model.hash_buckets": 4}, "but model.sparse='none'"),
     ({"model.sparse": "hash", "model.hash_buckets": 4, "model.window": 16,
       "model.sink_tokens": 2}, "model.sink_tokens=2 does not combine"),
-    ({"model.sparse": "hash", "model.hash_buckets": 4, "train.eval_needle_lengths": "64"},
-     "train.eval_needle_lengths: model.sparse='hash' has no decoding"),
 ])
 def test_config_errors_are_one_line(overrides, field):
   assert_one_line_config_error(overrides, field)

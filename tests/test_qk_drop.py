@@ -111,8 +111,6 @@ def test_the_model_gives_the_same_logits_dense_and_zigzag():
      "model.hash_buckets=4 is set but model.sparse='qk_drop'"),
     ({"model.sparse": "qk_drop", "model.qk_drop_rate": 0.3, "model.window": 16,
       "model.sink_tokens": 2}, "model.sink_tokens=2 does not combine with model.sparse='qk_drop'"),
-    ({"model.sparse": "qk_drop", "model.qk_drop_rate": 0.3, "train.eval_needle_lengths": "64"},
-     "train.eval_needle_lengths: model.sparse='qk_drop' has no decoding"),
 ])
 def test_config_errors_are_one_line(overrides, field):
   assert_one_line_config_error(overrides, field)

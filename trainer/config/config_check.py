@@ -73,8 +73,6 @@ def _check_one(config: ml_collections.ConfigDict, num_devices: int) -> None:
   model_cfg = ModelConfig(**m.to_dict(), span_length=config.data.seq_len)
   pattern_problem = model_cfg.pattern_problem()
   _require(not pattern_problem, pattern_problem)
-  _require(not (t.eval_needle_lengths and model_cfg.decode_problem()),
-           f"train.eval_needle_lengths: {model_cfg.decode_problem()}")
   _require(head_size % 2 == 0, f"head size {head_size} must be even for rotary embeddings "
                                f"(model.head_dim or model.d_model / model.num_heads)")
   _require(t.on_nonfinite in ("stop", "skip"),

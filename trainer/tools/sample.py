@@ -17,6 +17,9 @@ log-sum-exp). The prompt fills every batch shard (data x fsdp) alike.
 The cache holds `capacity` positions: prompt plus new tokens, rounded up to what the layout
 and tile need. The prompt is padded at the end up to the capacity; the padding's keys are
 never seen (a position sees only slots at or before itself), and decoding overwrites them.
+With a run-time mask (`model.sparse`) each decoded position is masked as the dense forward
+of the whole row of `capacity` masks it (QK-dropping's codes depend on the row's length:
+model/dropping.py); the cache also keeps each key's code or SparseK score.
 """
 
 from __future__ import annotations
@@ -131,8 +134,6 @@ class Sampler:
         data_config, model_config)
     # No gradient here: nothing to rematerialise.
     self.model_cfg: ModelConfig = dataclasses.replace(model_config(self.config), remat="none")
-    if problem := self.model_cfg.decode_problem():
-      raise ConfigError(problem)
     self.data_cfg: data.DataConfig = data_config(self.config)
     self._steps = {}  # (capacity, temperature, top_p) -> the compiled prefill and decode.
     self.rules = tuple(self.config.mesh.rules)
@@ -141,20 +142,23 @@ class Sampler:
     self.ulysses = self.mesh.shape.get("ulysses", 1)
     self._warned_length = False
 
-  def cache_sharding(self) -> NamedSharding:
-    """[layers, batch, capacity, kv heads, head dim], capacity over the sequence axes."""
+  def cache_sharding(self, rank: int = 5) -> NamedSharding:
+    """[layers, batch, capacity, kv heads, head dim] (keys, values; `rank` 4 without the head
+    dim: a run-time mask's codes or scores), capacity over the sequence axes."""
     spec = parallelism.logical_to_spec(parallelism.CACHE_NAMES,
                                        parallelism.decode_rules(self.rules))
-    return NamedSharding(self.mesh, P(None, *spec))
+    return NamedSharding(self.mesh, P(None, *spec[:rank - 1]))
 
   def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
                top_p: float = 1.0, seed: int = 0,
                on_token: Callable[[int], None] | None = None,
-               capacity: int | None = None, ignore_eos: bool = False) -> tuple[list[int], dict]:
+               capacity: int | None = None, ignore_eos: bool = False,
+               on_logits: Callable[[jax.Array], None] | None = None) -> tuple[list[int], dict]:
     """New token ids after `prompt_ids` (stopping at EOS, which is not returned) and timings:
     prefill and decode seconds and tokens/sec, compile time apart. `capacity` (default: just
     enough, see `capacity_for`) may be given larger so that prompts of several lengths share
-    one compile. `ignore_eos` generates all `max_new_tokens` (for benchmarks)."""
+    one compile. `ignore_eos` generates all `max_new_tokens` (for benchmarks). `on_logits`
+    gets the float32 logits [V] (row 0's, on the device) each new token is chosen from."""
     if not prompt_ids:
       raise SampleError("the prompt is empty")
     check_settings(max_new_tokens, temperature, top_p)
@@ -196,7 +200,7 @@ class Sampler:
     compile_s = time.monotonic() - started
 
     started = time.monotonic()
-    token_B, cache = prefill(self.params, *prefill_args, last_slot_B, key)
+    token_B, logits_BV, cache = prefill(self.params, *prefill_args, last_slot_B, key)
     token = int(token_B[0])
     prefill_s = time.monotonic() - started
     new_ids, decode_steps = [], 0
@@ -207,15 +211,18 @@ class Sampler:
       new_ids.append(token)
       if on_token:
         on_token(token)
+      if on_logits:
+        on_logits(logits_BV[0])
       if i + 1 == max_new_tokens:
         break
       position_B = jax.device_put(np.full(self.rows, length + i, np.int32), rows_sharding)
-      token_B, cache = decode(self.params, cache, token_B, position_B,
-                              jax.random.fold_in(key, i + 1))
+      token_B, logits_BV, cache = decode(self.params, cache, token_B, position_B,
+                                         jax.random.fold_in(key, i + 1))
       token = int(token_B[0])
       decode_steps += 1
     decode_s = time.monotonic() - started  # With `on_token`'s time: what a user waits.
-    key_cache = jax.tree.leaves(cache)[0]
+    key_cache = jax.tree.leaves(jax.tree.map_with_path(
+        lambda path, x: x if path[-1].key == "key" else None, cache))[0]
     return new_ids, {
         "prompt_tokens": length, "new_tokens": len(new_ids), "capacity": capacity,
         # [layers, rows, capacity, kv heads, head dim]: the whole, and one device's part.
@@ -226,35 +233,39 @@ class Sampler:
         "decode_s": decode_s, "decode_tokens_per_s": decode_steps / decode_s if decode_steps else None}
 
   def _compiled(self, choice, prefill_args, last_slot_B, key):
-    """The prefill and decode steps for these shapes, compiled ahead of the timing. Tokens
-    come out sharded as rows go in (`last_slot_B`'s sharding): one decode step's output is
-    the next one's input."""
+    """The prefill and decode steps for these shapes, compiled ahead of the timing: each
+    returns (tokens, their logits [B, V], cache). Tokens come out sharded as rows go in
+    (`last_slot_B`'s sharding): one decode step's output is the next one's input."""
     prefill_model, decode_model = Decoder(self.model_cfg), Decoder(self.model_cfg, decode=True)
-    cache_sharding = self.cache_sharding()
     rules, decode_rules = self.rules, parallelism.decode_rules(self.rules)
+    # Each cache entry by its rank: keys and values, and a run-time mask's codes or scores.
+    pinned = lambda cache: jax.tree.map(
+        lambda x: jax.lax.with_sharding_constraint(x, self.cache_sharding(x.ndim)), cache)
 
     def prefill(params, tokens_BC, positions_BC, segment_ids_BC, last_slot_B, key):
       with nn.logical_axis_rules(rules):
         logits_B1V, variables = prefill_model.apply(
             {"params": params}, tokens_BC, positions_BC, segment_ids_BC,
             logits_at_B=last_slot_B, mutable=["cache"])
-      return choice(logits_B1V[:, 0], key), variables["cache"]
+      return choice(logits_B1V[:, 0], key), logits_B1V[:, 0], pinned(variables["cache"])
 
     def decode(params, cache, token_B, position_B, key):
       with nn.logical_axis_rules(decode_rules):
         logits_B1V, variables = decode_model.apply(
             {"params": params, "cache": cache}, token_B[:, None], position_B[:, None],
             jnp.ones_like(token_B[:, None]), mutable=["cache"])
-      return choice(logits_B1V[:, 0], key), variables["cache"]
+      return choice(logits_B1V[:, 0], key), logits_B1V[:, 0], pinned(variables["cache"])
 
     with jax.set_mesh(self.mesh):
-      out_shardings = (last_slot_B.sharding, cache_sharding)
+      logits_sharding = NamedSharding(self.mesh, P(last_slot_B.sharding.spec[0], None))
+      out_shardings = (last_slot_B.sharding, logits_sharding, None)  # the cache: `pinned`
       prefill_jit = jax.jit(prefill, out_shardings=out_shardings)
       compiled_prefill = prefill_jit.lower(self.params, *prefill_args, last_slot_B,
                                            key).compile()
       cache_shapes = jax.tree.map(
-          lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=cache_sharding),
-          compiled_prefill.out_info[1])
+          lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                         sharding=self.cache_sharding(len(s.shape))),
+          compiled_prefill.out_info[2])
       decode_jit = jax.jit(decode, out_shardings=out_shardings, donate_argnums=1)
       compiled_decode = decode_jit.lower(self.params, cache_shapes, last_slot_B, last_slot_B,
                                          key).compile()
