@@ -40,6 +40,7 @@ def define_flags() -> None:
 
 def main(argv: list[str]) -> None:
   f = run_flags.parse_run_flags(argv, define_flags)
+  run_flags.use_cpu_devices(f.config)
   try:
     _evaluate(f, argv)
   except KeyboardInterrupt:

@@ -20,7 +20,7 @@ import ml_collections
 
 from trainer.config import fields
 from trainer.config.config_check import ConfigError
-from trainer.track.provenance import config_of
+from trainer.config.stored import config_of, config_path
 from trainer.track.tracking import last_logged_step, scrub
 
 # Fields (or groups, ending in '.') a resumed run may change. They decide how the same
@@ -41,10 +41,6 @@ MAY_CHANGE = (
     "data.data_dir", "data.tokenizer", "data.prefetch", "data.eval_split",
     # Where step 0's weights came from: a resumed run starts from its checkpoint instead.
     "init.")
-
-
-def config_path(workdir: str) -> str:
-  return os.path.join(workdir, "config.json")
 
 
 def config_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:

@@ -1,23 +1,34 @@
 """The command line of tools that read a run: its config, --workdir or --from_hf, --step and
-`--config.*` overrides (`python -m trainer.sample`, `scripts/eval_needle.py`)."""
+`--config.*` overrides (`python -m trainer.sample`, `scripts/eval_needle.py`), and the
+sampler's settings. Light: it imports no JAX, so a bad flag is said before seconds of
+imports."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from typing import Callable
 
-import jax
 import ml_collections
 
-from trainer.ckpt.resume import config_path
 from trainer.config import cli
-from trainer.track.provenance import config_of
+from trainer.config.stored import config_of, config_path
 
 
 class SampleError(RuntimeError):
   """Sampling that cannot start; the message names the flag or file to fix."""
+
+
+def check_settings(max_new_tokens: int, temperature: float, top_p: float) -> None:
+  """Raises SampleError naming the first setting out of range (checked before a load)."""
+  if max_new_tokens < 1:
+    raise SampleError(f"--max_new_tokens={max_new_tokens} must be at least 1")
+  if not 0 <= temperature < math.inf:  # Also refuses NaN.
+    raise SampleError(f"--temperature={temperature} must be a finite number >= 0 (0: greedy)")
+  if not 0 < top_p <= 1:
+    raise SampleError(f"--top_p={top_p} must be in (0, 1]")
 
 
 def run_config(workdir: str) -> ml_collections.ConfigDict:
@@ -126,6 +137,12 @@ def parse_run_flags(argv: list[str], define_flags: Callable[[], None], allow_hf:
   logging.set_verbosity(logging.ERROR)
   console.fold_orbax_logs(logging.get_absl_logger())
   console.install_reader_hooks()  # A failed checkpoint read's echoes, folded.
-  if flags.FLAGS.config.cpu_devices:
-    jax.config.update("jax_num_cpu_devices", flags.FLAGS.config.cpu_devices)
   return flags.FLAGS
+
+
+def use_cpu_devices(config: ml_collections.ConfigDict) -> None:
+  """The config's simulated CPU device count, set before JAX starts its backends: a tool
+  calls it once its own light checks pass, as `python -m trainer` does."""
+  if config.cpu_devices:
+    import jax  # pylint: disable=g-import-not-at-top
+    jax.config.update("jax_num_cpu_devices", config.cpu_devices)

@@ -26,9 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import math
-import sys
 import time
 from typing import Callable
 
@@ -49,8 +46,7 @@ from trainer.ckpt.tool_reads import read_step
 from trainer.ckpt.resume import tokenizer_problem
 from trainer.config import stages
 from trainer.config.config_check import ConfigError
-from trainer.tools.run_flags import SampleError, parse_run_flags
-from trainer.track import console
+from trainer.tools.run_flags import SampleError, check_settings
 
 
 def _on_mesh(config: ml_collections.ConfigDict):
@@ -272,16 +268,6 @@ class Sampler:
     return compiled_prefill, compiled_decode
 
 
-def check_settings(max_new_tokens: int, temperature: float, top_p: float) -> None:
-  """Raises SampleError naming the first setting out of range (checked before a load)."""
-  if max_new_tokens < 1:
-    raise SampleError(f"--max_new_tokens={max_new_tokens} must be at least 1")
-  if not 0 <= temperature < math.inf:  # Also refuses NaN.
-    raise SampleError(f"--temperature={temperature} must be a finite number >= 0 (0: greedy)")
-  if not 0 < top_p <= 1:
-    raise SampleError(f"--top_p={top_p} must be in (0, 1]")
-
-
 def _choose(logits_BV: jax.Array, key: jax.Array, *, temperature: float, top_p: float,
             vocab: int | None = None) -> jax.Array:
   """Greedy at temperature 0; else a draw from the tempered softmax cut to its top-p mass
@@ -314,79 +300,3 @@ RUN_ERRORS = (SampleError, CheckpointError, ConfigError, data.DataError, HFForma
 def prompt_ids(tokenizer: data.Tokenizer, text: str) -> list[int]:
   """The prompt as training saw a document's start: BOS (when the tokenizer has one), text."""
   return ([tokenizer.bos_id] if tokenizer.bos_id >= 0 else []) + tokenizer.encode(text)
-
-
-def main(argv: list[str]) -> None:
-  """The command line (module docstring)."""
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  from trainer.ckpt import hf_import  # pylint: disable=g-import-not-at-top
-  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
-
-  def define_flags():
-    flags.DEFINE_string("prompt", None, "Prompt text.")
-    flags.DEFINE_string("prompt_file", None, "File whose text is the prompt.")
-    flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate at most (EOS stops early).")
-    flags.DEFINE_float("temperature", 0.0, "0: greedy; else softmax temperature.")
-    flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: keep the most likely tokens up to "
-                       "this probability mass.")
-    flags.DEFINE_integer("seed", 0, "Sampling seed.")
-    flags.DEFINE_bool("json", False, "Print one JSON object (ids, text, timings) at the end "
-                      "instead of streaming text.")
-    flags.DEFINE_bool("ignore_eos", False, "Generate all --max_new_tokens, past EOS.")
-
-  f = parse_run_flags(argv, define_flags, allow_hf=True)
-  if (f.prompt is None) == (f.prompt_file is None):
-    sys.exit("error: pass exactly one of --prompt=TEXT and --prompt_file=FILE")
-  if f.prompt_file is not None:
-    try:
-      with open(f.prompt_file, encoding="utf-8") as file:
-        text = file.read().rstrip("\n")
-    except OSError as error:
-      sys.exit(f"error: cannot read --prompt_file: {error}")
-  else:
-    text = f.prompt
-  if not text.strip():
-    sys.exit("error: the prompt is empty (--prompt / --prompt_file)")
-  config = f.config
-  info = lambda line: print(line, file=sys.stderr, flush=True)
-  try:
-    check_settings(f.max_new_tokens, f.temperature, f.top_p)  # Before minutes of loading.
-    if f.from_hf:
-      info(hf_import.apply_to_config(config, config_flags.get_override_values(f["config"])))
-      sampler, step = from_hf(config, info), None
-    else:
-      sampler, step = load(f.workdir, config, f.step, info)
-    ids = prompt_ids(sampler.tokenizer, text)
-    info(f"{'step ' + str(step) if step is not None else 'from ' + f.from_hf}, "
-         f"{sampler.model_cfg.attention} attention over "
-         f"{sampler.num_shards} sequence shard(s), prompt {len(ids)} tokens")
-    shown = []
-
-    def stream(token: int) -> None:
-      before = sampler.tokenizer.decode(shown)
-      shown.append(token)
-      print(sampler.tokenizer.decode(shown)[len(before):], end="", flush=True)
-
-    new_ids, timing = sampler.generate(ids, f.max_new_tokens, f.temperature, f.top_p, f.seed,
-                                       on_token=None if f.json else stream,
-                                       ignore_eos=f.ignore_eos)
-  except KeyboardInterrupt:
-    console.exit_interrupted()
-  except RUN_ERRORS as error:
-    console.exit_with_error(str(error))
-  if f.json:
-    print(json.dumps({"workdir": f.workdir, "from_hf": f.from_hf, "step": step,
-                      "prompt": text, "prompt_ids": ids,
-                      "generated_ids": new_ids,
-                      "text": sampler.tokenizer.decode(new_ids), **timing}))
-    return
-  print(flush=True)
-  decode_speed = timing["decode_tokens_per_s"]
-  info(f"prefill {timing['prompt_tokens']} tokens in {timing['prefill_s']:.2f} s "
-       f"({timing['prefill_tokens_per_s']:,.0f} tok/s); decode "
-       + (f"{decode_speed:,.1f} tok/s" if decode_speed else "-")
-       + f"; compile {timing['compile_s']:.1f} s")
-
-
-if __name__ == "__main__":
-  main(sys.argv)

@@ -5,7 +5,7 @@ command line with secrets redacted. W&B's own git and command-line capture stays
 would record the unscrubbed command and more); this is the small, scrubbed record instead.
 `run_resolved`: what the config's automatic choices became here (devices, the mesh's -1,
 the `auto` attention kernel). `run_records` holds both, computed once per run, for
-`config.json` and the W&B run alike; they are not config fields (`config_of` drops them).
+`config.json` and the W&B run alike; they are not config fields (`trainer.config.stored.config_of` drops them).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from trainer.config.config_check import attention_split
 from trainer.core.training import model_config
 from trainer.track.tracking import REDACTED, is_secret_field, scrub
 
-RUN_RECORDS = ("provenance", "resolved")  # Beside the config in config.json.
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _FLAG = re.compile(r"^(--?[^=]+)=(.*)$", re.DOTALL)
 
@@ -87,10 +86,5 @@ def run_resolved(config: ml_collections.ConfigDict) -> dict[str, Any]:
 
 
 def run_records(config: ml_collections.ConfigDict) -> dict[str, dict[str, Any]]:
-  """{name: record} for every name in `RUN_RECORDS`."""
+  """{name: record} for every name in `RUN_RECORDS` (trainer/config/stored.py)."""
   return {"provenance": run_provenance(), "resolved": run_resolved(config)}
-
-
-def config_of(written: dict[str, Any]) -> dict[str, Any]:
-  """A `config.json`'s config: what the loop wrote, less the run records."""
-  return {key: value for key, value in written.items() if key not in RUN_RECORDS}
