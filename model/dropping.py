@@ -10,19 +10,14 @@ block of whole chunks (dense rows; ring and zigzag blocks of a multiple of 64 to
 fixed count per head; a striped block takes every N-th token of each chunk and keeps that
 count on average. Shapes never depend on it: the kernels see codes, not compacted arrays.
 
-Why a fixed pseudo-random pattern: SCFA's experiments drop at random. Here the pattern is
-drawn once from `DROP_SEED` and is part of the model, so training, `--dry_run`, evaluation
-and a resumed run drop the same tokens; it depends on the original position only (not the
-row length, the layout or the device count), so dense, ring, striped and zigzag drop the
-same tokens; and each device computes its own tokens' flags from their positions with no
-collective. A content-based rule (e.g. the largest key norms of each chunk) would need every
-chunk's tokens in one place, which striped scatters over all devices.
-
-Decoding (a sampler's KV cache of `capacity` positions) codes position p as the forward of
-a row of `capacity` codes it, the row the prefill coded: the decode of p equals the whole
-row's dense masked forward at p. A growing sequence is not re-coded as it grows (a prefix of
-length p + 1 would change the kept count of a short last chunk, and with it flags of keys
-already in the cache); the price is that a short last chunk's flags depend on the capacity.
+Why a fixed pseudo-random pattern (SCFA drops at random): drawn once from `DROP_SEED`, it is
+part of the model, so training, `--dry_run`, evaluation and a resumed run drop the same
+tokens; it depends on the original position (and the row length, in a short last chunk), not
+the layout or device count, so every layout drops the same tokens, each device computing its
+own with no collective. A content-based rule would need each chunk's tokens in one place,
+which striped scatters over all devices. Decoding codes position p as the row of the cache's
+`capacity` does (the row the prefill coded), not re-coding a sequence as it grows, which
+would change flags of keys already in the cache.
 
 It is expressed through the run-time code contract of hash attention (`parallelism.kernels`:
 a query sees a key iff causal, same document and equal codes): a kept query has code 0, a
