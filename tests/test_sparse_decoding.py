@@ -21,7 +21,10 @@ PROMPT, NEW_TOKENS = 29, 5
 # Both layouts hold it; not a multiple of QK-dropping's 64-position chunk, so its last
 # (here only) chunk is a short one, whose kept count depends on the row's length.
 CAPACITY = 40
-MASKS = {"hash": {"model.sparse": "hash", "model.hash_buckets": 4},
+# Hash attention in local:global layers: the local layer's step reads the codes of the
+# window's slots only (6 < a device's 10 slots), the global layer's those of every slot.
+MASKS = {"hash": {"model.sparse": "hash", "model.hash_buckets": 4, "model.window": 6,
+                  "model.layer_pattern": "LG"},
          "qk_drop": {"model.sparse": "qk_drop", "model.qk_drop_rate": 0.3},
          "sparsek": {"model.sparse": "sparsek", "model.sparsek_k": 4,
                      "model.sparsek_window": 3}}
