@@ -15,6 +15,8 @@ part that fails is recorded with its first error line and the next one runs:
   dense (cuDNN): tokens/sec and MFU from metrics.jsonl, losses, no checkpoint written.
 - profile: a `jax.profiler` trace of one 32k striped step (the e2e run's), as the share of
   time in attention, matmuls, collectives, other and idle.
+- sparse (only when named: `make gpu_check ARGS=--parts=sparse`, on a warm machine after the
+  others): hash attention and QK-dropping against causal at SCFA's settings (issue #38).
 Writes DIR/gpu_check.jsonl (every measurement, and a line per part), DIR/summary.txt (the
 table printed at the end, with the goals), DIR/gpu_check.log (every part's output) and the
 profile's trace.
@@ -36,8 +38,8 @@ import gpu_check_summary  # noqa: E402  (no JAX here: the parts need the device)
 
 # Seconds per part on the GPU; their sum, with the carried wheels' install, stays under 8
 # minutes. A part past its deadline is stopped; what it measured by then stays recorded.
-DEADLINES = {"kernels": 120, "ring": 75, "e2e": 250, "profile": 20}
-SMOKE_DEADLINES = {"kernels": 240, "ring": 180, "e2e": 240, "profile": 60}
+DEADLINES = {"kernels": 120, "ring": 75, "e2e": 250, "profile": 20, "sparse": 150}
+SMOKE_DEADLINES = {"kernels": 240, "ring": 180, "e2e": 240, "profile": 60, "sparse": 120}
 
 
 def run_part(part: str, out: str, smoke: bool, deadline: float, run: str, log) -> dict:

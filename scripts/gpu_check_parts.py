@@ -240,16 +240,35 @@ def part_profile(record, out: str) -> None:
   record(status="ok", trace=PROFILE_TRACE, **profiling.summarise(trace))
 
 
+def part_sparse(record, smoke: bool) -> None:
+  """Hash attention and QK-dropping against causal attention at SCFA's settings (issue #38:
+  bf16, B=4, H=48, D=64, tile 128), one block through the `xla` kernel's run-time walk: the
+  rows of `scripts/bench_sparse.py --gpu`'s block part at 8k and 16k. Not a default part:
+  `--parts sparse` after the others, where device time is left."""
+  import bench_sparse  # pylint: disable=g-import-not-at-top  # scripts/, first on the path
+  seq_lens, (batch, heads, head_dim) = ([8192, 16384], (4, 48, 64)) if not smoke else (
+      [256], (1, 2, 32))
+  for seq_len in seq_lens:
+    schedule = ring_schedule("ring", seq_len, 1)
+    inputs = bench_sparse.inputs(batch, seq_len, heads, heads, head_dim, jnp.bfloat16)
+    for row in bench_sparse.run_part("block", seq_len, inputs, schedule,
+                                     bench_sparse.block_step(schedule, 128), [4, 16, 64],
+                                     [0.5], 2, 128, lambda x: x):
+      record(status="ok", **row)
+      print(f"{seq_len:>6} {row['variant']:>9}  tiles {row.get('tile_ratio', 1.0):.3f}  "
+            f"fwd+bwd {row['fwd_bwd_ratio']:.2f}x causal", flush=True)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("part", choices=("kernels", "ring", "e2e", "profile"))
+  parser.add_argument("part", choices=("kernels", "ring", "e2e", "profile", "sparse"))
   parser.add_argument("--out", required=True)
   parser.add_argument("--smoke", action="store_true")
   parser.add_argument("--deadline", type=float, default=300.0)
   parser.add_argument("--run", default="", help="the check's run id, on every line")
   args = parser.parse_args()
   device = None
-  if args.part in ("kernels", "ring"):  # the e2e part's trainer runs need the device alone
+  if args.part in ("kernels", "ring", "sparse"):  # the e2e part's runs need the device alone
     device = jax.devices()[0].device_kind
     print(f"jax {jax.__version__} on {device}", flush=True)
   record = Recorder(args.out, args.part, args.run, device)
@@ -259,6 +278,8 @@ def main() -> None:
     part_ring(record, args.smoke)
   elif args.part == "e2e":
     part_e2e(record, args.smoke, args.out, args.deadline)
+  elif args.part == "sparse":
+    part_sparse(record, args.smoke)
   else:
     part_profile(record, args.out)
 
