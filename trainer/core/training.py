@@ -65,8 +65,8 @@ def build_training(config: ml_collections.ConfigDict, mesh) -> Training:
 def _state_parts(cfg: ModelConfig, spans, settings: OptimizerSettings, mesh, rules_json: str):
   """(model, optimizer, abstract state, jitted init), one per process for each model,
   optimizer, mesh and rules, for the reason `_step_fn` is: the abstract state traces the
-  model's init twice and the init once more, about 2.5 s of CPU per run of the tiny model,
-  which a repeated run would spend again for the same result."""
+  model's init twice and the init once more, seconds of CPU that a repeated run would spend
+  again for the same result."""
   del spans
   # The rules as the config holds them (tuples), not as JSON gives them back (lists).
   rules = tuple((name, tuple(axes) if isinstance(axes, list) else axes)
