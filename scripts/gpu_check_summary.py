@@ -79,6 +79,18 @@ def _profile(rows) -> list[str]:
                                            "idle"))]
 
 
+def _sparse(rows) -> list[str]:
+  sparse_rows = [r for r in rows if r["part"] == "sparse" and "variant" in r]
+  if not sparse_rows:
+    return []
+  out = ["sparse (SCFA's settings, one block): time and tiles as a share of causal attention's",
+         f"{'S':>6} {'variant':>9} {'tiles':>6} {'ideal':>6} {'fwd':>6} {'f+b':>6}"]
+  for r in sparse_rows:
+    out.append(f"{r['seq_len']:>6} {r['variant']:>9} {_f(r.get('tile_ratio', 1.0), '.3f'):>6} "
+               f"{_f(r.get('ideal'), '.3f'):>6} {r['fwd_ratio']:>6.2f} {r['fwd_bwd_ratio']:>6.2f}")
+  return out
+
+
 def _goals(rows) -> list[tuple[float | None, str]]:
   """The measured value of each of GOALS (None where nothing was measured), and where."""
   autos = [r for r in rows if r["part"] == "kernels" and r.get("kernel") == "auto"
@@ -114,7 +126,7 @@ def summary(path: str, statuses: list[dict], seconds: float, smoke: bool,
            f"{'part':>8} {'status':>7} {'seconds':>8}  error"]
   for s in statuses:
     lines.append(f"{s['part']:>8} {s['status']:>7} {s['seconds']:>8.0f}  {s['error'] or ''}")
-  for block in (_kernels(rows), _ring(rows), _e2e(rows), _profile(rows)):
+  for block in (_kernels(rows), _ring(rows), _e2e(rows), _profile(rows), _sparse(rows)):
     if block:
       lines += [""] + block
   lines += ["", "goals" + (" (not judged at smoke shapes)" if smoke else "")]
