@@ -217,8 +217,8 @@ class Sampler:
       token = int(token_B[0])
       decode_steps += 1
     decode_s = time.monotonic() - started  # With `on_token`'s time: what a user waits.
-    key_cache = jax.tree.leaves(jax.tree.map_with_path(
-        lambda path, x: x if path[-1].key == "key" else None, cache))[0]
+    key_cache = next(x for path, x in jax.tree_util.tree_leaves_with_path(cache)
+                     if path[-1].key == "key")
     return new_ids, {
         "prompt_tokens": length, "new_tokens": len(new_ids), "capacity": capacity,
         # [layers, rows, capacity, kv heads, head dim]: the whole, and one device's part.
