@@ -35,11 +35,27 @@ import importlib  # noqa: E402
 import pytest  # noqa: E402
 
 
-# The learning-rate schedule's length is a constant of the compiled step, so runs of the tiny
-# config that differ only in their number of steps share one schedule: then they compile one
-# program, which the persistent cache serves to every test after the first.
+# What the tests' tiny runs share, in this process and in the `python -m trainer` subprocesses
+# they start (SHARED_FLAGS), so that they compile one program, which the persistent cache
+# serves to every test after the first: the learning-rate schedule's length (a constant of the
+# compiled step, so runs that differ only in their number of steps share one schedule), and a
+# batch of 4 rows, not the config's 8 (one fsdp pair of 2 rows still; a step costs about 0.12
+# CPU-s less on 2 cores, and the suite trains hundreds).
 SCHEDULE_STEPS = 100
-SCHEDULE_FLAG = f"--config.train.schedule_steps={SCHEDULE_STEPS}"
+BATCH_SIZE = 4
+SHARED_FLAGS = (f"--config.train.schedule_steps={SCHEDULE_STEPS}",
+                f"--config.train.batch_size={BATCH_SIZE}")
+
+
+def tiny_cpu_config(data_dir: str, attention: str | None = None):
+  """configs/tiny_cpu.py (optionally a layout variant) as the tests train it: on `data_dir`,
+  no periodic eval, the shared schedule and batch."""
+  config = importlib.import_module("configs.tiny_cpu").get_config(attention)
+  config.data.data_dir = data_dir
+  config.train.eval_every = 0
+  config.train.schedule_steps = SCHEDULE_STEPS
+  config.train.batch_size = BATCH_SIZE
+  return config
 
 
 @contextlib.contextmanager
@@ -68,10 +84,7 @@ def tiny_config(shared_data_dir):
   """Returns a fresh tiny_cpu config (optionally a layout variant) on the shared data cache."""
 
   def make(attention: str | None = None, **overrides):
-    config = importlib.import_module("configs.tiny_cpu").get_config(attention)
-    config.data.data_dir = shared_data_dir
-    config.train.eval_every = 0
-    config.train.schedule_steps = SCHEDULE_STEPS
+    config = tiny_cpu_config(shared_data_dir, attention)
     for path, value in overrides.items():
       group, key = path.split(".")
       config[group][key] = value

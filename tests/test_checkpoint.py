@@ -19,7 +19,7 @@ from orbax.checkpoint._src import asyncio_utils
 
 import data
 import parallelism
-from conftest import SCHEDULE_FLAG, SCHEDULE_STEPS, mounted_tmpfs
+from conftest import SHARED_FLAGS, mounted_tmpfs, tiny_cpu_config
 from trainer.ckpt.checkpointing import CheckpointError, Checkpointer, _first_line
 from trainer.ckpt.tool_reads import open_step, read_step
 from trainer.core.state import TrainState
@@ -45,10 +45,7 @@ def _config(tiny_config, **overrides):
 def straight_run(tmp_path_factory, shared_data_dir):
   """20 uninterrupted steps of `_config` (saves at 10 and 20): the losses every resumed run
   must give, and a run to damage (copy it first)."""
-  import importlib
-  config = importlib.import_module("configs.tiny_cpu").get_config()
-  config.data.data_dir = shared_data_dir
-  config.train.eval_every, config.train.schedule_steps = 0, SCHEDULE_STEPS
+  config = tiny_cpu_config(shared_data_dir)
   config.train.log_every, config.train.steps, config.checkpoint.every_steps = 1, 20, 10
   workdir = tmp_path_factory.mktemp("straight")
   train(config, str(workdir))
@@ -239,7 +236,7 @@ def _cli(workdir, *overrides, **popen):
 def test_sigterm_saves_at_the_signal_step_and_resumes_exactly(tmp_path, shared_data_dir,
                                                               straight_run, tiny_config, capsys):
   common = (f"--config.data.data_dir={shared_data_dir}", "--config.checkpoint.every_steps=1000",
-            SCHEDULE_FLAG)
+            *SHARED_FLAGS)
   process = _cli(tmp_path / "stopped", "--config.train.steps=20", *common,
                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
   for line in process.stdout:
@@ -267,7 +264,7 @@ def test_full_disk_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path, tin
   with mounted_tmpfs(tmp_path / "small_disk", "size=9M") as mount_point:
     workdir = str(mount_point / "run")
     process = _cli(workdir, "--config.train.steps=30", "--config.checkpoint.every_steps=10",
-                   SCHEDULE_FLAG, f"--config.data.data_dir={shared_data_dir}",
+                   *SHARED_FLAGS, f"--config.data.data_dir={shared_data_dir}",
                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out, err = process.communicate(timeout=300)
     assert process.returncode == 1, err[-3000:]

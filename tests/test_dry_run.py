@@ -2,7 +2,6 @@
 allocates no parameter (the plan for described GPUs: tests/test_plan_gpu.py)."""
 
 import contextlib
-import importlib
 import io
 import os
 import subprocess
@@ -17,7 +16,7 @@ import pytest
 
 import data
 import parallelism
-from conftest import SCHEDULE_STEPS
+from conftest import tiny_cpu_config
 from trainer.config import flops
 from trainer.config.config_check import ConfigError
 from trainer.core.state import init_state
@@ -48,10 +47,7 @@ def offload_plan(shared_data_dir):
   """The tiny striped config with remat 'offload', planned on the CPU with the floor's float32
   compile (one plan for the tests of the CPU's figures): (config, plan, what it printed, the
   arrays it left alive)."""
-  config = importlib.import_module("configs.tiny_cpu").get_config("striped")
-  config.data.data_dir = shared_data_dir
-  config.train.eval_every = 0
-  config.train.schedule_steps = SCHEDULE_STEPS
+  config = tiny_cpu_config(shared_data_dir, "striped")
   config.train.remat = "offload"
   assert jax.device_count() == 8  # the backend is up with the 8 test devices: plan reuses them
   before = {id(x) for x in jax.live_arrays()}
@@ -164,8 +160,9 @@ def test_plan_names_a_device_count_it_cannot_have(tiny_config):
 
 def test_plan_bounds_the_cpu_promotion_and_accounts_for_offload(offload_plan):
   _, plan, out, _ = offload_plan
-  # Offload: the layer inputs of the tiny config (2 layers x 4 rows x 64 tokens x 128 bf16).
-  assert plan["offloaded_bytes"] == 2 * 4 * 64 * 128 * 2
+  # Offload: the layer inputs of the tests' tiny config (2 layers x 2 rows x 64 tokens x 128
+  # bf16: a batch of 4 over 2 fsdp shards).
+  assert plan["offloaded_bytes"] == 2 * 2 * 64 * 128 * 2
   assert plan["total_bytes"] == plan["peak_bytes"] + plan["code_bytes"] - plan["offloaded_bytes"]
   assert "offloaded layer inputs" in out and "float32 compile temps" in out
   # The float32 compile's temporaries, halved, lie below the CPU's: a floor, and a verdict

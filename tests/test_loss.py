@@ -84,7 +84,8 @@ def test_the_compiled_step_never_holds_the_whole_logits(tiny_config):
   temps, logits_bytes = {}, None
   for chunk in (64, 1 << 20):
     config = tiny_config("striped", **{"model.vocab_size": 16384, "data.seq_len": 1024,
-                                       "model.attention_tile": 128, "train.loss_chunk": chunk})
+                                       "model.attention_tile": 128, "train.loss_chunk": chunk,
+                                       "train.batch_size": 8})  # The figures above are at 8.
     mesh = parallelism.make_mesh(config.mesh)
     compiled, _ = dry_run.compile_step(config, mesh)
     temps[chunk] = compiled.memory_analysis().temp_size_in_bytes

@@ -38,10 +38,12 @@ def _losses(workdir) -> list[float]:
 
 
 def _config(tiny_config, attention="striped", mesh=(1, 2, 4, 1), **overrides):
-  # One 20-step schedule for every run, so 10-step runs match the first 10 of 20.
+  # One 20-step schedule for every run, so 10-step runs match the first 10 of 20; the
+  # config's own batch of 8 rows, one per device when fsdp has all 8 (not the tests' 4).
   config = tiny_config(attention, **{"train.log_every": 1, "train.steps": 10,
                                      "train.schedule_steps": 20, "model.dtype": "float32",
-                                     "checkpoint.every_steps": 1000, **overrides})
+                                     "train.batch_size": 8, "checkpoint.every_steps": 1000,
+                                     **overrides})
   config.mesh.data, config.mesh.fsdp, config.mesh.sequence, config.mesh.tensor = mesh
   return config
 

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import SCHEDULE_FLAG
+from conftest import SHARED_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -123,7 +123,7 @@ def test_a_worker_killed_mid_run_is_named_and_the_coordinator_exits_at_once(
       [sys.executable, "-m", "trainer", "--config", "configs/tiny_cpu.py",
        f"--workdir={workdir}", f"--coordinator_address={address}", "--num_processes=2",
        f"--process_id={pid}", "--config.cpu_devices=4", "--config.train.steps=1000",
-       "--config.train.log_every=1", "--config.train.eval_every=0", SCHEDULE_FLAG,
+       "--config.train.log_every=1", "--config.train.eval_every=0", *SHARED_FLAGS,
        "--config.checkpoint.every_steps=2", f"--config.data.data_dir={shared_data_dir}"],
       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=errors[pid], text=True)
       for pid in range(2)]

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SCHEDULE_STEPS
+from conftest import tiny_cpu_config
 import flax.linen as nn
 
 import data
@@ -107,12 +107,9 @@ def test_sharded_decoding_gives_the_dense_greedy_tokens(tiny_config, tokenizer, 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory, shared_data_dir):
   """A tiny striped run of 2 steps, trained by the trainer, with its checkpoint."""
-  import importlib
   from trainer.run.loop import train
-  config = importlib.import_module("configs.tiny_cpu").get_config("striped")
-  config.data.data_dir = shared_data_dir
+  config = tiny_cpu_config(shared_data_dir, "striped")  # The step other tests compile too.
   config.train.steps = config.checkpoint.every_steps = config.train.eval_every = 2
-  config.train.schedule_steps = SCHEDULE_STEPS  # The step other tests compile too.
   config.train.eval_needle_lengths = "64"  # The periodic eval's needle grid, sampled too.
   config.train.eval_needle_depths = "0,1"
   workdir = str(tmp_path_factory.mktemp("sample_run"))

@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 
+from conftest import BATCH_SIZE
 from trainer.ckpt import resume
 from trainer.config import stages
 from trainer.config.config_check import ConfigError, check_config
@@ -29,6 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _extend_config(data_dir, steps=(6, 6)):
   config = importlib.import_module("configs.tiny_extend").get_config()
   config.data.data_dir = data_dir
+  config.train.batch_size = BATCH_SIZE  # Each stage's too.
   config.stages[0].train.steps, config.stages[1].train.steps = steps
   config.train.log_every = 1
   config.train.eval_every = 0

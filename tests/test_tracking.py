@@ -14,7 +14,7 @@ import matplotlib
 import ml_collections
 import numpy as np
 import pytest
-from conftest import SCHEDULE_STEPS
+from conftest import BATCH_SIZE, tiny_cpu_config
 
 matplotlib.use("Agg")
 from matplotlib import image as mpl_image  # noqa: E402
@@ -110,7 +110,6 @@ def _run_records(workdir):
 
 def _config(**overrides):
   config = importlib.import_module("configs.tiny_cpu").get_config()
-  config.train.schedule_steps = SCHEDULE_STEPS  # One compiled step for runs of any length.
   for path, value in overrides.items():
     group, key = path.split(".")
     config[group][key] = value
@@ -359,8 +358,8 @@ def dense_run(tmp_path_factory, shared_data_dir):
   from trainer.run.loop import train  # pylint: disable=g-import-not-at-top  # Needs `data`.
 
   workdir = tmp_path_factory.mktemp("runs") / "dense"
-  config = _config(**{"train.steps": 3, "train.log_every": 1, "train.eval_every": 0,
-                      "data.data_dir": shared_data_dir})
+  config = tiny_cpu_config(shared_data_dir)  # The step other tests compile too.
+  config.train.steps, config.train.log_every = 3, 1
   config.peak_flops_per_device = 1e12
   # A secret in a config field (unused by the synthetic corpus) must reach no file either:
   # config.json, the checkpoints' stored config, metrics, W&B.
@@ -413,7 +412,7 @@ def test_logged_speed_and_mfu_agree_with_the_step_time(dense_run):
   records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   flops_token = 2_961_408  # Hand-computed in test_flops_and_mfu_match_a_hand_computation.
   for r in records:
-    assert r["tokens_per_sec"] * r["step_time_s"] == pytest.approx(8 * 256)
+    assert r["tokens_per_sec"] * r["step_time_s"] == pytest.approx(BATCH_SIZE * 256)
     assert r["tokens_per_sec_per_device"] == pytest.approx(r["tokens_per_sec"] / 8)
     # config.peak_flops_per_device = 1e12 (the loop reads it through flops.peak_flops).
     assert r["mfu"] == pytest.approx(flops_token * r["tokens_per_sec"] / (8 * 1e12))

@@ -14,7 +14,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from conftest import SCHEDULE_STEPS, mounted_tmpfs
+from conftest import mounted_tmpfs, tiny_cpu_config
 
 import data
 from data import sources
@@ -45,11 +45,8 @@ def _state_of(run) -> dict[str, list[str]]:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, shared_data_dir):
   """A 4-step run with checkpoints at steps 2 and 4, copied fresh for each test."""
-  import importlib  # pylint: disable=g-import-not-at-top
-  config = importlib.import_module("configs.tiny_cpu").get_config(None)
-  config.data.data_dir, config.train.eval_every = shared_data_dir, 0
+  config = tiny_cpu_config(shared_data_dir)
   config.train.log_every, config.checkpoint.every_steps = 1, 2
-  config.train.schedule_steps = SCHEDULE_STEPS
   config.train.steps = 4
   run = str(tmp_path_factory.mktemp("trained") / "run")
   train(config, run)
