@@ -148,8 +148,9 @@ def main() -> None:
   config.train.eval_every = 0
   config.train.log_every = 1
   config.train.steps = args.steps
-  config.train.schedule_steps = 100  # tests/conftest.py's SCHEDULE_STEPS and BATCH_SIZE: one
-  config.train.batch_size = 4  # compiled step
+  # tests/conftest.py's SCHEDULE_STEPS and BATCH_SIZE: the step the other tests compile.
+  config.train.schedule_steps = 100
+  config.train.batch_size = 4
   config.checkpoint.every_steps = args.every_steps
   config.checkpoint.keep = args.keep
   train(config, args.workdir)
