@@ -30,6 +30,7 @@ import jax  # noqa: E402  (must come after the flags above)
 jax.config.update("jax_num_cpu_devices", 8)
 
 
+import functools  # noqa: E402
 import importlib  # noqa: E402
 
 import pytest  # noqa: E402
@@ -47,14 +48,17 @@ SHARED_FLAGS = (f"--config.train.schedule_steps={SCHEDULE_STEPS}",
                 f"--config.train.batch_size={BATCH_SIZE}")
 
 
-def tiny_cpu_config(data_dir: str, attention: str | None = None):
+def tiny_cpu_config(data_dir: str, attention: str | None = None, **overrides):
   """configs/tiny_cpu.py (optionally a layout variant) as the tests train it: on `data_dir`,
-  no periodic eval, the shared schedule and batch."""
+  no periodic eval, the shared schedule and batch; then `overrides` ("group.key": value)."""
   config = importlib.import_module("configs.tiny_cpu").get_config(attention)
   config.data.data_dir = data_dir
   config.train.eval_every = 0
   config.train.schedule_steps = SCHEDULE_STEPS
   config.train.batch_size = BATCH_SIZE
+  for path, value in overrides.items():
+    group, key = path.split(".")
+    config[group][key] = value
   return config
 
 
@@ -82,15 +86,7 @@ def shared_data_dir(tmp_path_factory):
 @pytest.fixture
 def tiny_config(shared_data_dir):
   """Returns a fresh tiny_cpu config (optionally a layout variant) on the shared data cache."""
-
-  def make(attention: str | None = None, **overrides):
-    config = tiny_cpu_config(shared_data_dir, attention)
-    for path, value in overrides.items():
-      group, key = path.split(".")
-      config[group][key] = value
-    return config
-
-  return make
+  return functools.partial(tiny_cpu_config, shared_data_dir)
 
 
 def pytest_collection_modifyitems(items):

@@ -10,6 +10,7 @@ tests/test_slurm.py (a real `jax.distributed` runtime started by Slurm's srun); 
 multi-process test here covers what only the explicit coordinator flags do.
 """
 
+import functools
 import json
 import os
 import socket
@@ -23,6 +24,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import parallelism
+from conftest import tiny_cpu_config
 from model import Decoder
 from trainer.core.optimizer import make_optimizer
 from trainer.core.state import abstract_state, shardings_of
@@ -51,13 +53,7 @@ def _config(tiny_config, attention="striped", mesh=(1, 2, 4, 1), **overrides):
 @pytest.fixture(scope="module")
 def reference_losses(tmp_path_factory, shared_data_dir):
   """20 steps of striped attention on the tiny config's own mesh (1, 2, 4, 1)."""
-  import importlib
-  config = importlib.import_module("configs.tiny_cpu").get_config("striped")
-  config.data.data_dir = shared_data_dir
-  config.train.eval_every = 0
-  config.train.log_every, config.train.steps, config.train.schedule_steps = 1, 20, 20
-  config.model.dtype = "float32"
-  config.checkpoint.every_steps = 1000
+  config = _config(functools.partial(tiny_cpu_config, shared_data_dir), **{"train.steps": 20})
   workdir = str(tmp_path_factory.mktemp("reference"))
   train(config, workdir)
   return _losses(workdir)
