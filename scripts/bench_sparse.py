@@ -207,14 +207,14 @@ def measure(steps, args, variants: dict, repeats: int) -> dict:
 
 def run_part(part: str, seq_len: int, args, schedule, steps, bucket_list, drop_rates,
              repeats, tile: int, perm, keeps=(), scores: str = "iid",
-             place=lambda x: x) -> list[dict]:
+             place=lambda x: x, control: bool = True) -> list[dict]:
   """One row per variant; `perm` puts an array in the layout's order (NumPy, which the tile
-  counts read), `place` on the devices where the timed steps take it."""
+  counts read), `place` on the devices where the timed steps take it. `control`: also
+  `hash-1`, one bucket: the run-time walk on the causal mask, which separates the walk's own
+  speed per tile from what the buckets skip (its slowest variant)."""
   q, k = args[:2]
-  # One bucket: the run-time walk on the causal mask, the control that separates the walk's
-  # own speed per tile from what the buckets skip.
   one = (jnp.zeros(q.shape[:3], jnp.int32), jnp.zeros(k.shape[:3], jnp.int32))
-  variants = {"causal": None, "hash-1": one}
+  variants = {"causal": None} | ({"hash-1": one} if control else {})
   variants |= {f"hash-{b}": codes_of(q, k, b) for b in bucket_list}
   variants |= {f"drop-{r}": drop_codes(q.shape[0], seq_len, q.shape[2], k.shape[2], r,
                                        jnp.int32(0), "ring") for r in drop_rates}

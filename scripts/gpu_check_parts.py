@@ -212,20 +212,25 @@ def part_ring(record, smoke: bool) -> None:
 
 
 def part_e2e(record, smoke: bool, out: str, deadline: float) -> None:
-  """`python -m trainer` on the 1B config, one device, 8k and 32k: striped/auto against
-  dense (cuDNN); the 32k striped run traces its last step for the profile part."""
+  """`python -m trainer` on the 1B config, one device, 8k and 32k: striped/auto, striped
+  with the other fused GPU kernel (`auto` is chosen by these rows), and dense (cuDNN); the
+  32k striped/auto run traces its last step for the profile part."""
   config = "configs/tiny_cpu.py" if smoke else "configs/1b_32k_striped.py"
   seq_lens, steps = ([256], 4) if smoke else ([8192, 32768], 8)
   extra = ["--config.cpu_devices=1"] if smoke else []
   data_dir = tempfile.mkdtemp(prefix="gpu_check_data_")  # not in DIR: only results go back
-  runs = [(s, attention) for s in seq_lens for attention in ("striped", "dense")]
+  # The smoke's CPU runs neither fused GPU kernel (pallas only interprets there).
+  other = [] if smoke else [("striped", "pallas" if kernels.resolve(
+      kernels.AUTO, "gpu") == "cudnn" else "cudnn")]
+  runs = [(s, attention, kernel) for s in seq_lens
+          for attention, kernel in [("striped", "auto"), *other, ("dense", "auto")]]
   ends = time.monotonic() + deadline
   try:
-    for i, (seq_len, attention) in enumerate(runs):
+    for i, (seq_len, attention, kernel) in enumerate(runs):
       left = (ends - time.monotonic()) / (len(runs) - i)
       profile = os.path.join(out, PROFILE_TRACE) if (
-          seq_len == seq_lens[-1] and attention == "striped") else None
-      bench_kernel_e2e.run(config, seq_len, attention, "auto", steps, "auto", data_dir, left,
+          seq_len == seq_lens[-1] and (attention, kernel) == ("striped", "auto")) else None
+      bench_kernel_e2e.run(config, seq_len, attention, kernel, steps, "auto", data_dir, left,
                            record, extra, profile_to=profile)
   finally:
     shutil.rmtree(data_dir, ignore_errors=True)
@@ -243,20 +248,30 @@ def part_profile(record, out: str) -> None:
 def part_sparse(record, smoke: bool) -> None:
   """Hash attention and QK-dropping against causal attention at SCFA's settings (issue #38:
   bf16, B=4, H=48, D=64, tile 128), one block through the `xla` kernel's run-time walk: the
-  rows of `scripts/bench_sparse.py --gpu`'s block part at 8k and 16k. Not a default part:
-  `--parts sparse` after the others, where device time is left."""
+  rows of `scripts/bench_sparse.py --gpu`'s block part at 8k, then 16k. Not a default part:
+  `--parts sparse` after the others, where device time is left.
+
+  The walk visits one (row, query tile) at a time, B x H x S/128 of them (12,288 at 8k), so
+  on a GPU a call takes seconds. Hence one variant per measurement, each beside causal
+  attention's own time, the sparsest first and one timed repeat: each row is recorded as it
+  is measured, and the part's deadline keeps every row it reached."""
   import bench_sparse  # pylint: disable=g-import-not-at-top  # scripts/, first on the path
   seq_lens, (batch, heads, head_dim) = ([8192, 16384], (4, 48, 64)) if not smoke else (
       [256], (1, 2, 32))
+  variants = [([64], []), ([16], []), ([], [0.5]), ([4], [])]
   for seq_len in seq_lens:
     schedule = ring_schedule("ring", seq_len, 1)
     inputs = bench_sparse.inputs(batch, seq_len, heads, heads, head_dim, jnp.bfloat16)
-    for row in bench_sparse.run_part("block", seq_len, inputs, schedule,
-                                     bench_sparse.block_step(schedule, 128), [4, 16, 64],
-                                     [0.5], 2, 128, lambda x: x):
-      record(status="ok", **row)
-      print(f"{seq_len:>6} {row['variant']:>9}  tiles {row.get('tile_ratio', 1.0):.3f}  "
-            f"fwd+bwd {row['fwd_bwd_ratio']:.2f}x causal", flush=True)
+    steps = bench_sparse.block_step(schedule, 128)
+    for buckets, drop_rates in variants:
+      started = time.monotonic()
+      causal, row = bench_sparse.run_part("block", seq_len, inputs, schedule, steps, buckets,
+                                          drop_rates, 1, 128, lambda x: x, control=False)
+      record(status="ok", seconds=time.monotonic() - started, causal_fwd_s=causal["fwd_s"],
+             causal_fwd_bwd_s=causal["fwd_bwd_s"], **row)
+      print(f"{seq_len:>6} {row['variant']:>9}  tiles {row['tile_ratio']:.3f}  fwd "
+            f"{row['fwd_s']:.3f} s ({row['fwd_ratio']:.2f}x causal)  fwd+bwd "
+            f"{row['fwd_bwd_s']:.3f} s ({row['fwd_bwd_ratio']:.2f}x causal)", flush=True)
 
 
 def main() -> None:

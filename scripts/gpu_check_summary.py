@@ -63,7 +63,9 @@ def _e2e(rows) -> list[str]:
       out.append(f"{r['seq_len']:>6} {r['attention']:>9}  failed: {r['error']}")
       continue
     falls = "" if r["loss_falls"] else "  (the loss did not fall)"
-    out.append(f"{r['seq_len']:>6} {r['attention']:>9} {r['kernel']:>10} "
+    kernel = r["kernel"] if r.get("kernel_requested", "auto") == "auto" else (
+        f"{r['kernel']} (set)")
+    out.append(f"{r['seq_len']:>6} {r['attention']:>9} {kernel:>10} "
                f"{r['tokens_per_sec']:>10,.0f} {_f(r['mfu'], '.3f'):>6} "
                f"{r['first_loss']:>7.3f}->{r['last_loss']:<7.3f}{falls}")
   return out
@@ -98,8 +100,9 @@ def _goals(rows) -> list[tuple[float | None, str]]:
   worst_auto = min(autos, key=lambda r: r["over_cudnn_fwd_bwd"], default=None)
   striped = [r for r in rows if r["part"] == "ring" and r.get("layout") == "striped"
              and r.get("num_shards") == 8]
-  e2e = {(r["seq_len"], r["attention"]): r for r in rows
-         if r["part"] == "e2e" and r.get("status") == "ok" and "seq_len" in r}
+  e2e = {(r["seq_len"], r["attention"]): r for r in rows  # the goals are auto's
+         if r["part"] == "e2e" and r.get("status") == "ok" and "seq_len" in r
+         and r.get("kernel_requested", "auto") == "auto"}
 
   def mfu(seq_len):
     r = e2e.get((seq_len, "striped"))
