@@ -4,7 +4,7 @@ can express, the Pallas kernel for the rest; and cuDNN attention of whole rows, 
 
 It calls JAX's private cuDNN attention API, read in the source of the JAX versions in
 `CHECKED_JAX` (tests/test_kernel_cudnn.py checks it on the CPU as far as a CPU can).
-`auto` does not pick it; `model.kernel=cudnn` does.
+`auto` runs it on GPUs, as `model.kernel=cudnn` does (`kernels.choose` says where not).
 
 Each distinct block pair of the static schedule has a mask shape (`schedule.shapes`); a
 call branches once on it (`lax.switch` on the traced pair):
@@ -63,6 +63,9 @@ def unusable(backend: str | None = None) -> str | None:
     return ("model.kernel='cudnn' cannot be planned for described GPUs: cuDNN's attention "
             "compiles against the cuDNN library, which XLA's GPU compiler in .plan_gpu/ does "
             "not bring; plan with model.kernel=pallas, or on a GPU")
+  if jax.__version__ not in CHECKED_JAX:
+    return (f"model.kernel='cudnn' uses JAX's private cuDNN attention API, checked against "
+            f"JAX {' and '.join(CHECKED_JAX)}; this is JAX {jax.__version__}")
   platform = jax.devices()[0].client.platform_version  # 'gpu' is also ROCm's name
   if "cuda" not in platform.lower():
     return f"model.kernel='cudnn' needs a CUDA GPU; this GPU's platform is {platform}"

@@ -48,14 +48,14 @@ KERNELS = {
 
 def resolve(name: str, backend: str | None = None) -> str:
   """The kernel `name` runs on `backend` (default: `target.backend()`, JAX's or a plan's
-  described GPUs). `auto` is `pallas` on GPUs (fused; `xla` holds every tile's scores in
-  memory) and `xla` elsewhere: on the CPU `pallas` only interprets, and its Triton kernel
-  has no TPU (Mosaic) lowering. Not `cudnn`, until it is measured against `pallas` on a GPU
-  (`make gpu_check`)."""
+  described GPUs). `auto` is `cudnn` on GPUs, the faster fused kernel there by `make
+  gpu_check` (figures: README, results/gpu_check/), and `xla` elsewhere: on the CPU `pallas`
+  only interprets, and neither has a TPU lowering. Where cuDNN cannot take a layer, `choose`
+  goes on to `pallas`, then `xla`."""
   check_name(name)
   if name != AUTO:
     return name
-  return "pallas" if (backend or target.backend()) == "gpu" else "xla"
+  return "cudnn" if (backend or target.backend()) == "gpu" else "xla"
 
 
 def check_name(name: str) -> None:
@@ -73,29 +73,37 @@ def describe(name: str, backend: str | None = None) -> str:
 def choose(name: str, q_shape, k_shape, tile: int, dtype, softcap: float = 0.0,
            head_spans: bool = False, buckets: bool = False) -> tuple[str, str | None]:
   """The kernel that runs `name` on blocks of these shapes, and why it is not the one `name`
-  resolves to (None when it is): blocks Triton cannot take run `xla` under `auto`; operands
-  cuDNN cannot take, capped logits or per-head spans (`head_spans`) run `pallas` under
-  `cudnn`; bucket codes (`buckets`, hash attention) run `xla`, the one kernel that applies
-  them. Decided once per attention setup (`parallelism.split`), never per call."""
+  resolves to (None when it is). Bucket codes (`buckets`, hash attention) run `xla`, the one
+  kernel that applies them. Under `cudnn`, operands cuDNN cannot take, capped logits and
+  per-head spans (`head_spans`) run `pallas`; under `auto` also where cuDNN cannot run here
+  (described GPUs of a plan, another JAX), and then `xla` for blocks Triton cannot take.
+  Decided once per attention setup (`parallelism.split`), never per call."""
   chosen = resolve(name)
   if buckets and chosen != "xla":
     return "xla", f"the {chosen} kernel has no bucket mask (model.sparse's run-time codes)"
-  if chosen == "cudnn" and softcap:
-    return "pallas", "the cudnn kernel has no logit soft-capping (model.attention_softcap)"
-  if chosen == "cudnn" and head_spans:
-    return "pallas", "the cudnn kernel has no per-head windows (model.head_spans)"
+  reasons = []
+  if chosen == "cudnn":
+    reason = _cudnn_reason(q_shape, dtype, softcap, head_spans, auto=name == AUTO)
+    if reason:
+      chosen, reasons = "pallas", [reason]
   if name == AUTO and chosen == "pallas":
     reason = kernel_pallas.gpu_unsupported(q_shape, k_shape, tile, dtype)
-    return ("xla", f"the pallas kernel cannot take these attention blocks ({reason})"
-            ) if reason else (chosen, None)
-  if chosen == "cudnn":
-    reason = kernel_cudnn.pallas_reason(q_shape, dtype)
-    return ("pallas", f"the cudnn kernel cannot take these attention blocks ({reason})"
-            ) if reason else (chosen, None)
-  return chosen, None
+    if reason:
+      chosen = "xla"
+      reasons.append(f"the pallas kernel cannot take these attention blocks ({reason})")
+  return chosen, "; ".join(reasons) or None
 
 
-def for_blocks(name: str, q_shape, k_shape, tile: int, dtype,
-               softcap: float = 0.0) -> BlockKernel:
-  """The block kernel that runs `name` on blocks of these shapes (`choose`)."""
-  return KERNELS[choose(name, q_shape, k_shape, tile, dtype, softcap)[0]]
+def _cudnn_reason(q_shape, dtype, softcap: float, head_spans: bool, auto: bool) -> str | None:
+  """Why blocks of a layer that names (or under `auto` resolves to) `cudnn` run `pallas`."""
+  if softcap:
+    return "the cudnn kernel has no logit soft-capping (model.attention_softcap)"
+  if head_spans:
+    return "the cudnn kernel has no per-head windows (model.head_spans)"
+  if auto and target.described():
+    return "cuDNN's attention compiles only on an attached GPU; pallas is flash attention too"
+  unusable = kernel_cudnn.unusable() if auto else None  # a named cudnn is a config error
+  if unusable:
+    return f"cuDNN cannot run here ({unusable})"
+  reason = kernel_cudnn.pallas_reason(q_shape, dtype)
+  return f"the cudnn kernel cannot take these attention blocks ({reason})" if reason else None

@@ -2,8 +2,9 @@
 
 A dry run may compile the train step for GPUs that are described to XLA's GPU compiler but
 not attached (`trainer.plan.plan_target`). JAX's default backend is then still the CPU, yet the
-kernels must be chosen and lowered as on the GPU (`auto` picks `pallas`, and Pallas lowers
-to Triton instead of interpreting).
+kernels must be chosen and lowered as on the GPU (`auto` compiles `pallas`, since cuDNN's
+attention compiles only on an attached GPU, and Pallas lowers to Triton instead of
+interpreting).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Every GPU figure of the project from one call on a GPU machine, in under 8 minutes.
+"""Every GPU figure of the project from one call on a GPU machine, in under 9 minutes.
 
   make gpu_check                  # on the GPU machine; writes to $OUT, else --out
   make gpu_check SMOKE=1          # the same script on the CPU at tiny shapes (a test)
@@ -11,8 +11,9 @@ part that fails is recorded with its first error line and the next one runs:
   against the xla kernel in float32; dense cuDNN attention of the packed row likewise; at 8k,
   a 1,024-token window against cuDNN's sliding window (its output checked too).
 - ring: the one-GPU emulation of an N=8 ring, blocks of 16k and 32k: striped against ring.
-- e2e: `python -m trainer` on the 1B config, one device, 8k and 32k, striped/auto against
-  dense (cuDNN): tokens/sec and MFU from metrics.jsonl, losses, no checkpoint written.
+- e2e: `python -m trainer` on the 1B config, one device, 8k and 32k, striped/auto and
+  striped with the other fused kernel against dense (cuDNN): tokens/sec and MFU from
+  metrics.jsonl, losses, no checkpoint written.
 - profile: a `jax.profiler` trace of one 32k striped step (the e2e run's), as the share of
   time in attention, matmuls, collectives, other and idle.
 - sparse (only when named: `make gpu_check ARGS=--parts=sparse`, on a warm machine after the
@@ -36,9 +37,11 @@ sys.path.insert(0, HERE)
 
 import gpu_check_summary  # noqa: E402  (no JAX here: the parts need the device)
 
-# Seconds per part on the GPU; their sum, with the carried wheels' install, stays under 8
+# Seconds per part on the GPU; their sum, with the carried wheels' install, stays under 9
 # minutes. A part past its deadline is stopped; what it measured by then stays recorded.
-DEADLINES = {"kernels": 120, "ring": 75, "e2e": 250, "profile": 20, "sparse": 150}
+# On an H200 (2026-11-27) kernels reached only its 8k rows in 120 s, ring took 38 s and e2e
+# 176 s (six runs).
+DEADLINES = {"kernels": 200, "ring": 60, "e2e": 220, "profile": 20, "sparse": 150}
 SMOKE_DEADLINES = {"kernels": 240, "ring": 180, "e2e": 240, "profile": 60, "sparse": 120}
 
 

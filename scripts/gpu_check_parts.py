@@ -38,14 +38,16 @@ PROFILE_TRACE = "profile_32k.perfetto_trace.json.gz"
 
 class Recorder:
   """Appends one JSON line per measurement to DIR/gpu_check.jsonl, at once, tagged with the
-  part, the check's run id and the device (where this process holds it)."""
+  part, the check's run id, the device (where this process holds it) and the seconds since
+  the part began (`at_s`: what each row costs, for sizing the deadlines)."""
 
   def __init__(self, out: str, part: str, run: str, device: str | None):
     self.path = os.path.join(out, "gpu_check.jsonl")
     self.tags = {"part": part, "run": run, **({"device": device} if device else {})}
+    self.started = time.monotonic()
 
   def __call__(self, **row) -> None:
-    row = {**row, **self.tags}
+    row = {**row, **self.tags, "at_s": round(time.monotonic() - self.started, 1)}
     with open(self.path, "a") as f:
       f.write(json.dumps(row, default=float) + "\n")
 
@@ -142,7 +144,7 @@ def _block_rows(record, schedule, pair, inputs, segments, kernel_names, flops, w
                                            schedule, tile))
   with jax.default_matmul_precision("highest"):
     (g_ref, o_ref, _) = reference(*(x.astype(F32) for x in inputs), pair, segments, segments)
-  measured = {}  # kernel run -> its row: `auto` is one of the others (pallas on a GPU)
+  measured = {}  # kernel run -> its row: `auto` is one of the others (cudnn on a GPU)
   for label, name in kernel_names.items():
     runs, _ = kernels.choose(name, q.shape, k.shape, tile, q.dtype)
     if runs in measured:

@@ -114,6 +114,30 @@ def test_on_the_cpu_cudnn_is_a_config_error(tiny_config):
     check_config(config, 8)
 
 
+def test_another_jax_version_makes_auto_run_pallas_on_a_gpu(monkeypatch):
+  """`auto` is cudnn on a GPU (as measured by `make gpu_check`) only where cuDNN can run: on
+  a JAX whose private cuDNN API was not read, the run goes on with pallas and says why."""
+  from parallelism import kernels  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(kernels.target, "backend", lambda: "gpu")
+  monkeypatch.setattr(jax, "__version__", "0.0.1")
+  chosen, why = kernels.choose("auto", (1, 64, 4, 128), (1, 64, 2, 128), 64, jnp.bfloat16)
+  assert chosen == "pallas" and "checked against JAX" in why and "this is JAX 0.0.1" in why
+
+
+def test_auto_on_a_gpu_is_cudnn_where_cudnn_takes_the_blocks(monkeypatch):
+  from parallelism import kernels  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(kernels.target, "backend", lambda: "gpu")
+  monkeypatch.setattr(kernel_cudnn, "unusable", lambda *_: None)  # as on a CUDA GPU
+  q, kv = (1, 64, 4, 128), (1, 64, 2, 128)
+  assert kernels.choose("auto", q, kv, 64, jnp.bfloat16) == ("cudnn", None)
+  assert kernels.choose("auto", q, kv, 64, jnp.float32) == (
+      "pallas", "the cudnn kernel cannot take these attention blocks (float32 operands: "
+      "cuDNN's flash attention takes bf16 or fp16)")
+  assert kernels.choose("auto", q, kv, 64, jnp.bfloat16, softcap=30.0) == (
+      "pallas", "the cudnn kernel has no logit soft-capping (model.attention_softcap)")
+  assert kernels.choose("auto", q, kv, 64, jnp.bfloat16, buckets=True)[0] == "xla"
+
+
 def test_what_goes_to_pallas_whole():
   shape, reason = (1, 64, 4, 128), kernel_cudnn.pallas_reason
   assert reason(shape, jnp.bfloat16) is None

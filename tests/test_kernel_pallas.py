@@ -250,7 +250,8 @@ def test_ring_attention_pallas_matches_dense(layout, window, softcap):
 def test_auto_runs_pallas_on_gpus_where_triton_lowers_it(monkeypatch, q_len, heads, head_dim,
                                                          tile):
   """`kernel_pallas.gpu_unsupported` says no exactly where the CUDA cross-lowering of the
-  forward and backward fails, and `auto` on a GPU then runs xla for the blocks, and why."""
+  forward and backward fails, and `auto` for a plan's described GPUs (pallas: cuDNN's
+  attention compiles only on an attached GPU) then runs xla for the blocks, and why."""
   from parallelism import kernels
   schedule = ring_schedule("striped", 4 * q_len, 4)
   q = jax.ShapeDtypeStruct((1, q_len, heads, head_dim), jnp.bfloat16)
@@ -271,7 +272,8 @@ def test_auto_runs_pallas_on_gpus_where_triton_lowers_it(monkeypatch, q_len, hea
     assert "power of 2" in str(error) or "not divisible by the kernel tile" in str(error)
     lowered = False
   assert lowered == (reason is None), reason
-  monkeypatch.setattr(kernels.target, "backend", lambda: "gpu")
-  assert kernels.choose("auto", q.shape, kv.shape, tile, q.dtype) == (
-      ("pallas", None) if lowered else
-      ("xla", f"the pallas kernel cannot take these attention blocks ({reason})"))
+  planned = "cuDNN's attention compiles only on an attached GPU; pallas is flash attention too"
+  with kernels.target.compiling_for("gpu"):
+    assert kernels.choose("auto", q.shape, kv.shape, tile, q.dtype) == (
+        ("pallas", planned) if lowered else
+        ("xla", f"{planned}; the pallas kernel cannot take these attention blocks ({reason})"))

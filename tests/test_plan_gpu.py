@@ -28,8 +28,8 @@ def h100_plan(shared_data_dir):
 def test_the_gpu_plan_runs_the_fused_kernel_and_keeps_bf16(tiny_config, h100_plan):
   on_gpu, text = h100_plan
   assert on_gpu["compiled_for"] == "NVIDIA H100 80GB HBM3" and on_gpu["devices"] == 8
-  # `auto` is the Pallas kernel there, compiled to Triton, not interpreted: forward, dK/dV and
-  # dQ.
+  # `auto` is planned as the Pallas kernel there (cuDNN's compiles only on an attached GPU),
+  # compiled to Triton, not interpreted: forward, dK/dV and dQ.
   assert text.count(f'custom_call_target="{TRITON}"') >= 3
   assert on_gpu["floor_total_bytes"] == on_gpu["total_bytes"] and on_gpu["fits"]
   on_cpu, _ = dry_run.memory_plan(tiny_config("striped"), 80.0, floor=False)

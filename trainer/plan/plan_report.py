@@ -107,11 +107,17 @@ def _offload_label(out: dict[str, Any]) -> str:
 
 
 def _kernel_label(kernel: str, out: dict[str, Any]) -> str:
-  """The kernel this plan compiles, and for a CPU plan the one on GPUs (`auto` differs)."""
-  here = parallelism.describe_kernel(kernel, None if _on_cpu(out) else "gpu")
-  if not _on_cpu(out) or here == kernel:
-    return f"{here} kernel"
-  return f"{here} kernel, {parallelism.describe_kernel(kernel, 'gpu')}"
+  """The kernel this plan compiles, and the one on GPUs where that differs: a CPU plan
+  compiles `auto` as xla, and a plan for described GPUs as pallas (`out['kernel']`, with
+  why), since cuDNN's attention compiles only on an attached GPU."""
+  on_gpus = parallelism.describe_kernel(kernel, "gpu")
+  if _on_cpu(out):
+    here = parallelism.describe_kernel(kernel)
+    return f"{here} kernel" if here == kernel else f"{here} kernel, {on_gpus}"
+  compiled = out.get("kernel")
+  if compiled in (None, parallelism.resolve_kernel(kernel, "gpu")):
+    return f"{on_gpus} kernel"
+  return f"{on_gpus} kernel, compiled here as {compiled}: {out['kernel_fallback']}"
 
 
 def verdict_line(out: dict[str, Any], memory_gib: float) -> str:
