@@ -71,12 +71,14 @@ def describe(name: str, backend: str | None = None) -> str:
 
 
 def choose(name: str, q_shape, k_shape, tile: int, dtype, softcap: float = 0.0,
-           head_spans: bool = False, buckets: bool = False) -> tuple[str, str | None]:
+           head_spans: bool = False, buckets: bool = False,
+           window: int | None = None) -> tuple[str, str | None]:
   """The kernel that runs `name` on blocks of these shapes, and why it is not the one `name`
   resolves to (None when it is). Bucket codes (`buckets`, hash attention) run `xla`, the one
   kernel that applies them. Under `cudnn`, operands cuDNN cannot take, capped logits and
-  per-head spans (`head_spans`) run `pallas`; under `auto` also where cuDNN cannot run here
-  (described GPUs of a plan, another JAX), and then `xla` for blocks Triton cannot take.
+  per-head spans (`head_spans`) run `pallas`; under `auto` also windowed layers (`window`),
+  whose blocks the cudnn kernel computes with pallas anyway, and where cuDNN cannot run here
+  (described GPUs of a plan, another JAX); then `xla` for blocks Triton cannot take.
   Decided once per attention setup (`parallelism.split`), never per call."""
   chosen = resolve(name)
   if buckets and chosen != "xla":
@@ -84,6 +86,9 @@ def choose(name: str, q_shape, k_shape, tile: int, dtype, softcap: float = 0.0,
   reasons = []
   if chosen == "cudnn":
     reason = _cudnn_reason(q_shape, dtype, softcap, head_spans, auto=name == AUTO)
+    if name == AUTO and window is not None and not reason:
+      reason = ("a windowed layer: the cudnn kernel would compute its blocks with pallas "
+                "too, and more slowly")
     if reason:
       chosen, reasons = "pallas", [reason]
   if name == AUTO and chosen == "pallas":

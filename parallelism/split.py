@@ -112,7 +112,7 @@ def split_attention(strategy: str, layout: str, seq_len: int, tile_size: int, ke
   chosen, fallback = kernels.choose(
       kernel, (1, block, local_heads // ulysses, head_dim),
       (1, block, local_kv * repeat // ulysses, head_dim), tile, dtype, softcap,
-      narrowest is not None, buckets)
+      narrowest is not None, buckets, window)
   return Strategy(strategy, ring_schedule(layout, seq_len, num_shards, window, narrowest), axis,
                   tile, chosen, ulysses_axis, repeat, fallback, softcap, sparsek_window)
 
@@ -129,7 +129,7 @@ def local_strategy(layout: str, seq_len: int, tile_size: int, kernel: str, q_sha
                      f"= 1 x {tile} = {tile}")
   tiles.check_band(window, narrowest)
   chosen, fallback = kernels.choose(kernel, q_shape, k_shape, tile, dtype, softcap,
-                                    narrowest is not None, buckets)
+                                    narrowest is not None, buckets, window)
   return Strategy("ring", ring_schedule(layout, seq_len, 1, window, narrowest), "sequence",
                   tile, chosen, kernel_fallback=fallback, softcap=softcap,
                   sparsek_window=sparsek_window)

@@ -194,12 +194,15 @@ CONFIG_NAMES = parallelism.Names(seq_len="data.seq_len", tile="model.attention_t
                                  rules="mesh.rules", axis="mesh.{}")
 
 
-def attention_split(config: ml_collections.ConfigDict, num_devices: int):
+def attention_split(config: ml_collections.ConfigDict, num_devices: int,
+                    kind: str | None = None):
   """Each device's side of the config's (non-dense) attention on its mesh:
   `parallelism.split_attention`, its errors a ConfigError naming config fields. The split of
-  the first layer's kind: the others differ only in their window."""
+  layers of `kind` (default: the first layer's): kinds differ in their window, and so may
+  their kernel (`attention_splits`)."""
   m = config.model
   cfg = ModelConfig(**m.to_dict(), span_length=config.data.seq_len)
+  kind = kind or cfg.layer_kinds[0]
   shape = dict(zip(parallelism.MESH_AXES,
                    parallelism.resolve_mesh_shape(config.mesh, num_devices)))
   mesh = jax.sharding.AbstractMesh(tuple(shape.values()), tuple(shape))
@@ -207,12 +210,17 @@ def attention_split(config: ml_collections.ConfigDict, num_devices: int):
     return parallelism.split_attention(
         m.sequence_parallel, layout_of(m.attention), config.data.seq_len, m.attention_tile,
         m.kernel, mesh, config.mesh.rules, m.num_heads, m.num_kv_heads, cfg.head_size,
-        jnp.dtype(m.dtype), CONFIG_NAMES, window=cfg.window_of(cfg.layer_kinds[0]),
-        softcap=cfg.attention_softcap,
-        narrowest=cfg.narrowest_span if cfg.layer_kinds[0] == "L" else None,
+        jnp.dtype(m.dtype), CONFIG_NAMES, window=cfg.window_of(kind),
+        softcap=cfg.attention_softcap, narrowest=cfg.narrowest_span if kind == "L" else None,
         buckets=cfg.coded, sparsek_window=cfg.sparsek_window if cfg.selects else None)
   except ValueError as error:
     raise ConfigError(str(error)) from None
+
+
+def attention_splits(config: ml_collections.ConfigDict, num_devices: int) -> dict:
+  """{layer kind: its `attention_split`}, in the order the kinds first appear."""
+  kinds = ModelConfig(**config.model.to_dict(), span_length=config.data.seq_len).layer_kinds
+  return {kind: attention_split(config, num_devices, kind) for kind in dict.fromkeys(kinds)}
 
 
 _SAID: set[str] = set()  # Notes already printed by this process.
