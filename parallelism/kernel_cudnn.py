@@ -45,31 +45,33 @@ _F32 = jnp.float32
 def api():
   """JAX's private cuDNN attention module, on a checked JAX version only."""
   if jax.__version__ not in CHECKED_JAX:
-    raise RuntimeError(
-        f"model.kernel='cudnn' uses JAX's private cuDNN attention API, checked against JAX "
-        f"{' and '.join(CHECKED_JAX)}; this is JAX {jax.__version__}. Use model.kernel="
-        f"'pallas', or check parallelism/kernel_cudnn.py against this version and add it "
-        f"to CHECKED_JAX")
+    raise RuntimeError(f"the cudnn kernel {_unchecked_jax()}; model.kernel='auto' or "
+                       f"'pallas' runs without it")
   from jax._src.cudnn import fused_attention_stablehlo  # pylint: disable=g-import-not-at-top
   return fused_attention_stablehlo
 
 
 def unusable(backend: str | None = None) -> str | None:
-  """Why `cudnn` cannot run in this process at all, or None."""
+  """Why `cudnn` cannot run in this process at all, or None; said of the kernel ('needs a
+  CUDA GPU; ...'), so that a named kernel's error and `auto`'s note can both use it."""
   backend = backend or target.backend()
   if backend != "gpu":
-    return f"model.kernel='cudnn' needs a CUDA GPU; this run's backend is {backend}"
+    return f"needs a CUDA GPU; this run's backend is {backend}"
   if target.described():
-    return ("model.kernel='cudnn' cannot be planned for described GPUs: cuDNN's attention "
-            "compiles against the cuDNN library, which XLA's GPU compiler in .plan_gpu/ does "
-            "not bring; plan with model.kernel=pallas, or on a GPU")
+    return ("cannot be planned for described GPUs: cuDNN's attention compiles against the "
+            "cuDNN library, which XLA's GPU compiler in .plan_gpu/ does not bring")
   if jax.__version__ not in CHECKED_JAX:
-    return (f"model.kernel='cudnn' uses JAX's private cuDNN attention API, checked against "
-            f"JAX {' and '.join(CHECKED_JAX)}; this is JAX {jax.__version__}")
+    return _unchecked_jax()
   platform = jax.devices()[0].client.platform_version  # 'gpu' is also ROCm's name
   if "cuda" not in platform.lower():
-    return f"model.kernel='cudnn' needs a CUDA GPU; this GPU's platform is {platform}"
+    return f"needs a CUDA GPU; this GPU's platform is {platform}"
   return None
+
+
+def _unchecked_jax() -> str:
+  return (f"uses JAX's private cuDNN attention API, checked against JAX "
+          f"{' and '.join(CHECKED_JAX)}; this is JAX {jax.__version__} (check "
+          f"parallelism/kernel_cudnn.py against it and add it to CHECKED_JAX)")
 
 
 def pallas_reason(q_shape, dtype) -> str | None:

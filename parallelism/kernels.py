@@ -72,30 +72,32 @@ def describe(name: str, backend: str | None = None) -> str:
 
 def choose(name: str, q_shape, k_shape, tile: int, dtype, softcap: float = 0.0,
            head_spans: bool = False, buckets: bool = False,
-           window: int | None = None) -> tuple[str, str | None]:
+           general: bool = False) -> tuple[str, str | None]:
   """The kernel that runs `name` on blocks of these shapes, and why it is not the one `name`
   resolves to (None when it is). Bucket codes (`buckets`, hash attention) run `xla`, the one
   kernel that applies them. Under `cudnn`, operands cuDNN cannot take, capped logits and
-  per-head spans (`head_spans`) run `pallas`; under `auto` also windowed layers (`window`),
-  whose blocks the cudnn kernel computes with pallas anyway, and where cuDNN cannot run here
-  (described GPUs of a plan, another JAX); then `xla` for blocks Triton cannot take.
-  Decided once per attention setup (`parallelism.split`), never per call."""
+  per-head spans (`head_spans`) run `pallas`. `auto` on GPUs goes on from there: `pallas`
+  also where cuDNN cannot run here (a plan's described GPUs, another JAX) and for schedules
+  with `general` blocks (windows, zigzag), which the cudnn kernel hands to pallas anyway
+  (and was measured slower doing so); then `xla` where Triton cannot take the blocks, which
+  the cudnn kernel's own pallas branches need too. Decided once per attention setup
+  (`parallelism.split`), never per call."""
   chosen = resolve(name)
   if buckets and chosen != "xla":
     return "xla", f"the {chosen} kernel has no bucket mask (model.sparse's run-time codes)"
   reasons = []
   if chosen == "cudnn":
     reason = _cudnn_reason(q_shape, dtype, softcap, head_spans, auto=name == AUTO)
-    if name == AUTO and window is not None and not reason:
-      reason = ("a windowed layer: the cudnn kernel would compute its blocks with pallas "
-                "too, and more slowly")
+    if name == AUTO and general and not reason:
+      reason = ("blocks whose masks cuDNN cannot express (a window, zigzag's halves): the "
+                "cudnn kernel would hand them to pallas")
     if reason:
       chosen, reasons = "pallas", [reason]
-  if name == AUTO and chosen == "pallas":
+  if name == AUTO and chosen in ("cudnn", "pallas"):
     reason = kernel_pallas.gpu_unsupported(q_shape, k_shape, tile, dtype)
     if reason:
-      chosen = "xla"
       reasons.append(f"the pallas kernel cannot take these attention blocks ({reason})")
+      chosen = "xla"
   return chosen, "; ".join(reasons) or None
 
 
@@ -105,10 +107,8 @@ def _cudnn_reason(q_shape, dtype, softcap: float, head_spans: bool, auto: bool) 
     return "the cudnn kernel has no logit soft-capping (model.attention_softcap)"
   if head_spans:
     return "the cudnn kernel has no per-head windows (model.head_spans)"
-  if auto and target.described():
-    return "cuDNN's attention compiles only on an attached GPU; pallas is flash attention too"
   unusable = kernel_cudnn.unusable() if auto else None  # a named cudnn is a config error
   if unusable:
-    return f"cuDNN cannot run here ({unusable})"
+    return f"the cudnn kernel {unusable}"
   reason = kernel_cudnn.pallas_reason(q_shape, dtype)
   return f"the cudnn kernel cannot take these attention blocks ({reason})" if reason else None

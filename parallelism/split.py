@@ -109,12 +109,13 @@ def split_attention(strategy: str, layout: str, seq_len: int, tile_size: int, ke
   # Each device's blocks as the kernel sees them: the ring's block of the whole sequence's
   # tokens over the ring, of the heads Ulysses leaves it.
   block = seq_len // num_shards
+  schedule = ring_schedule(layout, seq_len, num_shards, window, narrowest)
   chosen, fallback = kernels.choose(
       kernel, (1, block, local_heads // ulysses, head_dim),
       (1, block, local_kv * repeat // ulysses, head_dim), tile, dtype, softcap,
-      narrowest is not None, buckets, window)
-  return Strategy(strategy, ring_schedule(layout, seq_len, num_shards, window, narrowest), axis,
-                  tile, chosen, ulysses_axis, repeat, fallback, softcap, sparsek_window)
+      narrowest is not None, buckets, "general" in schedule.shapes)
+  return Strategy(strategy, schedule, axis, tile, chosen, ulysses_axis, repeat, fallback,
+                  softcap, sparsek_window)
 
 
 def local_strategy(layout: str, seq_len: int, tile_size: int, kernel: str, q_shape, k_shape,
@@ -128,11 +129,11 @@ def local_strategy(layout: str, seq_len: int, tile_size: int, kernel: str, q_sha
     raise ValueError(f"sequence length {seq_len} must be divisible by sequence shards x tile "
                      f"= 1 x {tile} = {tile}")
   tiles.check_band(window, narrowest)
+  schedule = ring_schedule(layout, seq_len, 1, window, narrowest)
   chosen, fallback = kernels.choose(kernel, q_shape, k_shape, tile, dtype, softcap,
-                                    narrowest is not None, buckets, window)
-  return Strategy("ring", ring_schedule(layout, seq_len, 1, window, narrowest), "sequence",
-                  tile, chosen, kernel_fallback=fallback, softcap=softcap,
-                  sparsek_window=sparsek_window)
+                                    narrowest is not None, buckets, "general" in schedule.shapes)
+  return Strategy("ring", schedule, "sequence", tile, chosen, kernel_fallback=fallback,
+                  softcap=softcap, sparsek_window=sparsek_window)
 
 
 def _sequence_axes(mesh, rules: Rules, strategy: str, names: Names) -> tuple[str, str | None]:

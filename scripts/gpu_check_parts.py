@@ -144,9 +144,10 @@ def _block_rows(record, schedule, pair, inputs, segments, kernel_names, flops, w
                                            schedule, tile))
   with jax.default_matmul_precision("highest"):
     (g_ref, o_ref, _) = reference(*(x.astype(F32) for x in inputs), pair, segments, segments)
-  measured = {}  # kernel run -> its row: `auto` is one of the others (cudnn on a GPU)
+  measured = {}  # kernel run -> its row: `auto` is one of the others, as the ring chooses it
   for label, name in kernel_names.items():
-    runs, _ = kernels.choose(name, q.shape, k.shape, tile, q.dtype)
+    runs, _ = kernels.choose(name, q.shape, k.shape, tile, q.dtype,
+                             general="general" in schedule.shapes)
     if runs in measured:
       record(**{**measured[runs], "kernel": label, "runs": runs, "same_run_as": runs})
       continue
@@ -173,8 +174,9 @@ def _block_rows(record, schedule, pair, inputs, segments, kernel_names, flops, w
 
 
 def _dense_row(record, inputs, segments, smoke: bool, flops, where) -> None:
-  """`model.attention='dense'` on a GPU: cuDNN over the packed row (the fallback, Pallas as
-  a ring of one, for rows of more documents), against the xla kernel in float32."""
+  """`model.attention='dense'` on a GPU: cuDNN over the packed row (the fallback, the block
+  kernels as a ring of one, for rows of more documents), against the xla kernel in
+  float32."""
   q, k, v, dout = inputs
   if smoke:  # no cuDNN: the model's plain masked softmax in its place
     from model.attention import dense_attention  # pylint: disable=g-import-not-at-top

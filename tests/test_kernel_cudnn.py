@@ -136,29 +136,35 @@ def test_auto_on_a_gpu_is_cudnn_where_cudnn_takes_the_blocks(monkeypatch):
   assert kernels.choose("auto", q, kv, 64, jnp.bfloat16, softcap=30.0) == (
       "pallas", "the cudnn kernel has no logit soft-capping (model.attention_softcap)")
   assert kernels.choose("auto", q, kv, 64, jnp.bfloat16, buckets=True)[0] == "xla"
-  # The cudnn kernel hands a windowed layer's blocks to pallas: auto runs pallas directly.
-  assert kernels.choose("auto", q, kv, 64, jnp.bfloat16, window=32) == (
-      "pallas", "a windowed layer: the cudnn kernel would compute its blocks with pallas too, "
-      "and more slowly")
-  assert kernels.choose("cudnn", q, kv, 64, jnp.bfloat16, window=32) == ("cudnn", None)
+  # Schedules with general blocks (a window, zigzag), which the cudnn kernel hands to
+  # pallas: auto runs pallas directly. A named cudnn keeps its own dispatch.
+  general = ("pallas", "blocks whose masks cuDNN cannot express (a window, zigzag's halves): "
+                       "the cudnn kernel would hand them to pallas")
+  assert kernels.choose("auto", q, kv, 64, jnp.bfloat16, general=True) == general
+  assert kernels.choose("cudnn", q, kv, 64, jnp.bfloat16, general=True) == ("cudnn", None)
+  # Blocks Triton cannot take (head size 96): the cudnn kernel's pallas branches could not
+  # either, so auto runs xla.
+  chosen, why = kernels.choose("auto", (1, 64, 4, 96), (1, 64, 2, 96), 64, jnp.bfloat16)
+  assert chosen == "xla" and why.startswith("the pallas kernel cannot take these attention")
 
 
 def test_a_local_global_model_on_a_gpu_states_each_kinds_kernel(monkeypatch, tiny_config):
   from parallelism import kernels  # pylint: disable=g-import-not-at-top
+  from trainer.config import stages  # pylint: disable=g-import-not-at-top
   from trainer.core.training import model_config  # pylint: disable=g-import-not-at-top
-  from trainer.run import setup  # pylint: disable=g-import-not-at-top
-  from trainer.track import provenance  # pylint: disable=g-import-not-at-top
+  from trainer.run.setup import stage_lines  # pylint: disable=g-import-not-at-top
+  from trainer.track.provenance import run_resolved  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(kernels.target, "backend", lambda: "gpu")
   monkeypatch.setattr(kernel_cudnn, "unusable", lambda *_: None)  # as on a CUDA GPU
   config = tiny_config("striped", **{"model.window": 32, "model.layer_pattern": "LG",
                                      "model.dtype": "bfloat16"})
-  line = setup._kernel_line(config, model_config(config))
-  assert line.startswith("attention: striped, block kernel L layers auto on gpu: pallas (a "
-                         "windowed layer: ") and "; G layers auto on gpu: cudnn;" in line
-  assert provenance._block_kernels(config) == "L: pallas, G: cudnn"
+  line = stage_lines(stages.resolve(config)[0], model_config(config), 0)[-1]
+  assert line.startswith("attention: striped, block kernel auto on gpu: pallas (blocks whose "
+                         "masks cuDNN cannot express") and "for L layers; cudnn for G layers;" in line
+  assert run_resolved(config)["attention_kernel"] == "pallas for L layers; cudnn for G layers"
   config.model.layer_pattern = "G"
   config.model.window = 0
-  assert provenance._block_kernels(config) == "cudnn"
+  assert run_resolved(config)["attention_kernel"] == "cudnn"
 
 
 def test_what_goes_to_pallas_whole():

@@ -247,11 +247,12 @@ def test_ring_attention_pallas_matches_dense(layout, window, softcap):
     (100, 4, 64, 100),  # a block of 100: the ring clips the tile to it
     (192, 4, 64, 192),  # a block of 192: not a whole number of 128-token tiles
 ])
-def test_auto_runs_pallas_on_gpus_where_triton_lowers_it(monkeypatch, q_len, heads, head_dim,
+def test_auto_runs_xla_on_gpus_where_triton_cannot_lower(monkeypatch, q_len, heads, head_dim,
                                                          tile):
   """`kernel_pallas.gpu_unsupported` says no exactly where the CUDA cross-lowering of the
-  forward and backward fails, and `auto` for a plan's described GPUs (pallas: cuDNN's
-  attention compiles only on an attached GPU) then runs xla for the blocks, and why."""
+  forward and backward fails, and `auto` then runs xla for the blocks, and why: on an
+  attached GPU instead of cudnn (whose pallas branches need the lowering too), for a plan's
+  described GPUs instead of pallas (cuDNN's attention compiles only on an attached GPU)."""
   from parallelism import kernels
   schedule = ring_schedule("striped", 4 * q_len, 4)
   q = jax.ShapeDtypeStruct((1, q_len, heads, head_dim), jnp.bfloat16)
@@ -272,8 +273,12 @@ def test_auto_runs_pallas_on_gpus_where_triton_lowers_it(monkeypatch, q_len, hea
     assert "power of 2" in str(error) or "not divisible by the kernel tile" in str(error)
     lowered = False
   assert lowered == (reason is None), reason
-  planned = "cuDNN's attention compiles only on an attached GPU; pallas is flash attention too"
+  cannot = f"the pallas kernel cannot take these attention blocks ({reason})"
   with kernels.target.compiling_for("gpu"):
-    assert kernels.choose("auto", q.shape, kv.shape, tile, q.dtype) == (
-        ("pallas", planned) if lowered else
-        ("xla", f"{planned}; the pallas kernel cannot take these attention blocks ({reason})"))
+    planned, why = kernels.choose("auto", q.shape, kv.shape, tile, q.dtype)
+  assert why.startswith("the cudnn kernel cannot be planned for described GPUs")
+  assert (planned, why.endswith(cannot)) == (("pallas", False) if lowered else ("xla", True))
+  monkeypatch.setattr(kernels.target, "backend", lambda: "gpu")
+  monkeypatch.setattr(kernels.kernel_cudnn, "unusable", lambda *_: None)  # as on a CUDA GPU
+  assert kernels.choose("auto", q.shape, kv.shape, tile, q.dtype) == (
+      ("cudnn", None) if lowered else ("xla", cannot))

@@ -58,7 +58,8 @@ def _check_one(config: ml_collections.ConfigDict, num_devices: int) -> None:
   _require(m.kernel in KERNELS, f"model.kernel='{m.kernel}' must be one of {KERNELS}")
   if m.kernel == "cudnn":  # Also in a dry run: cuDNN's calls do not compile for the CPU.
     unusable = parallelism.kernel_cudnn.unusable()
-    _require(unusable is None, unusable or "")
+    _require(unusable is None, f"model.kernel='cudnn' {unusable}; model.kernel='auto' "
+                               f"chooses a kernel that runs here")
   _require(t.remat in REMAT_POLICIES, f"train.remat='{t.remat}' must be one of {REMAT_POLICIES}")
   for field in ("dtype", "param_dtype"):
     _require(_is_float_dtype(m[field]), f"model.{field}='{m[field]}' is not a float dtype")
@@ -217,10 +218,21 @@ def attention_split(config: ml_collections.ConfigDict, num_devices: int,
     raise ConfigError(str(error)) from None
 
 
-def attention_splits(config: ml_collections.ConfigDict, num_devices: int) -> dict:
-  """{layer kind: its `attention_split`}, in the order the kinds first appear."""
+def block_kernels(config: ml_collections.ConfigDict, num_devices: int) -> tuple[str, str]:
+  """The block kernel the config's (non-dense) attention runs, per layer kind where the
+  kinds differ ('pallas for L layers; cudnn for G layers'): (the kernels alone, the kernels
+  each with why it is not the one model.kernel names)."""
   kinds = ModelConfig(**config.model.to_dict(), span_length=config.data.seq_len).layer_kinds
-  return {kind: attention_split(config, num_devices, kind) for kind in dict.fromkeys(kinds)}
+  splits = [(kind, attention_split(config, num_devices, kind)) for kind in dict.fromkeys(kinds)]
+  why = lambda s: f" ({s.kernel_fallback})" if s.kernel_fallback else ""
+  return (_per_kind({kind: s.kernel for kind, s in splits}),
+          _per_kind({kind: s.kernel + why(s) for kind, s in splits}))
+
+
+def _per_kind(values: dict[str, str]) -> str:
+  if len(set(values.values())) == 1:
+    return next(iter(values.values()))
+  return "; ".join(f"{value} for {kind} layers" for kind, value in values.items())
 
 
 _SAID: set[str] = set()  # Notes already printed by this process.

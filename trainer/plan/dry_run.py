@@ -40,7 +40,8 @@ from trainer.config import flops
 from trainer.plan import plan_target
 from trainer.run import host_memory
 from model.config import layout_of
-from trainer.config.config_check import ConfigError, attention_split, check_config
+from trainer.config.config_check import (ConfigError, attention_split, block_kernels,
+                                         check_config)
 from trainer.core.state import shard_bytes
 from trainer.core.training import build_training, model_config
 from trainer.plan.plan_report import GIB, print_plan
@@ -195,12 +196,12 @@ def memory_plan(config: ml_collections.ConfigDict, device_memory_gib: float,
     devices = fake_devices(count)
   with plan_target.compiling_for(devices):  # The kernel checks, for the GPU.
     check_config(config, count)
-    split = None if config.model.attention == "dense" else attention_split(config, count)
+    kernels = (None, None) if config.model.attention == "dense" else block_kernels(config, count)
   mesh = parallelism.make_mesh(config.mesh, devices)
   compiled, state = compile_step(config, mesh)
   out = {"devices": count, "mesh": dict(mesh.shape),
          "compiled_for": devices[0].device_kind if gpu else "cpu",
-         "kernel": split and split.kernel, "kernel_fallback": split and split.kernel_fallback,
+         "kernel": kernels[0], "kernel_why": kernels[1],
          "params": sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)),
          "param_bytes": tree_shard_bytes(state.params),
          "opt_state_bytes": tree_shard_bytes(state.opt_state), **memory_figures(compiled)}

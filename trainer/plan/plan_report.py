@@ -108,16 +108,15 @@ def _offload_label(out: dict[str, Any]) -> str:
 
 def _kernel_label(kernel: str, out: dict[str, Any]) -> str:
   """The kernel this plan compiles, and the one on GPUs where that differs: a CPU plan
-  compiles `auto` as xla, and a plan for described GPUs as pallas (`out['kernel']`, with
-  why), since cuDNN's attention compiles only on an attached GPU."""
+  compiles `auto` as xla, and a plan for described GPUs as pallas (`out['kernel_why']`),
+  since cuDNN's attention compiles only on an attached GPU."""
   on_gpus = parallelism.describe_kernel(kernel, "gpu")
   if _on_cpu(out):
     here = parallelism.describe_kernel(kernel)
     return f"{here} kernel" if here == kernel else f"{here} kernel, {on_gpus}"
-  compiled = out.get("kernel")
-  if compiled in (None, parallelism.resolve_kernel(kernel, "gpu")):
+  if out.get("kernel") in (None, parallelism.resolve_kernel(kernel, "gpu")):
     return f"{on_gpus} kernel"
-  return f"{on_gpus} kernel, compiled here as {compiled}: {out['kernel_fallback']}"
+  return f"{on_gpus} kernel, compiled here as {out['kernel_why']}"
 
 
 def verdict_line(out: dict[str, Any], memory_gib: float) -> str:

@@ -22,7 +22,7 @@ from trainer.ckpt.resume import (checkpoint_meta, compatibility_check, config_di
                                  file_sha256, start_warning)
 from trainer.config import stages
 from trainer.config import workdir as workdir_lock
-from trainer.config.config_check import ConfigError, attention_splits
+from trainer.config.config_check import ConfigError, block_kernels
 from trainer.core.state import TrainState
 from trainer.core.training import build_training, data_config, model_config
 from trainer.run import distributed, host_memory
@@ -161,18 +161,12 @@ def _stage_line(stage: stages.Stage, step: int) -> str:
 def _kernel_line(config: ml_collections.ConfigDict, model_cfg: ModelConfig) -> str:
   if model_cfg.attention == "dense":
     return dense_line(model_cfg) + _local_part(model_cfg)
-  named = parallelism.describe_kernel(model_cfg.kernel)
-
-  def described(split) -> str:  # e.g. 'auto on gpu: xla (the pallas kernel cannot take ...)'
-    if not split.kernel_fallback:
-      return named
-    return f"{named.rsplit(':', 1)[0]}: {split.kernel} ({split.kernel_fallback})"
-
-  kinds = {kind: described(split) for kind, split in
-           attention_splits(config, jax.device_count()).items()}
-  text = (next(iter(kinds.values())) if len(set(kinds.values())) == 1 else
-          "; ".join(f"{kind} layers {text}" for kind, text in kinds.items()))
-  return f"attention: {model_cfg.attention}, block kernel {text}{_local_part(model_cfg)}"
+  named = parallelism.describe_kernel(model_cfg.kernel)  # 'xla', or 'auto on gpu: cudnn'
+  kernels, with_why = block_kernels(config, jax.device_count())
+  if kernels != parallelism.resolve_kernel(model_cfg.kernel):
+    # e.g. 'auto on gpu: xla (the pallas kernel cannot take these attention blocks (...))'
+    named = f"{named.rsplit(':', 1)[0]}: {with_why}"
+  return f"attention: {model_cfg.attention}, block kernel {named}{_local_part(model_cfg)}"
 
 
 def _local_part(model_cfg: ModelConfig) -> str:

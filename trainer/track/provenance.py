@@ -22,7 +22,7 @@ import ml_collections
 
 import parallelism
 from model import dense_kernel
-from trainer.config.config_check import attention_splits
+from trainer.config.config_check import block_kernels
 from trainer.core.training import model_config
 from trainer.track.tracking import REDACTED, is_secret_field, scrub
 
@@ -75,7 +75,7 @@ def run_provenance(argv: list[str] | None = None) -> dict[str, Any]:
 def run_resolved(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """Devices, the mesh with its -1 filled, and the attention kernel: the block kernel that
   runs for `model.kernel` on the config's blocks (a stage may name another; where local and
-  global layers differ, each kind's: 'L: pallas, G: cudnn'), or for dense attention `cudnn`
+  global layers differ, each kind's: 'pallas for L layers; cudnn for G layers'), or for dense attention `cudnn`
   where cuDNN computes it, else `xla` (the plain masked softmax)."""
   model_cfg = model_config(config)
   shape = parallelism.resolve_mesh_shape(config.mesh.to_dict(), jax.device_count())
@@ -83,15 +83,7 @@ def run_resolved(config: ml_collections.ConfigDict) -> dict[str, Any]:
           "device_kind": jax.devices()[0].device_kind, "backend": jax.default_backend(),
           "mesh": dict(zip(parallelism.MESH_AXES, shape)),
           "attention_kernel": (dense_kernel(model_cfg) if model_cfg.attention == "dense"
-                               else _block_kernels(config))}
-
-
-def _block_kernels(config: ml_collections.ConfigDict) -> str:
-  kinds = {kind: split.kernel
-           for kind, split in attention_splits(config, jax.device_count()).items()}
-  if len(set(kinds.values())) == 1:
-    return next(iter(kinds.values()))
-  return ", ".join(f"{kind}: {kernel}" for kind, kernel in kinds.items())
+                               else block_kernels(config, jax.device_count())[0])}
 
 
 def run_records(config: ml_collections.ConfigDict) -> dict[str, dict[str, Any]]:
