@@ -200,7 +200,7 @@ def attention_split(config: ml_collections.ConfigDict, num_devices: int,
   """Each device's side of the config's (non-dense) attention on its mesh:
   `parallelism.split_attention`, its errors a ConfigError naming config fields. The split of
   layers of `kind` (default: the first layer's): kinds differ in their window, and so may
-  their kernel (`attention_splits`)."""
+  their kernel (`block_kernels`)."""
   m = config.model
   cfg = ModelConfig(**m.to_dict(), span_length=config.data.seq_len)
   kind = kind or cfg.layer_kinds[0]
