@@ -313,33 +313,38 @@ def _class_key(schedule, pair: int, config) -> bytes:
 
 
 def part_ring(config, blocks, num_shards: int, heads: int, bandwidth: float,
-              record=record) -> None:
-  fwd, bwd = _ours(config)
-  print(f"\nring emulation: N={num_shards}, {heads} heads (= kv heads), head_dim 128, bf16, "
-        f"link {bandwidth / 1e9:.0f} GB/s per direction; fraction = N x t(causal) / critical")
+              record=record, kernel: str = "pallas") -> None:
+  """Each layout's critical path on an N-device ring, from the block kernel `kernel`'s time
+  on each distinct block pair (`pallas` at `config`, or another registered kernel)."""
+  fwd, bwd = _ours(config) if kernel == "pallas" else KERNELS[kernel]
+  print(f"\nring emulation, {kernel} blocks: N={num_shards}, {heads} heads (= kv heads), "
+        f"head_dim 128, bf16, link {bandwidth / 1e9:.0f} GB/s per direction; fraction = N x "
+        f"t(causal) / critical")
   print(f"{'block':>6} {'layout':>8} {'classes':>7} {'fwd':>6} {'f+b':>6} {'fwd nocomm':>10} "
         f"{'f+b nocomm':>10} {'ring/this f+b':>13}")
   for c in blocks:
     q, k, v, dout = normals(jax.random.key(c), [(1, c, heads, 128)] * 4, BF16)
+    tile = min(TILE, c)  # as the ring clips it
     cache: dict[bytes, tuple[float, float]] = {}
+    # A causal block's out and lse: finite for every query, as a ring's global ones are
+    # (cuDNN's backward takes the global out).
+    out, lse = jax.jit(lambda q, k, v: fwd(q, k, v, None, None, pair=jnp.int32(0),
+                                            schedule=ring_schedule("ring", c, 1),
+                                            tile=tile))(q, k, v)
+    delta = jax.random.normal(jax.random.key(7), lse.shape, F32)
 
     def pair_time(schedule, pair: int):
       if schedule.shapes[pair] == "empty":
         return 0.0, 0.0  # the ring skips the kernel on a block pair with nothing visible
       key = _class_key(schedule, pair, config)
       if key not in cache:
-        at = dict(schedule=schedule, tile=TILE)
+        at = dict(schedule=schedule, tile=tile)
         run_f = jax.jit(lambda q, k, v, pair: fwd(q, k, v, None, None, pair=pair, **at))
-        run_b = jax.jit(lambda q, k, v, dout, lse, delta, pair: bwd(
-            q, k, v, dout, lse, delta, None, None, pair=pair, **at))
+        run_b = jax.jit(lambda q, k, v, dout, out, lse, delta, pair: bwd(
+            q, k, v, dout, lse, delta, None, None, pair=pair, out_BTHD=out, **at))
         pair = jnp.int32(pair)
-        # A causal block's lse: finite for every query, as a ring's global lse is.
-        _, lse = jax.jit(lambda q, k, v: fwd(q, k, v, None, None, pair=jnp.int32(0),
-                                              schedule=ring_schedule("ring", c, 1),
-                                              tile=TILE))(q, k, v)
-        delta = jax.random.normal(jax.random.key(7), lse.shape, F32)
         cache[key] = (median_time(run_f, q, k, v, pair, repeats=5),
-                      median_time(run_b, q, k, v, dout, lse, delta, pair, repeats=5))
+                      median_time(run_b, q, k, v, dout, out, lse, delta, pair, repeats=5))
       return cache[key]
 
     t_causal = pair_time(*causal_block(c))
@@ -368,8 +373,8 @@ def part_ring(config, blocks, num_shards: int, heads: int, bandwidth: float,
       print(f"{c:>6} {layout:>8} {len(cache):>7} {p['fraction_fwd']:>6.3f} "
             f"{p['fraction_fwd_bwd']:>6.3f} {p['fraction_fwd_nocomm']:>10.3f} "
             f"{p['fraction_fwd_bwd_nocomm']:>10.3f} {speedup:>13.3f}")
-      record(part="ring", block=c, num_shards=num_shards, heads=heads, bandwidth=bandwidth,
-             layout=layout, distinct_classes_timed=len(cache), t_causal_fwd_s=t_causal[0],
+      record(part="ring", kernel=kernel, block=c, num_shards=num_shards, heads=heads,
+             bandwidth=bandwidth, layout=layout, distinct_classes_timed=len(cache), t_causal_fwd_s=t_causal[0],
              t_causal_bwd_s=t_causal[1], ring_over_this_fwd_bwd=speedup,
              ring_over_this_fwd=paths["ring"]["critical_fwd_s"] / p["critical_fwd_s"],
              theory_ring=num_shards / (2 * num_shards - 1), config=dataclasses.asdict(config), **p)

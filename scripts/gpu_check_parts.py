@@ -207,12 +207,14 @@ def _dense_row(record, inputs, segments, smoke: bool, flops, where) -> None:
 
 
 def part_ring(record, smoke: bool) -> None:
-  """The N=8 ring emulated on one GPU (bench_kernel's ring part): striped against ring."""
+  """The N=8 ring emulated on one GPU (bench_kernel's ring part): striped against ring, with
+  pallas blocks, then cudnn's (what `auto` runs for striped and ring on a GPU)."""
   config = kernel_pallas.DEFAULT_CONFIG
-  if smoke:
+  if smoke:  # the CPU has no cuDNN
     bench_kernel.part_ring(config, [128], 4, 2, 50e9, record=record)
-  else:
-    bench_kernel.part_ring(config, [16384, 32768], 8, 32, 50e9, record=record)
+    return
+  for kernel in ("pallas", "cudnn"):
+    bench_kernel.part_ring(config, [16384, 32768], 8, 32, 50e9, record=record, kernel=kernel)
 
 
 def part_e2e(record, smoke: bool, out: str, deadline: float) -> None:

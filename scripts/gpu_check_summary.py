@@ -45,10 +45,11 @@ def _ring(rows) -> list[str]:
   if not ring_rows:
     return []
   out = ["ring (one-GPU emulation): fraction of ideal forward+backward; ring's time over this",
-         f"{'block':>6} {'N':>3} {'layout':>8} {'of ideal':>8} {'ring/this':>9}"]
+         f"{'block':>6} {'N':>3} {'kernel':>7} {'layout':>8} {'of ideal':>8} {'ring/this':>9}"]
   for r in ring_rows:
-    out.append(f"{r['block']:>6} {r['num_shards']:>3} {r['layout']:>8} "
-               f"{r['fraction_fwd_bwd']:>8.3f} {r['ring_over_this_fwd_bwd']:>9.3f}")
+    out.append(f"{r['block']:>6} {r['num_shards']:>3} {r.get('kernel', 'pallas'):>7} "
+               f"{r['layout']:>8} {r['fraction_fwd_bwd']:>8.3f} "
+               f"{r['ring_over_this_fwd_bwd']:>9.3f}")
   return out
 
 
@@ -100,6 +101,8 @@ def _goals(rows) -> list[tuple[float | None, str]]:
   worst_auto = min(autos, key=lambda r: r["over_cudnn_fwd_bwd"], default=None)
   striped = [r for r in rows if r["part"] == "ring" and r.get("layout") == "striped"
              and r.get("num_shards") == 8]
+  # Judged on the kernel `auto` runs for striped on a GPU (cudnn) where it was timed.
+  striped = [r for r in striped if r.get("kernel") == "cudnn"] or striped
   e2e = {(r["seq_len"], r["attention"]): r for r in rows  # the goals are auto's
          if r["part"] == "e2e" and r.get("status") == "ok" and "seq_len" in r
          and r.get("kernel_requested", "auto") == "auto"}

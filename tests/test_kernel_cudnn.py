@@ -16,6 +16,8 @@
 import enum
 import functools
 import inspect
+import os
+import sys
 import types
 
 import jax
@@ -24,7 +26,7 @@ import numpy as np
 import pytest
 
 import parallelism
-from parallelism import cudnn_packing, kernel_cudnn, kernel_xla
+from parallelism import cudnn_packing, kernel_cudnn, kernel_pallas, kernel_xla
 from parallelism.layouts import LAYOUTS
 from parallelism.ring_attention import ring_attention
 from parallelism.schedule import ring_schedule
@@ -291,6 +293,18 @@ def reference_cudnn(monkeypatch):
   monkeypatch.setattr(kernel_cudnn, "pallas_reason", lambda *_: None)  # float32 in
   monkeypatch.setattr(kernel_cudnn, "kernel_pallas", kernel_xla)
   return reference_api
+
+
+def test_the_gpu_checks_ring_emulation_runs_cudnn_blocks(reference_cudnn):
+  """`make gpu_check`'s ring part times cudnn blocks on a GPU only: here on the reference,
+  so that its path cannot first break on a GPU machine's few minutes."""
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+  import bench_kernel  # pylint: disable=g-import-not-at-top
+  rows = []
+  bench_kernel.part_ring(kernel_pallas.DEFAULT_CONFIG, [128], 4, 2, 50e9,
+                         record=lambda **row: rows.append(row), kernel="cudnn")
+  assert [(r["layout"], r["kernel"]) for r in rows] == [(l, "cudnn") for l in LAYOUTS]
+  assert all(r["critical_fwd_bwd_s"] > 0 for r in rows)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
