@@ -374,8 +374,8 @@ def part_ring(config, blocks, num_shards: int, heads: int, bandwidth: float,
             f"{p['fraction_fwd_bwd']:>6.3f} {p['fraction_fwd_nocomm']:>10.3f} "
             f"{p['fraction_fwd_bwd_nocomm']:>10.3f} {speedup:>13.3f}")
       record(part="ring", kernel=kernel, block=c, num_shards=num_shards, heads=heads,
-             bandwidth=bandwidth, layout=layout, distinct_classes_timed=len(cache), t_causal_fwd_s=t_causal[0],
-             t_causal_bwd_s=t_causal[1], ring_over_this_fwd_bwd=speedup,
+             bandwidth=bandwidth, layout=layout, distinct_classes_timed=len(cache),
+             t_causal_fwd_s=t_causal[0], t_causal_bwd_s=t_causal[1], ring_over_this_fwd_bwd=speedup,
              ring_over_this_fwd=paths["ring"]["critical_fwd_s"] / p["critical_fwd_s"],
              theory_ring=num_shards / (2 * num_shards - 1), config=dataclasses.asdict(config), **p)
     del q, k, v, dout

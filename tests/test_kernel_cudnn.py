@@ -116,20 +116,30 @@ def test_on_the_cpu_cudnn_is_a_config_error(tiny_config):
     check_config(config, 8)
 
 
-def test_another_jax_version_makes_auto_run_pallas_on_a_gpu(monkeypatch):
+@pytest.fixture
+def gpu_backend(monkeypatch):
+  """Kernels chosen as for an attached GPU (JAX itself stays on the CPU)."""
+  from parallelism import target  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(target, "backend", lambda: "gpu")
+
+
+@pytest.fixture
+def attached_gpu(gpu_backend, monkeypatch):
+  """As on a CUDA GPU: cuDNN can run."""
+  monkeypatch.setattr(kernel_cudnn, "unusable", lambda *_: None)
+
+
+def test_another_jax_version_makes_auto_run_pallas_on_a_gpu(gpu_backend, monkeypatch):
   """`auto` is cudnn on a GPU (as measured by `make gpu_check`) only where cuDNN can run: on
   a JAX whose private cuDNN API was not read, the run goes on with pallas and says why."""
   from parallelism import kernels  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(kernels.target, "backend", lambda: "gpu")
   monkeypatch.setattr(jax, "__version__", "0.0.1")
   chosen, why = kernels.choose("auto", (1, 64, 4, 128), (1, 64, 2, 128), 64, jnp.bfloat16)
   assert chosen == "pallas" and "checked against JAX" in why and "this is JAX 0.0.1" in why
 
 
-def test_auto_on_a_gpu_is_cudnn_where_cudnn_takes_the_blocks(monkeypatch):
+def test_auto_on_a_gpu_is_cudnn_where_cudnn_takes_the_blocks(attached_gpu):
   from parallelism import kernels  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(kernels.target, "backend", lambda: "gpu")
-  monkeypatch.setattr(kernel_cudnn, "unusable", lambda *_: None)  # as on a CUDA GPU
   q, kv = (1, 64, 4, 128), (1, 64, 2, 128)
   assert kernels.choose("auto", q, kv, 64, jnp.bfloat16) == ("cudnn", None)
   assert kernels.choose("auto", q, kv, 64, jnp.float32) == (
@@ -150,19 +160,17 @@ def test_auto_on_a_gpu_is_cudnn_where_cudnn_takes_the_blocks(monkeypatch):
   assert chosen == "xla" and why.startswith("the pallas kernel cannot take these attention")
 
 
-def test_a_local_global_model_on_a_gpu_states_each_kinds_kernel(monkeypatch, tiny_config):
-  from parallelism import kernels  # pylint: disable=g-import-not-at-top
+def test_a_local_global_model_on_a_gpu_states_each_kinds_kernel(attached_gpu, tiny_config):
   from trainer.config import stages  # pylint: disable=g-import-not-at-top
   from trainer.core.training import model_config  # pylint: disable=g-import-not-at-top
   from trainer.run.setup import stage_lines  # pylint: disable=g-import-not-at-top
   from trainer.track.provenance import run_resolved  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(kernels.target, "backend", lambda: "gpu")
-  monkeypatch.setattr(kernel_cudnn, "unusable", lambda *_: None)  # as on a CUDA GPU
   config = tiny_config("striped", **{"model.window": 32, "model.layer_pattern": "LG",
                                      "model.dtype": "bfloat16"})
   line = stage_lines(stages.resolve(config)[0], model_config(config), 0)[-1]
   assert line.startswith("attention: striped, block kernel auto on gpu: pallas (blocks whose "
-                         "masks cuDNN cannot express") and "for L layers; cudnn for G layers;" in line
+                         "masks cuDNN cannot express")
+  assert "for L layers; cudnn for G layers;" in line
   assert run_resolved(config)["attention_kernel"] == "pallas for L layers; cudnn for G layers"
   config.model.layer_pattern = "G"
   config.model.window = 0

@@ -196,12 +196,13 @@ def memory_plan(config: ml_collections.ConfigDict, device_memory_gib: float,
     devices = fake_devices(count)
   with plan_target.compiling_for(devices):  # The kernel checks, for the GPU.
     check_config(config, count)
-    kernels = (None, None) if config.model.attention == "dense" else block_kernels(config, count)
+    kernel, kernel_why = (None, None) if config.model.attention == "dense" else (
+        block_kernels(config, count))
   mesh = parallelism.make_mesh(config.mesh, devices)
   compiled, state = compile_step(config, mesh)
   out = {"devices": count, "mesh": dict(mesh.shape),
          "compiled_for": devices[0].device_kind if gpu else "cpu",
-         "kernel": kernels[0], "kernel_why": kernels[1],
+         "kernel": kernel, "kernel_why": kernel_why,
          "params": sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)),
          "param_bytes": tree_shard_bytes(state.params),
          "opt_state_bytes": tree_shard_bytes(state.opt_state), **memory_figures(compiled)}

@@ -75,8 +75,8 @@ def run_provenance(argv: list[str] | None = None) -> dict[str, Any]:
 def run_resolved(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """Devices, the mesh with its -1 filled, and the attention kernel: the block kernel that
   runs for `model.kernel` on the config's blocks (a stage may name another; where local and
-  global layers differ, each kind's: 'pallas for L layers; cudnn for G layers'), or for dense attention `cudnn`
-  where cuDNN computes it, else `xla` (the plain masked softmax)."""
+  global layers differ, each kind's: 'pallas for L layers; cudnn for G layers'), or for
+  dense attention `cudnn` where cuDNN computes it, else `xla` (the plain masked softmax)."""
   model_cfg = model_config(config)
   shape = parallelism.resolve_mesh_shape(config.mesh.to_dict(), jax.device_count())
   return {"num_devices": jax.device_count(), "num_processes": jax.process_count(),
