@@ -31,6 +31,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 
 import functools  # noqa: E402
+import gc  # noqa: E402
 import importlib  # noqa: E402
 
 import pytest  # noqa: E402
@@ -87,6 +88,15 @@ def shared_data_dir(tmp_path_factory):
 def tiny_config(shared_data_dir):
   """Returns a fresh tiny_cpu config (optionally a layout variant) on the shared data cache."""
   return functools.partial(tiny_cpu_config, shared_data_dir)
+
+
+def pytest_collection_finish(session):
+  """What collection imported (JAX, flax, orbax, the project's modules: objects that live as
+  long as the worker) is moved out of the garbage collector's reach, so a full collection
+  scans only what the tests made since (the collector's CPU in tests/test_checkpoint.py and
+  tests/test_windows.py, -n 0: 2.8 s before, 1.4 s after, of 65 s)."""
+  del session
+  gc.freeze()
 
 
 def pytest_collection_modifyitems(items):
