@@ -78,9 +78,8 @@ def part_kernels(record, smoke: bool) -> None:
   same inputs: bf16, B=1, 32 heads, head_dim 128, causal and strictly causal blocks, plus a
   packed row of 5 documents for the kernels and for dense cuDNN attention; forward and
   forward+backward TFLOP/s, each checked against the xla kernel in float32."""
-  # At smoke one head of 64 tokens: every block is one tile, so the interpreted Pallas
-  # programs compile about a third cheaper than at 2 heads of 128, and a 32-token window
-  # still leaves keys out of reach.
+  # At smoke one head of 64 tokens: every block is one tile, the cheapest interpreted Pallas
+  # programs, and a 32-token window still leaves keys out of reach.
   seq_lens, heads, head_dim = ([64], 1, 32) if smoke else ([8192, 16384, 32768], 32, 128)
   # Labels and the kernels they run; `auto` is timed once, as the kernel it resolves to.
   names = {"pallas": "pallas", "cudnn": "xla" if smoke else "cudnn", "auto": "auto"}

@@ -211,8 +211,8 @@ def test_compare_strategies_plans_every_split_of_the_sequence_devices(tiny_confi
   """fsdp 4 x sequence 2: ring, all-gather and Ulysses over the 2 sequence devices, each
   from its own compiled step; the table names the fastest that fits."""
   from trainer.plan import strategy_plan
-  # One layer in float32: the three compiles cost a fifth less CPU; the rows'
-  # balances do not depend on either, and their bytes and times only scale.
+  # One layer in float32, the cheaper compiles: the rows' balances depend on neither, and
+  # their bytes and times only scale.
   config = tiny_config("ring", **{"mesh.fsdp": 4, "mesh.sequence": 2, "model.num_layers": 1,
                                   "model.dtype": "float32"})
   lines = []

@@ -98,7 +98,7 @@ def _dry_run(*flags, **env):
 
 
 def test_the_command_line_plans_for_h100s_by_default_and_says_when_it_cannot():
-  # One layer: this tests the command line, not the plan (the tests above); a fifth less CPU.
+  # One layer, the cheaper compile: this tests the command line, not the plan (the tests above).
   result = _dry_run("--config.model.num_layers=1")
   assert result.returncode == 0, result.stderr[-2000:]
   assert ("8 devices (NVIDIA H100 80GB HBM3, described to XLA's GPU compiler, none attached"
