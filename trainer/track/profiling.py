@@ -122,26 +122,30 @@ def summarise(trace_path: str) -> dict[str, float]:
   """Where the devices' time went in a `perfetto_trace.json.gz`: the share of each device's
   time (from its first op to its last, summed over devices) in attention, matmuls,
   collectives, other ops, and idle. A device op is an event with an `hlo_op` argument, on
-  the GPU's streams when the trace has a GPU; a device is a GPU stream, or on the CPU a
-  `device_ordinal`. An op counts its own time, less the ops nested in it (a loop's body).
-  Overlapping streams of one GPU can make the busy shares exceed 1."""
+  the GPU's streams when the trace has a GPU; a device is a GPU (all its streams: XLA runs
+  cuDNN's and other ops on side streams), or on the CPU a `device_ordinal`. An op counts
+  its own time, less the ops nested in it (a loop's body) on its stream. Overlapping
+  streams of one GPU can make the busy shares exceed 1."""
   with gzip.open(trace_path, "rt") as f:
     events = json.load(f)["traceEvents"]
   process = {e["pid"]: e["args"]["name"] for e in events
              if e.get("ph") == "M" and e.get("name") == "process_name"}
   gpus = {pid for pid, name in process.items() if name.startswith("/device:GPU")}
-  ops = collections.defaultdict(list)
+  streams = collections.defaultdict(list)
   for e in events:
     args = e.get("args") or {}
     if e.get("ph") == "X" and "hlo_op" in args and (not gpus or e["pid"] in gpus):
-      device = (e["pid"], e["tid"]) if gpus else args.get("device_ordinal", "0")
-      ops[device].append((e["ts"], e["dur"], f"{e['name']} {args['hlo_op']}"))
-  busy, total = collections.defaultdict(float), 0.0
-  for device_ops in ops.values():
-    device_ops.sort(key=lambda op: (op[0], -op[1]))
-    total += max(ts + dur for ts, dur, _ in device_ops) - device_ops[0][0]
+      device = e["pid"] if gpus else args.get("device_ordinal", "0")
+      streams[device, e["tid"]].append((e["ts"], e["dur"], f"{e['name']} {args['hlo_op']}"))
+  busy = collections.defaultdict(float)
+  spans: dict = {}  # device -> [first op's start, last op's end] over all its streams
+  for (device, _), stream_ops in streams.items():
+    stream_ops.sort(key=lambda op: (op[0], -op[1]))
+    first, last = stream_ops[0][0], max(ts + dur for ts, dur, _ in stream_ops)
+    span = spans.setdefault(device, [first, last])
+    span[0], span[1] = min(span[0], first), max(span[1], last)
     open_ops: list = []  # [end, category, own time] of the ops enclosing the current one
-    for ts, dur, text in device_ops:
+    for ts, dur, text in stream_ops:
       while open_ops and open_ops[-1][0] <= ts:
         _, kind, own = open_ops.pop()
         busy[kind] += own
@@ -151,6 +155,7 @@ def summarise(trace_path: str) -> dict[str, float]:
       open_ops.append([ts + dur, kind, dur])
     for _, kind, own in open_ops:
       busy[kind] += own
+  total = sum(last - first for first, last in spans.values())
   if not total:
     return {}
   shares = {name: busy[name] / total for name, _ in (*CATEGORIES, ("other", None))}
