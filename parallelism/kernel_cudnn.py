@@ -10,8 +10,10 @@ Each distinct block pair of the static schedule has a mask shape (`schedule.shap
 call branches once on it (`lax.switch` on the traced pair):
 - full: cuDNN without a mask;
 - causal (key j visible to query i iff j <= i, equal lengths): cuDNN's causal mask;
-- strictly_causal (j < i): the causal (T-1) x (T-1) pair shifted by a row, queries 1..T-1
-  on keys 0..T-2 (query 0 sees no key of the block, key T-1 no query);
+- strictly_causal (j < i): a causal T x T call of the queries moved up a row (query i + 1
+  at row i) on the keys as they are; query 0 sees no key of the block, and the last row, a
+  zero query with zero output and output gradient, adds nothing to any gradient. Odd
+  (T-1)-long operands would take cuDNN's slower path.
 - empty: out 0, lse -inf, zero gradients; general: the Pallas kernel.
 With segment ids each document's piece of the pair is a sequence of cuDNN's packed layout
 (`parallelism.cudnn_packing`); a call whose packing cannot express its mask (more documents
@@ -176,10 +178,31 @@ def _by_shape(schedule: RingSchedule, pair, branch):
 
 
 def _shifted(x_BT, first: bool):
-  """A strictly causal pair as a causal one: queries from row 1, keys up to row T-2."""
+  """A strictly causal pair's segment ids as a causal pair's: queries from row 1, keys up
+  to row T-2 (the packing then leaves the last query and key row out of every sequence)."""
   if x_BT is None:
     return None
   return x_BT[:, 1:] if first else x_BT[:, :-1]
+
+
+def _up_a_row(x_BT):
+  """Row i + 1 at row i, zeros in the last row."""
+  return jnp.pad(x_BT[:, 1:], [(0, 0), (0, 1)] + [(0, 0)] * (x_BT.ndim - 2))
+
+
+def _down_a_row(x_BT, first):
+  """Row i at row i + 1, `first` in row 0: `_up_a_row` undone, but for its lost row 0."""
+  return jnp.concatenate([jnp.full_like(x_BT[:, :1], first), x_BT[:, :-1]], axis=1)
+
+
+def _whole_length(packing):
+  """A (T-1)-long strictly causal packing for the T-long call: the last row in no sequence."""
+  if packing is None:
+    return None
+  def pad(x_BT):
+    return jnp.pad(x_BT, ((0, 0), (0, 1)))  # False, or sequence/index 0 (read where covered)
+  return packing._replace(q_covered=pad(packing.q_covered), k_covered=pad(packing.k_covered),
+                          q_sequence=pad(packing.q_sequence), q_local=pad(packing.q_local))
 
 
 def _by_cudnn_or_pallas(q_seg_BT, k_seg_BT, causal: bool, by_cudnn, by_pallas, nothing):
@@ -209,10 +232,8 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSched
       return by_pallas()
     if shape == "strictly_causal":
       def by_cudnn(packing):
-        out, lse = _attend(q_BTHD[:, 1:], k_BTKD[:, :-1], v_BTKD[:, :-1], True, packing)
-        row0_out, row0_lse = _nothing_seen(q_BTHD[:, :1])
-        return (jnp.concatenate([row0_out, out], axis=1),
-                jnp.concatenate([row0_lse, lse], axis=1))
+        out, lse = _attend(_up_a_row(q_BTHD), k_BTKD, v_BTKD, True, _whole_length(packing))
+        return _down_a_row(out, 0.0), _down_a_row(lse, -jnp.inf)
       return _by_cudnn_or_pallas(_shifted(q_seg_BT, True), _shifted(k_seg_BT, False), True,
                                  by_cudnn, by_pallas, nothing)
     causal = shape == "causal"
@@ -245,10 +266,12 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
       return by_pallas()
     if shape == "strictly_causal":
       def by_cudnn(packing):
-        dq, dk, dv = _grads(q_BTHD[:, 1:], k_BTKD[:, :-1], v_BTKD[:, :-1], out_BTHD[:, 1:],
-                            dout_BTHD[:, 1:], lse_BTH[:, 1:], True, packing)
-        first_row, last_key = ((0, 0), (1, 0), (0, 0), (0, 0)), ((0, 0), (0, 1), (0, 0), (0, 0))
-        return jnp.pad(dq, first_row), jnp.pad(dk, last_key), jnp.pad(dv, last_key)
+        # The last row's lse is 0, any finite value: its zero output gradient and output
+        # make its softmax's gradient 0 whatever its probabilities.
+        dq, dk, dv = _grads(_up_a_row(q_BTHD), k_BTKD, v_BTKD, _up_a_row(out_BTHD),
+                            _up_a_row(dout_BTHD), _up_a_row(lse_BTH), True,
+                            _whole_length(packing))
+        return _down_a_row(dq, 0.0), dk, dv
       return _by_cudnn_or_pallas(_shifted(q_seg_BT, True), _shifted(k_seg_BT, False), True,
                                  by_cudnn, by_pallas, nothing)
     causal = shape == "causal"
