@@ -276,8 +276,8 @@ def _tile_lists(classes_PON: np.ndarray, ids_PON: np.ndarray) -> TileLists:
 
     At least 2 entries per row: with 1, a loop's counter indexes a length-1 axis, which XLA
     clamps to a constant, so the loop body becomes loop-invariant and XLA hoists the whole
-    tile computation out of its loop and runs it even where the loop runs 0 times (measured:
-    the xla kernel's backward 10% slower on a block with no MASKED tiles)."""
+    tile computation out of its loop and runs it even where the loop runs 0 times (the xla
+    kernel's backward then slows down on a block with no MASKED tiles)."""
     out = np.zeros((num_pairs, num_outer, max(int(per_row.max(initial=0)), 2), *trailing),
                    np.int32)
     first = np.cumsum(per_row.reshape(-1)) - per_row.reshape(-1)

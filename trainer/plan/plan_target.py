@@ -7,8 +7,8 @@ no GPU and no CUDA driver (ahead of time, "deviceless"). Its memory analysis is 
 buffer assignment: bf16 stays bf16, remat 'offload' puts the layer inputs in host memory, and
 the attention is the fused Triton kernel instead of the CPU's reference one. What it cannot
 see: autotuning (GEMM and fusion configs are XLA's defaults), and memory outside the XLA
-program (the CUDA context, cuBLAS/cuDNN workspaces, NCCL's buffers), which on a real GPU
-take some hundreds of MiB to about 2 GiB per device.
+program (the CUDA context, cuBLAS/cuDNN workspaces, NCCL's buffers), which a real GPU
+holds beside it.
 
 A plan is judged against the GPU's memory times `XLA_PYTHON_CLIENT_MEM_FRACTION`, the share
 JAX may allocate: 0.95 unless the environment says otherwise, as the Dockerfile sets it (JAX's

@@ -1,8 +1,8 @@
 """A peer process that dies: one line from each survivor naming it, and a prompt exit.
 
 JAX's runtime notices a dead process only at its heartbeat timeout (100 s), or in the middle
-of a collective: a survivor printed Gloo's `Connection reset by peer` traceback, hung 85 s in
-JAX's shutdown barrier and aborted with a C++ stack, or hung silently in a barrier. Each
+of a collective: a survivor printed Gloo's `Connection reset by peer` traceback, hung in JAX's
+shutdown barrier and aborted with a C++ stack, or hung silently in a barrier. Each
 process here holds one TCP connection to every other (nothing travels on them while the run
 is healthy). The kernel closes a dead process's sockets at once, however it died (`kill
 -9`, the OOM killer, a segfault), so the others see the end of its stream within
