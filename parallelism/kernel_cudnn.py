@@ -10,10 +10,8 @@ Each distinct block pair of the static schedule has a mask shape (`schedule.shap
 call branches once on it (`lax.switch` on the traced pair):
 - full: cuDNN without a mask;
 - causal (key j visible to query i iff j <= i, equal lengths): cuDNN's causal mask;
-- strictly_causal (j < i): a causal T x T call of the queries moved up a row (query i + 1
-  at row i) on the keys as they are; query 0 sees no key of the block, and the last row, a
-  zero query with zero output and output gradient, adds nothing to any gradient. Odd
-  (T-1)-long operands would take cuDNN's slower path.
+- strictly_causal (j < i): one aligned causal T x T call, the queries moved up a row (query
+  i + 1 at row i); query 0 sees no key, the last row (zero) adds to no gradient;
 - empty: out 0, lse -inf, zero gradients; general: the Pallas kernel.
 With segment ids each document's piece of the pair is a sequence of cuDNN's packed layout
 (`parallelism.cudnn_packing`); a call whose packing cannot express its mask (more documents
@@ -266,8 +264,8 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
       return by_pallas()
     if shape == "strictly_causal":
       def by_cudnn(packing):
-        # The last row's lse is 0, any finite value: its zero output gradient and output
-        # make its softmax's gradient 0 whatever its probabilities.
+        # The last row: q, out and dout 0, lse 0 (so P = 1): its softmax's gradient is 0,
+        # and so its share of dk and dv. An aligned call: (T-1)-long ones run slower.
         dq, dk, dv = _grads(_up_a_row(q_BTHD), k_BTKD, v_BTKD, _up_a_row(out_BTHD),
                             _up_a_row(dout_BTHD), _up_a_row(lse_BTH), True,
                             _whole_length(packing))

@@ -12,10 +12,10 @@ The commands sit on top: `python -m trainer` (`__main__.py`), `python -m trainer
 `python -m trainer.export`.
 """
 
-LAYERS = ("config", "core", "track", "ckpt", "run", "plan", "tools")
-
 import importlib.abc
 import sys
+
+LAYERS = ("config", "core", "track", "ckpt", "run", "plan", "tools")
 
 # Modules of the flat trainer/ before these packages, by the package each went to: an old
 # import or `python -m` path fails with a line naming the new one.
@@ -50,7 +50,8 @@ sys.meta_path.append(_MovedModules())
 
 
 def __getattr__(name: str):
-  # `from trainer import stages` ends here, the finder's error having been swallowed.
+  # `from trainer import stages` asks here first; only an ImportError carries its words out
+  # (so `hasattr(trainer, "loop")` raises it too: nothing asks that of an old name).
   if _moved(name):
     raise ImportError(_moved(name), name=f"{__name__}.{name}")
   raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -136,7 +136,8 @@ def summarise(trace_path: str) -> dict[str, float]:
     args = e.get("args") or {}
     if e.get("ph") == "X" and "hlo_op" in args and (not gpus or e["pid"] in gpus):
       device = e["pid"] if gpus else args.get("device_ordinal", "0")
-      streams[device, e["tid"]].append((e["ts"], e["dur"], f"{e['name']} {args['hlo_op']}"))
+      stream = e["tid"] if gpus else 0  # the CPU's threads of one device nest as one stream
+      streams[device, stream].append((e["ts"], e["dur"], f"{e['name']} {args['hlo_op']}"))
   busy = collections.defaultdict(float)
   spans: dict = {}  # device -> [first op's start, last op's end] over all its streams
   for (device, _), stream_ops in streams.items():
