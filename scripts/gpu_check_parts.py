@@ -75,8 +75,8 @@ def _documents(seq_len: int, count: int = 5) -> np.ndarray:
 
 def part_kernels(record, smoke: bool) -> None:
   """Block kernels against cuDNN flash attention (JAX's, `implementation='cudnn'`) on the
-  same inputs: bf16, B=1, 32 heads, head_dim 128, causal and strictly causal blocks, plus a
-  packed row of 5 documents for the kernels and for dense cuDNN attention; forward and
+  same inputs: bf16, B=1, 32 heads, head_dim 128, causal and strictly causal blocks, each
+  also of a packed row of 5 documents, which dense cuDNN attention runs too; forward and
   forward+backward TFLOP/s, each checked against the xla kernel in float32."""
   # At smoke one head of 64 tokens: every block is one tile, the cheapest interpreted Pallas
   # programs, and a 32-token window still leaves keys out of reach.
@@ -102,12 +102,13 @@ def part_kernels(record, smoke: bool) -> None:
                   dict(seq_len=seq_len, shape=shape, **cudnn))
     if seq_len == seq_lens[0]:  # packed documents: exactness first, at the shortest length
       segments = jnp.asarray(_documents(seq_len))
-      schedule, pair = bench_kernel.causal_block(seq_len)
-      want = _reference(schedule, pair, (q, k, v, dout), segments)  # the dense row's too
-      _block_rows(record, schedule, pair, (q, k, v, dout), segments, want, names, flops,
-                  dict(seq_len=seq_len, shape="causal_packed", **cudnn))
-      _dense_row(record, (q, k, v, dout), segments, want, smoke, flops,
-                 dict(seq_len=seq_len, **cudnn))
+      for shape, (schedule, pair) in shapes:
+        want = _reference(schedule, pair, (q, k, v, dout), segments)
+        _block_rows(record, schedule, pair, (q, k, v, dout), segments, want, names, flops,
+                    dict(seq_len=seq_len, shape=f"{shape}_packed", **cudnn))
+        if shape == "causal":  # dense attention of the packed row: the same mask
+          _dense_row(record, (q, k, v, dout), segments, want, smoke, flops,
+                     dict(seq_len=seq_len, **cudnn))
       _window_rows(record, (q, k, v, dout), 32 if smoke else 1024, names, smoke)
 
 

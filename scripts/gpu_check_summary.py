@@ -27,13 +27,13 @@ def _kernels(rows) -> list[str]:
     return []
   out = ["kernels: TFLOP/s forward / forward+backward, x cuDNN's f+b, exact vs float32 "
          "(rel err < 2e-2)",
-         f"{'S':>6} {'shape':>15} {'kernel':>7} {'fwd':>6} {'f+b':>6} {'x cuDNN':>7} "
+         f"{'S':>6} {'shape':>22} {'kernel':>7} {'fwd':>6} {'f+b':>6} {'x cuDNN':>7} "
          f"{'exact':>5}   cuDNN fwd / f+b"]
   for r in kernel_rows:
     if r.get("status") != "ok":
-      out.append(f"{r['seq_len']:>6} {r['shape']:>15} {r['kernel']:>7}  failed: {r['error']}")
+      out.append(f"{r['seq_len']:>6} {r['shape']:>22} {r['kernel']:>7}  failed: {r['error']}")
       continue
-    out.append(f"{r['seq_len']:>6} {r['shape']:>15} {r['kernel']:>7} {_f(r['fwd_tflops']):>6} "
+    out.append(f"{r['seq_len']:>6} {r['shape']:>22} {r['kernel']:>7} {_f(r['fwd_tflops']):>6} "
                f"{_f(r['fwd_bwd_tflops']):>6} {_f(r.get('over_cudnn_fwd_bwd'), '.2f'):>7} "
                f"{'yes' if r['exact'] else 'NO':>5}   {_f(r['cudnn_fwd_tflops'])} / "
                f"{_f(r['cudnn_fwd_bwd_tflops'])}")
