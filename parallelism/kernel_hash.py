@@ -11,10 +11,11 @@ head's key (and within the window or its span, when the layer has one).
 - SKIP a tile pair when the bucket ranges cannot meet, `min(k_index) > max(q_index)`,
   `min(q_index) - max(k_index) >= window`, or the segment ranges cannot meet; compute every
   other with the elementwise mask. Block pairs the schedule knows are empty never get here.
-- Static capacity: per row and query tile the met key tiles come first, then their count;
-  the forward runs `fori_loop(0, count)` over them, the backward the same per key tile, so a
-  skipped tile costs nothing. Memory: the lists ([B*Hq, nq, nk] int32 each way), the rows'
-  sort metadata and one sorted copy of each operand; nothing is kept for the backward.
+- Static capacity: per row and query tile the met key tiles first, then their count. The
+  query tiles walk their lists one at a time on a CPU, side by side in batches on a GPU
+  (`_over_tiles`; one at a time, a GPU ran B x H x T/t tiny steps); the backward walks
+  twice, as FlashAttention-2's: dq per query tile, dk and dv per key tile. Memory: the
+  lists, sort metadata, a sorted copy of each operand, one batch's score tiles.
 - GQA: no union of heads (at SCFA's B=4, H=48 a shared tile would skip almost nothing); one
   head per matmul instead.
 
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from parallelism import target
 from parallelism.schedule import RingSchedule
 from parallelism.tile_math import bwd_update, fwd_result, fwd_update
 
@@ -139,6 +141,28 @@ def _put(x_RT, row, i, value):
   return lax.dynamic_update_slice(x_RT, value[None].astype(x_RT.dtype), start)
 
 
+# The score tiles one batch of `_over_tiles` holds at once on a GPU (a few float32 [t, t]
+# arrays per tile): what the walk needs beyond its operands, whatever the block's length.
+_SCORE_BYTES = 1 << 28
+
+
+def tiles_side_by_side(count: int, tile: int) -> int:
+  """How many of `count` tiles `_over_tiles` walks at once: one on a CPU, which runs a walk
+  fastest without the masked steps of a batch's shorter lists; on a GPU as many as
+  _SCORE_BYTES holds, since one at a time is a tiny step each."""
+  if target.backend() == "cpu":
+    return 1
+  return max(1, min(count, _SCORE_BYTES // (4 * 4 * tile * tile)))
+
+
+def _over_tiles(one_tile, count: int, tile: int):
+  """`one_tile(u)` for every u < count, stacked: batches of tiles walked side by side (each
+  batch's loop runs to its longest list, the shorter ones masked), one after another."""
+  size = tiles_side_by_side(count, tile)
+  return lax.map(one_tile, jnp.arange(count, dtype=jnp.int32),
+                 batch_size=None if size == 1 else size)  # None: a plain loop, no vmap
+
+
 def _visible(q: Rows, q_row, i, k: Rows, k_row, j, tile: int, window, span):
   """[tq, tk]: the elementwise rule of one computed tile pair."""
   q_at = lambda x: _tile(x, q_row, i, tile)[:, None]
@@ -197,7 +221,7 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, q_codes_BTH, k_codes_B
   lists, counts = tile_lists(at.meet.reshape(q_RTD.shape[0], nq, -1))
   scale = q_BTHD.shape[3] ** -0.5
 
-  def body(u, results):
+  def one_query_tile(u):
     q_row, i = u // nq, u % nq
     k_row = q_row // at.group
     q_tD = _tile(q_RTD, q_row, i, tile)[None, None, None]  # [1, 1, 1, t, D]
@@ -214,13 +238,12 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, q_codes_BTH, k_codes_B
     init = (jnp.full(rows, -jnp.inf, _F32), jnp.zeros(rows, _F32), jnp.zeros(q_tD.shape, _F32))
     out_tD, lse_t = fwd_result(*lax.fori_loop(0, counts[q_row, i], visit, init), scale=scale,
                                softcap=softcap)
-    out_RTD, lse_RT = results
-    return _put(out_RTD, q_row, i, out_tD[0, 0, 0]), _put(lse_RT, q_row, i, lse_t[0, 0, 0])
+    return out_tD[0, 0, 0], lse_t[0, 0, 0]
 
-  results = (jnp.zeros(q_RTD.shape, _F32), jnp.zeros(q_RTD.shape[:2], _F32))
-  out_RTD, lse_RT = lax.fori_loop(0, q_RTD.shape[0] * nq, body, results)
+  out_UtD, lse_Ut = _over_tiles(one_query_tile, q_RTD.shape[0] * nq, tile)
   batch = q_BTHD.shape[0]
-  return scatter_rows(out_RTD, at.q.order, batch), scatter_rows(lse_RT, at.q.order, batch)
+  return (scatter_rows(out_UtD.reshape(q_RTD.shape), at.q.order, batch),
+          scatter_rows(lse_Ut.reshape(q_RTD.shape[:2]), at.q.order, batch))
 
 
 def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k_seg_BT,
@@ -237,36 +260,46 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
                  for x in (q_BTHD, dout_BTHD, lse_safe, delta_BTH.astype(_F32)))
   k_RTD, v_RTD = (gather_rows(x, at.k.order) for x in (k_BTKD, v_BTKD))
   nq, nk = at.num_q_tiles, k_RTD.shape[1] // tile
+  q_lists, q_counts = tile_lists(at.meet.reshape(q_side[0].shape[0], nq, -1))
   meet_RKGQ = jnp.moveaxis(at.meet, 3, 1)  # [Rk, nk, G, nq]
-  lists, counts = tile_lists(meet_RKGQ.reshape(*meet_RKGQ.shape[:2], -1))
+  k_lists, k_counts = tile_lists(meet_RKGQ.reshape(*meet_RKGQ.shape[:2], -1))
   scale = q_BTHD.shape[3] ** -0.5
+  head_dim = q_BTHD.shape[3]
 
-  def body(u, grads):
-    k_row, j = u // nk, u % nk
+  def pair(q_row, i, k_row, j, carry):
+    """bwd_update of one met tile pair (carry: dk, dv, dq^T)."""
+    q_xs = tuple(_tile(x, q_row, i, tile)[None, None, None] for x in q_side)
     k_tD, v_tD = (_tile(x, k_row, j, tile)[None, None] for x in (k_RTD, v_RTD))
-    k_xs = (k_tD, v_tD, jnp.swapaxes(k_tD, 2, 3))
+    span = None if at.spans_R is None else at.spans_R[q_row]
+    seen_T = _visible(at.q, q_row, i, at.k, k_row, j, tile, window, span).T
+    return bwd_update(carry, q_xs, (k_tD, v_tD, jnp.swapaxes(k_tD, 2, 3)),
+                      seen_T[None, None, :, None], scale=scale, softcap=softcap)
 
-    def visit(n, carry):
-      dk_tD, dv_tD, dq_RTD = carry
-      g, i = lists[k_row, j, n] // nq, lists[k_row, j, n] % nq
-      q_row = k_row * at.group + g
-      q_xs = tuple(_tile(x, q_row, i, tile)[None, None, None] for x in q_side)
-      span = None if at.spans_R is None else at.spans_R[q_row]
-      seen_T = _visible(at.q, q_row, i, at.k, k_row, j, tile, window, span).T
-      dq_DGt = _tile(dq_RTD, q_row, i, tile).T[None, None, :, None]  # [1, 1, D, 1, t]
-      dk_tD, dv_tD, dq_DGt = bwd_update((dk_tD, dv_tD, dq_DGt), q_xs, k_xs,
-                                        seen_T[None, None, :, None], scale=scale,
-                                        softcap=softcap)
-      return dk_tD, dv_tD, _put(dq_RTD, q_row, i, dq_DGt[0, 0, :, 0].T)
+  no_kv = jnp.zeros((1, 1, tile, head_dim), _F32)
+  no_dq = jnp.zeros((1, 1, head_dim, 1, tile), _F32)  # dq^T of one query tile
 
-    dq_RTD, dk_RTD, dv_RTD = grads
-    init = (jnp.zeros(k_tD.shape, _F32), jnp.zeros(v_tD.shape, _F32), dq_RTD)
-    dk_tD, dv_tD, dq_RTD = lax.fori_loop(0, counts[k_row, j], visit, init)
-    return dq_RTD, _put(dk_RTD, k_row, j, dk_tD[0, 0]), _put(dv_RTD, k_row, j, dv_tD[0, 0])
+  def one_query_tile(u):  # its dq, over the key tiles it meets (the forward's lists)
+    q_row, i = u // nq, u % nq
+    k_row = q_row // at.group
 
-  grads = (jnp.zeros(q_side[0].shape, _F32), jnp.zeros(k_RTD.shape, _F32),
-           jnp.zeros(v_RTD.shape, _F32))
-  dq_RTD, dk_RTD, dv_RTD = lax.fori_loop(0, k_RTD.shape[0] * nk, body, grads)
+    def visit(n, dq_DGt):
+      return pair(q_row, i, k_row, q_lists[q_row, i, n], (no_kv, no_kv, dq_DGt))[2]
+
+    return lax.fori_loop(0, q_counts[q_row, i], visit, no_dq)[0, 0, :, 0].T
+
+  def one_key_tile(u):  # its dk and dv, over the (query head, query tile) pairs it meets
+    k_row, j = u // nk, u % nk
+
+    def visit(n, dkv):
+      g, i = k_lists[k_row, j, n] // nq, k_lists[k_row, j, n] % nq
+      return pair(k_row * at.group + g, i, k_row, j, (*dkv, no_dq))[:2]
+
+    dk_tD, dv_tD = lax.fori_loop(0, k_counts[k_row, j], visit, (no_kv, no_kv))
+    return dk_tD[0, 0], dv_tD[0, 0]
+
+  dq_UtD = _over_tiles(one_query_tile, q_side[0].shape[0] * nq, tile)
+  dk_UtD, dv_UtD = _over_tiles(one_key_tile, k_RTD.shape[0] * nk, tile)
   batch = q_BTHD.shape[0]
-  return (scatter_rows(dq_RTD, at.q.order, batch), scatter_rows(dk_RTD, at.k.order, batch),
-          scatter_rows(dv_RTD, at.k.order, batch))
+  return (scatter_rows(dq_UtD.reshape(q_side[0].shape), at.q.order, batch),
+          scatter_rows(dk_UtD.reshape(k_RTD.shape), at.k.order, batch),
+          scatter_rows(dv_UtD.reshape(v_RTD.shape), at.k.order, batch))

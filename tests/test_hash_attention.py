@@ -138,9 +138,15 @@ def test_other_strategies_carry_the_codes(strategy, ring, ulysses, num_kv):
   assert_close(got, hash_reference(*inputs, *codes)[0], **_F32_TOL)
 
 
-def test_block_kernel_lse_and_gradients_with_buckets():
+@pytest.mark.parametrize("side_by_side", [None, 3])
+def test_block_kernel_lse_and_gradients_with_buckets(side_by_side, monkeypatch):
   """One whole block (its lse is the global one): out, lse (-inf where empty) and the
-  backward from that lse, against dense."""
+  backward from that lse, against dense; walking the tiles one at a time (a CPU's way) and
+  3 side by side (a GPU's, in batches whose shorter lists are masked; 3 leaves a remainder)."""
+  from parallelism import kernel_hash  # pylint: disable=g-import-not-at-top
+  if side_by_side:
+    monkeypatch.setattr(kernel_hash, "tiles_side_by_side",
+                        lambda count, tile: min(count, side_by_side))
   (q, k, v, dout, index, seg), codes = _packed_inputs(seq_len=32)
   schedule = ring_schedule("ring", 32, 1)
   at = dict(schedule=schedule, pair=schedule.pair[0, 0], tile=8, q_codes_BTH=codes[0],
