@@ -14,8 +14,8 @@ head's key (and within the window or its span, when the layer has one).
 - Static capacity: per row and query tile the met key tiles first, then their count. The
   query tiles walk their lists one at a time on a CPU, side by side in batches on a GPU
   (`_over_tiles`; one at a time, a GPU ran B x H x T/t tiny steps); the backward walks
-  twice, as FlashAttention-2's: dq per query tile, dk and dv per key tile. Memory: the
-  lists, sort metadata, a sorted copy of each operand, one batch's score tiles.
+  twice, dq per query tile, dk and dv per key tile (key tiles side by side cannot all add
+  into one dq). Memory: lists, sort metadata, a sorted copy of each operand, a batch's tiles.
 - GQA: no union of heads (at SCFA's B=4, H=48 a shared tile would skip almost nothing); one
   head per matmul instead.
 
@@ -142,7 +142,8 @@ def _put(x_RT, row, i, value):
 
 
 # The score tiles one batch of `_over_tiles` holds at once on a GPU (a few float32 [t, t]
-# arrays per tile): what the walk needs beyond its operands, whatever the block's length.
+# arrays per tile; its q, k, v tiles and carries add about a fifth at D = 64): what the walk
+# needs beyond its operands, whatever the block's length.
 _SCORE_BYTES = 1 << 28
 
 
@@ -250,8 +251,9 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
               q_codes_BTH, k_codes_BTK, *, q_index_T, k_index_T, tile: int,
               softcap: float = 0.0, spans_H=None, window: int | None = None, q_run_T=None,
               k_run_T=None) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(dq, dk, dv) float32 of the block pair from the GLOBAL lse and delta (the contract),
-  per key tile over the (query head of its group, query tile) pairs that meet it."""
+  """(dq, dk, dv) float32 of the block pair from the GLOBAL lse and delta (the contract): dq
+  per query tile over the key tiles it meets, dk and dv per key tile over the (query head of
+  its group, query tile) pairs that meet it."""
   at = _setup(q_codes_BTH, k_codes_BTK, q_seg_BT, k_seg_BT, q_index_T, k_index_T, tile,
               spans_H, window, q_run_T, k_run_T)
   # lse -inf (a query that sees nothing) -> +inf so exp(s - lse) is 0 rather than NaN.

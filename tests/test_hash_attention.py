@@ -144,9 +144,10 @@ def test_block_kernel_lse_and_gradients_with_buckets(side_by_side, monkeypatch):
   backward from that lse, against dense; walking the tiles one at a time (a CPU's way) and
   3 side by side (a GPU's, in batches whose shorter lists are masked; 3 leaves a remainder)."""
   from parallelism import kernel_hash  # pylint: disable=g-import-not-at-top
+  walks = []  # The kernel runs eagerly here, so each walk asks (a jit's cache would not).
   if side_by_side:
     monkeypatch.setattr(kernel_hash, "tiles_side_by_side",
-                        lambda count, tile: min(count, side_by_side))
+                        lambda count, tile: walks.append(count) or min(count, side_by_side))
   (q, k, v, dout, index, seg), codes = _packed_inputs(seq_len=32)
   schedule = ring_schedule("ring", 32, 1)
   at = dict(schedule=schedule, pair=schedule.pair[0, 0], tile=8, q_codes_BTH=codes[0],
@@ -155,6 +156,7 @@ def test_block_kernel_lse_and_gradients_with_buckets(side_by_side, monkeypatch):
   grads = kernel_xla.block_bwd(q, k, v, dout, lse, jnp.sum(out * dout, axis=-1), seg, seg, **at)
   want, want_lse = hash_reference(q, k, v, dout, index, seg, *codes)
   assert_close((out, *grads), want, **_F32_TOL)
+  assert len(walks) == (3 if side_by_side else 0)  # the forward, dq, and dk with dv
   empty = _empty_rows(index, seg, *codes)
   assert empty.any()
   assert np.all(np.asarray(lse)[empty] == -np.inf)
