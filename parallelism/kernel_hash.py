@@ -156,12 +156,17 @@ def tiles_side_by_side(count: int, tile: int) -> int:
   return max(1, min(count, _SCORE_BYTES // (4 * 4 * tile * tile)))
 
 
-def _over_tiles(one_tile, count: int, tile: int):
-  """`one_tile(u)` for every u < count, stacked: batches of tiles walked side by side (each
-  batch's loop runs to its longest list, the shorter ones masked), one after another."""
+def _over_tiles(one_tile, lengths_U, tile: int):
+  """`one_tile(u)` for every tile u (its list `lengths_U[u]` long), stacked: batches of tiles
+  walked side by side, one after another. A batch's loop runs to its longest list (the
+  shorter ones masked), so a batch takes tiles of like lengths (the order is undone after)."""
+  count = lengths_U.shape[0]
   size = tiles_side_by_side(count, tile)
-  return lax.map(one_tile, jnp.arange(count, dtype=jnp.int32),
-                 batch_size=None if size == 1 else size)  # None: a plain loop, no vmap
+  if size == 1:  # a plain loop, no vmap
+    return lax.map(one_tile, jnp.arange(count, dtype=jnp.int32))
+  order_U = jnp.argsort(lengths_U).astype(jnp.int32)
+  by_length = lax.map(one_tile, order_U, batch_size=size)
+  return jax.tree.map(lambda x: x[jnp.argsort(order_U)], by_length)
 
 
 def _visible(q: Rows, q_row, i, k: Rows, k_row, j, tile: int, window, span):
@@ -241,7 +246,7 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, q_codes_BTH, k_codes_B
                                softcap=softcap)
     return out_tD[0, 0, 0], lse_t[0, 0, 0]
 
-  out_UtD, lse_Ut = _over_tiles(one_query_tile, q_RTD.shape[0] * nq, tile)
+  out_UtD, lse_Ut = _over_tiles(one_query_tile, counts.reshape(-1), tile)
   batch = q_BTHD.shape[0]
   return (scatter_rows(out_UtD.reshape(q_RTD.shape), at.q.order, batch),
           scatter_rows(lse_Ut.reshape(q_RTD.shape[:2]), at.q.order, batch))
@@ -299,8 +304,8 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
     dk_tD, dv_tD = lax.fori_loop(0, k_counts[k_row, j], visit, (no_kv, no_kv))
     return dk_tD[0, 0], dv_tD[0, 0]
 
-  dq_UtD = _over_tiles(one_query_tile, q_side[0].shape[0] * nq, tile)
-  dk_UtD, dv_UtD = _over_tiles(one_key_tile, k_RTD.shape[0] * nk, tile)
+  dq_UtD = _over_tiles(one_query_tile, q_counts.reshape(-1), tile)
+  dk_UtD, dv_UtD = _over_tiles(one_key_tile, k_counts.reshape(-1), tile)
   batch = q_BTHD.shape[0]
   return (scatter_rows(dq_UtD.reshape(q_side[0].shape), at.q.order, batch),
           scatter_rows(dk_UtD.reshape(k_RTD.shape), at.k.order, batch),
