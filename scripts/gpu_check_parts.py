@@ -264,11 +264,12 @@ def part_sparse(record, smoke: bool) -> None:
   rows of `scripts/bench_sparse.py --gpu`'s block part at 8k, then 16k. Not a default part:
   `--parts sparse` after the others, where device time is left.
 
-  The walk visits one (row, query tile) at a time, B x H x S/128 of them (12,288 at 8k), so
-  on a GPU a call takes seconds. Hence one variant per measurement, each beside causal
-  attention's own time, the sparsest first and one timed repeat: each row is recorded as it
-  is measured, and the part's deadline keeps every row it reached."""
+  First the walk's exactness on this device (`_sparse_exact`). Then one variant per
+  measurement, each beside causal attention's own time, the sparsest first and one timed
+  repeat (the walk one (row, query tile) at a time took seconds a call): each row is
+  recorded as it is measured, and the part's deadline keeps every row it reached."""
   import bench_sparse  # pylint: disable=g-import-not-at-top  # scripts/, first on the path
+  _sparse_exact(record, bench_sparse, smoke)
   seq_lens, (batch, heads, head_dim) = ([8192, 16384], (4, 48, 64)) if not smoke else (
       [256], (1, 2, 32))
   variants = [([64], []), ([16], []), ([], [0.5]), ([4], [])]
@@ -285,6 +286,30 @@ def part_sparse(record, smoke: bool) -> None:
       print(f"{seq_len:>6} {row['variant']:>9}  tiles {row['tile_ratio']:.3f}  fwd "
             f"{row['fwd_s']:.3f} s ({row['fwd_ratio']:.2f}x causal)  fwd+bwd "
             f"{row['fwd_bwd_s']:.3f} s ({row['fwd_bwd_ratio']:.2f}x causal)", flush=True)
+
+
+def _sparse_exact(record, bench_sparse, smoke: bool) -> None:
+  """Hash attention's block kernel (4 buckets, GQA 4:2) against the model's dense masked
+  attention under the same codes, float32: out and gradients. On a GPU the kernel walks its
+  tiles side by side in batches, which the CPU's tests check at tiny shapes only."""
+  from model.attention import dense_attention  # pylint: disable=g-import-not-at-top
+  seq_len = 256 if smoke else 2048
+  q, k, v, dout = bench_sparse.inputs(1, seq_len, 4, 2, 64, jnp.float32, seed=1)
+  codes = bench_sparse.codes_of(q, k, 4)
+  fwd, fwd_bwd = bench_sparse.block_step(ring_schedule("ring", seq_len, 1), 128)
+  segments = jnp.ones((1, seq_len), jnp.int32)
+
+  def dense(q, k, v):
+    return dense_attention(q, k, v, segments, q_codes_BSH=codes[0], k_codes_BSK=codes[1])
+
+  with jax.default_matmul_precision("highest"):  # float32 matmuls, not TF32, on both sides
+    got = (fwd(q, k, v, dout, codes)[0], *fwd_bwd(q, k, v, dout, codes))
+    out, vjp = jax.vjp(dense, q, k, v)
+    want = (out, *vjp(dout))
+  errors = _errors(got, want)
+  record(exactness="hash-4", seq_len=seq_len, exact=max(errors.values()) < 1e-4, **errors)
+  print(f"hash-4 at {seq_len} against dense, float32: max relative error "
+        f"{max(errors.values()):.1e}", flush=True)
 
 
 def main() -> None:

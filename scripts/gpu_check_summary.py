@@ -88,9 +88,14 @@ def _profile(rows) -> list[str]:
 
 def _sparse(rows) -> list[str]:
   sparse_rows = [r for r in rows if r["part"] == "sparse" and "variant" in r]
-  if not sparse_rows:
+  exactness = [r for r in rows if r["part"] == "sparse" and "exactness" in r]
+  if not sparse_rows and not exactness:
     return []
-  out = ["sparse (SCFA's settings, one block): time and tiles as a share of causal attention's",
+  out = [f"sparse: {r['exactness']} at {r['seq_len']} against dense, float32: "
+         f"{'exact' if r['exact'] else 'NOT exact'} (max relative error "
+         f"{max(v for key, v in r.items() if key.startswith('rel_err_')):.1e})"
+         for r in exactness]
+  out += ["sparse (SCFA's settings, one block): time and tiles as a share of causal attention's",
          f"{'S':>6} {'variant':>9} {'tiles':>6} {'ideal':>6} {'fwd':>6} {'f+b':>6}"]
   for r in sparse_rows:
     out.append(f"{r['seq_len']:>6} {r['variant']:>9} {_f(r.get('tile_ratio', 1.0), '.3f'):>6} "
