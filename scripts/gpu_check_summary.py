@@ -92,8 +92,7 @@ def _sparse(rows) -> list[str]:
   if not sparse_rows and not exactness:
     return []
   out = [f"sparse: {r['exactness']} at {r['seq_len']} against dense, float32: "
-         f"{'exact' if r['exact'] else 'NOT exact'} (max relative error "
-         f"{max(v for key, v in r.items() if key.startswith('rel_err_')):.1e})"
+         f"{'exact' if r['exact'] else 'NOT exact'} (max relative error {r['max_rel_err']:.1e})"
          for r in exactness]
   out += ["sparse (SCFA's settings, one block): time and tiles as a share of causal attention's",
          f"{'S':>6} {'variant':>9} {'tiles':>6} {'ideal':>6} {'fwd':>6} {'f+b':>6}"]

@@ -41,8 +41,8 @@ class _MovedModules(importlib.abc.MetaPathFinder):
 
   def find_spec(self, name, path=None, target=None):
     parent, _, module = name.rpartition(".")
-    if parent == __name__ and _moved(module):
-      raise ModuleNotFoundError(_moved(module), name=name)
+    if parent == __name__ and (words := _moved(module)):
+      raise ModuleNotFoundError(words, name=name)
     return None
 
 
@@ -52,6 +52,6 @@ sys.meta_path.append(_MovedModules())
 def __getattr__(name: str):
   # `from trainer import stages` asks here first; only an ImportError carries its words out
   # (so `hasattr(trainer, "loop")` raises it too: nothing asks that of an old name).
-  if _moved(name):
-    raise ImportError(_moved(name), name=f"{__name__}.{name}")
+  if words := _moved(name):
+    raise ImportError(words, name=f"{__name__}.{name}")
   raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
