@@ -33,58 +33,41 @@ from model.rope import RopeScaling, apply_rope, frequencies
 
 
 def dense_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
-                    segment_ids_BS: jax.Array, window: int | None = None,
-                    softcap: float = 0.0, spans_H: jax.Array | None = None,
-                    positions_BS: jax.Array | None = None, sink_tokens: int = 0,
-                    q_codes_BSH: jax.Array | None = None,
-                    k_codes_BSK: jax.Array | None = None,
-                    sparsek: tuple | None = None) -> jax.Array:
+                    mask: parallelism.Mask) -> jax.Array:
   """Masked softmax attention over the whole row, in its original order (a token's index
-  is its place), each query seeing the `window` keys up to itself (None: all before it; with
-  per-head spans `spans_H` [Hq], query head h sees `spans_H[h]`) and, with `sink_tokens` k,
-  every earlier key of its document at a position below k (`parallelism.sinks`), logits
-  capped at `softcap` (0: not); K/V heads are shared by query groups. With bucket codes
-  (hash attention: `q_codes_BSH` [B,S,Hq], `k_codes_BSK` [B,S,Hkv]) query head h also sees
-  only keys whose code of its kv head equals its own. With `sparsek` (thresholds [B,S,Hq],
-  scores [B,S,Hkv], window), key j weighs clip(score_j - threshold_i, 0, 1) unless fewer than
-  window positions back (model/sparsek.py): log of it is added to the logits.
+  is its place), as `mask` says (`parallelism.masks`: the one rule, the one score
+  modification and, with SparseK, the log of each key's weight added to its logit); K/V
+  heads are shared by query groups.
 
   Scores and softmax are float32. A query that sees no key gets zeros, not NaN.
   """
+  spec = mask.spec
   batch, seq, num_heads, head_dim = q_BSHD.shape
-  token_index_BS = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
   num_kv_heads = k_BSKD.shape[2]
   q_BSKGD = q_BSHD.reshape(batch, seq, num_kv_heads, num_heads // num_kv_heads, head_dim)
   scores_BKGST = jnp.einsum("bskgd,btkd->bkgst", q_BSKGD, k_BSKD,
-                            preferred_element_type=jnp.float32) / jnp.sqrt(head_dim)
-  if softcap:
-    scores_BKGST = softcap * jnp.tanh(scores_BKGST / softcap)
-  same_BST = segment_ids_BS[:, None, :] == segment_ids_BS[:, :, None]
-  visible_BST = parallelism.visible(token_index_BS[:, :, None], token_index_BS[:, None, :],
-                                    window)
-  visible_B11ST = visible_BST[:, None, None]
-  if spans_H is not None:
-    behind_ST = token_index_BS[0][:, None] - token_index_BS[0][None, :]
-    spans_KG11 = spans_H.reshape(num_kv_heads, -1)[:, :, None, None]
-    visible_B11ST = visible_B11ST & (behind_ST < spans_KG11)[None]
-  if sink_tokens:
-    sink_BST = (token_index_BS[:, :, None] >= token_index_BS[:, None, :]) & (
-        positions_BS[:, None, :] < sink_tokens)
-    visible_B11ST = visible_B11ST | sink_BST[:, None, None]
-  visible_B11ST = visible_B11ST & same_BST[:, None, None]
-  if q_codes_BSH is not None:
-    q_codes_BKGS1 = jnp.moveaxis(q_codes_BSH.reshape(batch, seq, num_kv_heads, -1), 1, 3)
-    k_codes_BK11T = jnp.moveaxis(k_codes_BSK, 1, 2)[:, :, None, None, :]
-    visible_B11ST = visible_B11ST & (q_codes_BKGS1[..., None] == k_codes_BK11T)
-  if sparsek is not None:
-    tau_BSH, u_BSK, near = sparsek
-    tau_BKGS1 = jnp.moveaxis(tau_BSH.reshape(batch, seq, num_kv_heads, -1), 1, 3)[..., None]
-    u_BK11T = jnp.moveaxis(u_BSK, 1, 2)[:, :, None, None, :]
-    m_BKGST = jnp.clip(u_BK11T - tau_BKGS1, 0.0, 1.0)
-    near_B11ST = (token_index_BS[:, :, None] - token_index_BS[:, None, :] < near)[:, None, None]
-    visible_B11ST = visible_B11ST & (near_B11ST | (m_BKGST > 0))
-    scores_BKGST += jnp.where(near_B11ST, 0.0, jnp.log(jnp.where(m_BKGST > 0, m_BKGST, 1.0)))
-  scores_BKGST = jnp.where(visible_B11ST, scores_BKGST, -jnp.inf)
+                            preferred_element_type=jnp.float32)
+  scores_BKGST = parallelism.masks.logits(spec, scores_BKGST, head_dim ** -0.5)[0]
+  # The operands laid out [B, Hkv, G, S (queries), T (keys)].
+  index_S = jnp.arange(seq)
+  behind_ST = index_S[:, None] - index_S[None, :]
+  per_query = lambda x_BS_: None if x_BS_ is None else jnp.moveaxis(
+      x_BS_.reshape(batch, seq, num_kv_heads, -1), 1, 3)[..., None]
+  per_key = lambda x_BS_: None if x_BS_ is None else jnp.moveaxis(x_BS_, 1, 2)[:, :, None,
+                                                                             None, :]
+  row = lambda x_BS, axis: None if x_BS is None else jnp.expand_dims(x_BS[:, None, None],
+                                                                     axis)
+  queries = parallelism.Side(row(mask.q.segment_ids, -1), codes=per_query(mask.q.codes),
+                             scores=per_query(mask.q.scores))
+  keys = parallelism.Side(row(mask.k.segment_ids, -2), row(mask.k.positions, -2),
+                          per_key(mask.k.codes), per_key(mask.k.scores))
+  span = None if mask.q.spans is None else mask.q.spans.reshape(num_kv_heads, -1)[
+      :, :, None, None]
+  visible_BKGST = parallelism.masks.visible(spec, behind_ST, queries, keys, span)
+  if spec.selects:
+    weight, _ = parallelism.masks.sparsek_weight(spec, behind_ST, queries, keys)
+    scores_BKGST += jnp.log(jnp.where(weight > 0, weight, 1.0))
+  scores_BKGST = jnp.where(visible_BKGST, scores_BKGST, -jnp.inf)
   row_max_BKGS1 = jnp.max(scores_BKGST, axis=-1, keepdims=True)
   row_max_BKGS1 = jnp.where(jnp.isfinite(row_max_BKGS1), row_max_BKGS1, 0.0)
   weights_BKGST = jnp.exp(scores_BKGST - row_max_BKGS1)
@@ -95,36 +78,22 @@ def dense_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
   return out_BSKGD.reshape(q_BSHD.shape).astype(q_BSHD.dtype)
 
 
-def _local_and_sparse(cfg: ModelConfig, spans_H, positions_BS, sinks: int, codes,
-                      sparsek=None) -> dict:
-  """`parallelism.ring_attention`'s per-head spans, sink, bucket-code and SparseK arguments."""
-  q_codes, k_codes = codes or (None, None)
-  tau, u, near = sparsek or (None, None, 0)
-  return dict(spans=spans_H, narrowest=None if spans_H is None else cfg.narrowest_span,
-              positions=positions_BS, sink_tokens=sinks, q_buckets=q_codes, k_buckets=k_codes,
-              q_thresholds=tau, k_scores=u, sparsek_window=near)
-
-
-def _whole_rows(cfg: ModelConfig, q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, window,
-                spans_H=None, positions_BS=None, sinks=0, codes=None, sparsek=None):
+def _whole_rows(cfg: ModelConfig, q_BSHD, k_BSKD, v_BSKD, mask: parallelism.Mask):
   """`dense` attention: cuDNN's flash attention on a CUDA GPU (each packed document apart;
   a row of more documents than its packed layout takes runs the block kernels as a ring of
-  one, and so do a local layer, capped logits and hash attention's `codes`, which cuDNN's
-  packed call is not given),
-  else `dense_attention`. A dense row is in its original order, so the token index is its
-  position and cuDNN's causal mask the rule."""
+  one, and so does any mask beyond causal documents: a local layer, capped logits, run-time
+  masks, which cuDNN's packed call is not given), else `dense_attention`. A dense row is in
+  its original order, so the token index is its position and cuDNN's causal mask the rule."""
   if parallelism.cudnn_dense_reason(q_BSHD.shape, q_BSHD.dtype):
-    return dense_attention(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, window,
-                           cfg.attention_softcap, spans_H, positions_BS, sinks,
-                           *(codes or (None, None)), sparsek)
-  fallback = functools.partial(
+    return dense_attention(q_BSHD, k_BSKD, v_BSKD, mask)
+  ring = functools.partial(
       parallelism.ring_attention, layout="ring", rules=nn.get_logical_axis_rules(),
-      tile_size=math.gcd(q_BSHD.shape[1], cfg.attention_tile), window=window,
-      softcap=cfg.attention_softcap)
-  if window is not None or cfg.attention_softcap or codes is not None or sparsek is not None:
-    return fallback(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS,
-                    **_local_and_sparse(cfg, spans_H, positions_BS, sinks, codes, sparsek))
-  return parallelism.cudnn_dense_attention(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, fallback)
+      tile_size=math.gcd(q_BSHD.shape[1], cfg.attention_tile))
+  if mask.spec != parallelism.MaskSpec():
+    return ring(q_BSHD, k_BSKD, v_BSKD, mask)
+  return parallelism.cudnn_dense_attention(
+      q_BSHD, k_BSKD, v_BSKD, mask.q.segment_ids,
+      lambda q, k, v, segment_ids: ring(q, k, v, parallelism.Mask.of(segment_ids=segment_ids)))
 
 
 def dense_kernel(cfg: ModelConfig) -> str:
@@ -141,8 +110,8 @@ def dense_line(cfg: ModelConfig) -> str:
   return "attention: dense, the plain masked softmax over whole rows"
 
 
-def _sparsek_operands(cfg: ModelConfig, u_BSK, segment_ids_BS) -> tuple:
-  """(thresholds [B, S, Hq], scores [B, S, Hkv], window) of SparseK, in the layout's order.
+def _sparsek_scores(cfg: ModelConfig, u_BSK, segment_ids_BS) -> tuple:
+  """SparseK's (thresholds [B, S, Hq], scores [B, S, Hkv]), in the layout's order.
   A query's threshold reads every earlier score of its row: each device gathers the scores
   (S floats per row and kv head) and computes its own queries' (`parallelism.per_query`)."""
   u_BSK = constrain(u_BSK, ("activation_batch", "activation_seq", "activation_kv_heads"))
@@ -152,7 +121,7 @@ def _sparsek_operands(cfg: ModelConfig, u_BSK, segment_ids_BS) -> tuple:
       rules=nn.get_logical_axis_rules())
   tau_BSH = jnp.repeat(tau_BSK, cfg.num_heads // cfg.num_kv_heads, axis=2)
   tau_BSH = constrain(tau_BSH, ("activation_batch", "activation_seq", "activation_heads"))
-  return tau_BSH, u_BSK, cfg.sparsek_window
+  return tau_BSH, u_BSK
 
 
 def cache_names(cfg: ModelConfig) -> tuple[str, ...]:
@@ -175,21 +144,20 @@ def _position_drop_codes(cfg: ModelConfig, positions_BS, capacity: int, layer) -
   return q_SH.reshape(batch, seq, -1), k_SK.reshape(batch, seq, -1)
 
 
-def _decode_step(cfg: ModelConfig, q_B1HD, k_B1KD, v_B1KD, cache: dict, position_B, window,
-                 spans, sinks, codes, u_B1K) -> tuple:
+def _decode_step(cfg: ModelConfig, q_B1HD, k_B1KD, v_B1KD, cache: dict, position_B,
+                 mask: parallelism.Mask) -> tuple:
   """(out, the updated cache) of one token per row by `parallelism.decode_attention`; a
   run-time mask's side of the cache (`cache_names`) is written and read beside K/V."""
-  mask = {}
-  if codes is not None:
-    mask["codes"] = (*codes, cache["key_codes"])
-  if u_B1K is not None:
+  names = cache_names(cfg)
+  slots = parallelism.Side(codes=cache.get("key_codes"), scores=cache.get("key_scores"))
+  threshold = None
+  if cfg.selects:
     threshold = functools.partial(decode_thresholds, k=cfg.sparsek_k, window=cfg.sparsek_window)
-    mask["sparsek"] = (u_B1K, cache["key_scores"], threshold, cfg.sparsek_window)
-  out_B1HD, *kept = parallelism.decode_attention(
-      q_B1HD, k_B1KD, v_B1KD, cache["key"], cache["value"], position_B, layout=cfg.layout,
-      rules=nn.get_logical_axis_rules(), window=window, softcap=cfg.attention_softcap,
-      spans=spans, sink_tokens=sinks, **mask)
-  return out_B1HD, dict(zip(cache_names(cfg), kept))
+  out_B1HD, (key, value, slots) = parallelism.decode_attention(
+      q_B1HD, k_B1KD, v_B1KD, (cache["key"], cache["value"], slots), position_B, mask,
+      layout=cfg.layout, rules=nn.get_logical_axis_rules(), threshold=threshold)
+  kept = (key, value) + tuple(x for x in (slots.codes, slots.scores) if x is not None)
+  return out_B1HD, dict(zip(names, kept))
 
 
 class Attention(nn.Module):
@@ -236,9 +204,9 @@ class Attention(nn.Module):
     cache = {name: self.get_variable("cache", name) for name in cache_names(cfg)
              } if self.decode else None
     u_BSK = Scorer(cfg, name="sparsek_score")(x_BSE) if cfg.selects else None
-    sparsek = None
+    scores = (None, u_BSK)  # SparseK's (thresholds, scores); a decode step solves its own
     if cfg.selects and not self.decode:
-      sparsek = _sparsek_operands(cfg, u_BSK, segment_ids_BS)
+      scores = _sparsek_scores(cfg, u_BSK, segment_ids_BS)
 
     def attend(kind: str, q_BSHD, k_BSKD, v_BSKD, cache):
       """(out, what the cache keeps: `cache_names`) of a layer of this kind."""
@@ -250,11 +218,8 @@ class Attention(nn.Module):
                          ("activation_batch", "activation_seq", "activation_heads", None))
       k_BSKD = constrain(apply_rope(k_BSKD, positions_BS, inv_freq_F, rope_factor),
                          ("activation_batch", "activation_seq", "activation_kv_heads", None))
-      window = cfg.window_of(kind)
-      # Per-head spans narrow a local layer's window per head (the widest is `window`).
-      spans = spans_H if kind == LOCAL else None
-      sinks = cfg.sink_tokens if kind == LOCAL else 0
-      codes = None
+      spec = cfg.mask_spec(kind)
+      codes = (None, None)
       if hash_KDR is not None:
         codes = bucket_codes(q_BSHD, hash_KDR), bucket_codes(k_BSKD, hash_KDR)
       if layer is not None and self.decode:  # The token's own, in a row of the capacity.
@@ -265,26 +230,28 @@ class Attention(nn.Module):
         codes = (constrain(q_codes, ("activation_batch", "activation_seq", "activation_heads")),
                  constrain(k_codes, ("activation_batch", "activation_seq",
                                      "activation_kv_heads")))
-      if self.decode:
-        return _decode_step(cfg, q_BSHD, k_BSKD, v_BSKD, cache, positions_BS[:, 0], window,
-                            spans, sinks, codes, u_BSK)
+      # Per-head spans narrow a local layer's window per head (the widest is the spec's).
+      spans = spans_H if spec.head_spans else None
+      if self.decode:  # one document per row: no segment ids, positions are its own
+        mask = parallelism.Mask(spec, parallelism.Side(codes=codes[0], spans=spans),
+                                parallelism.Side(codes=codes[1], scores=scores[1]))
+        return _decode_step(cfg, q_BSHD, k_BSKD, v_BSKD, cache, positions_BS[:, 0], mask)
+      mask = parallelism.Mask.of(
+          spec, segment_ids_BS, positions=positions_BS if spec.sink_tokens else None,
+          spans=spans, codes=codes, scores=scores)
       if cfg.attention == "dense":
-        out_BSHD = _whole_rows(cfg, q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, window, spans,
-                               positions_BS, sinks, codes, sparsek)
+        out_BSHD = _whole_rows(cfg, q_BSHD, k_BSKD, v_BSKD, mask)
       else:
         # The ring's shardings come from the rules table the activations above are pinned
         # by; its schedule from the layout the data pipeline permuted the batch into.
         out_BSHD = parallelism.ring_attention(
-            q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, layout=cfg.layout,
-            rules=nn.get_logical_axis_rules(), kernel=cfg.kernel,
-            tile_size=cfg.attention_tile, strategy=cfg.sequence_parallel, window=window,
-            softcap=cfg.attention_softcap,
-            **_local_and_sparse(cfg, spans, positions_BS, sinks, codes, sparsek))
+            q_BSHD, k_BSKD, v_BSKD, mask, layout=cfg.layout, rules=nn.get_logical_axis_rules(),
+            kernel=cfg.kernel, tile_size=cfg.attention_tile, strategy=cfg.sequence_parallel)
       kept = {"key": k_BSKD, "value": v_BSKD}
-      if codes is not None:
+      if codes[1] is not None:
         kept["key_codes"] = codes[1]
-      if sparsek is not None:
-        kept["key_scores"] = sparsek[1]
+      if scores[1] is not None:
+        kept["key_scores"] = scores[1]
       return out_BSHD, kept
 
     kinds = set(cfg.layer_kinds)

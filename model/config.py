@@ -11,7 +11,7 @@ from model.rope import RopeScaling
 ATTENTIONS = ("dense", "ring", "striped", "zigzag")
 # Run-time sparse attention (issue #38): hash (model/hashing.py), qk_drop (model/dropping.py),
 # sparsek (model/sparsek.py).
-SPARSE = ("none", "hash", "qk_drop", "sparsek")
+SPARSE = parallelism.masks.SPARSE
 
 
 def layout_of(attention: str) -> str:
@@ -154,49 +154,30 @@ class ModelConfig:
     if self.sink_tokens and LOCAL not in self.layer_kinds:
       return (f"model.sink_tokens={self.sink_tokens} needs local layers (model.window or "
               f"model.head_spans): a global layer already sees every earlier key")
-    if self.attention_softcap < 0:
-      return f"model.attention_softcap={self.attention_softcap} must be >= 0 (0: no cap)"
-    return self._sparse_problem()
+    for kind in dict.fromkeys(self.layer_kinds):  # every rule of masks: one function
+      problem = parallelism.masks.problem(self.mask_spec(kind), self._mask_names)
+      if problem:
+        return problem
+    return ""
 
-  def _sparse_problem(self) -> str:
-    if self.sparse not in SPARSE:
-      return f"model.sparse='{self.sparse}' must be one of {SPARSE}"
-    if self.hash_buckets and self.sparse != "hash":
-      return (f"model.hash_buckets={self.hash_buckets} is set but model.sparse="
-              f"'{self.sparse}': set model.sparse='hash' too")
-    if self.qk_drop_rate and self.sparse != "qk_drop":
-      return (f"model.qk_drop_rate={self.qk_drop_rate:g} is set but model.sparse="
-              f"'{self.sparse}': set model.sparse='qk_drop' too")
-    if (self.sparsek_k or self.sparsek_window) and self.sparse != "sparsek":
-      field = "sparsek_k" if self.sparsek_k else "sparsek_window"
-      return (f"model.{field}={getattr(self, field)} is set but model.sparse='{self.sparse}': "
-              f"set model.sparse='sparsek' too")
-    if self.sparse == "none":
-      return ""
-    if self.sparse == "hash" and (self.hash_buckets < 2 or self.hash_buckets % 2):
-      return (f"model.hash_buckets={self.hash_buckets} must be even and >= 2 with model.sparse="
-              f"'hash' (the hash is argmax over [xR, -xR] of b/2 projections)")
-    if self.sparse == "qk_drop" and not 0 < self.qk_drop_rate < 1:
-      return (f"model.qk_drop_rate={self.qk_drop_rate:g} must be in (0, 1) with model.sparse="
-              f"'qk_drop' (the share of queries and keys dropped per head)")
-    if self.sink_tokens:
-      return (f"model.sink_tokens={self.sink_tokens} does not combine with model.sparse="
-              f"'{self.sparse}' (the sink path has no run-time code mask)")
-    return self._sparsek_problem() if self.sparse == "sparsek" else ""
+  @property
+  def _mask_names(self) -> dict[str, str]:
+    """The config fields a mask spec's fields come from (`parallelism.masks.problem`)."""
+    names = {name: f"model.{name}" for name in parallelism.masks.FIELDS}
+    names.update(softcap="model.attention_softcap", narrowest="model.head_spans")
+    if self.head_spans:
+      names["window"] = "model.head_spans"
+    return names
 
-  def _sparsek_problem(self) -> str:
-    if self.sparsek_k < 1:
-      return (f"model.sparsek_k={self.sparsek_k} must be >= 1 with model.sparse='sparsek' (the "
-              f"keys each query's soft top-k mask keeps)")
-    if self.sparsek_window < 0:
-      return f"model.sparsek_window={self.sparsek_window} must be >= 0 (0: no window)"
-    if self.window or self.head_spans:
-      return ("model.sparse='sparsek' does not combine with local layers (model.window, "
-              "model.head_spans): its own window is model.sparsek_window")
-    if self.attention_softcap:
-      return (f"model.attention_softcap={self.attention_softcap:g} does not combine with "
-              f"model.sparse='sparsek' (its kernel has no logit cap)")
-    return ""  # Which strategies carry it is parallelism.split_attention's to say.
+  def mask_spec(self, kind: str) -> parallelism.MaskSpec:
+    """What a layer of this kind may see (`parallelism.masks`): its window or per-head
+    spans' bounds and sinks when local, the soft cap and the run-time mask."""
+    local = kind == LOCAL
+    return parallelism.MaskSpec(
+        window=self.window_of(kind), narrowest=self.narrowest_span if local else None,
+        sink_tokens=self.sink_tokens if local else 0, softcap=self.attention_softcap,
+        sparse=self.sparse, hash_buckets=self.hash_buckets, qk_drop_rate=self.qk_drop_rate,
+        sparsek_k=self.sparsek_k, sparsek_window=self.sparsek_window)
 
   @property
   def hashed(self) -> bool:

@@ -27,6 +27,8 @@ the cache uses.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from parallelism.layouts import inverse_permutation, permutation
 from parallelism.mesh import Rules, as_axes, logical_to_spec, spec_on_mesh
-from parallelism.tiles import visible
+from parallelism.masks import Mask, Side, logits, sparsek_weight, visible
 
 CACHE_SEQ = "activation_cache_seq"
 CACHE_NAMES = ("activation_batch", CACHE_SEQ, "activation_kv_heads", None)
@@ -54,36 +56,28 @@ def cache_positions(layout: str, capacity: int, num_shards: int) -> np.ndarray:
   return permutation(layout, capacity, num_shards)
 
 
-def decode_attention(q_B1HD: jax.Array, k_B1KD: jax.Array, v_B1KD: jax.Array,
-                     key_cache_BCKD: jax.Array, value_cache_BCKD: jax.Array,
-                     position_B: jax.Array, *, layout: str, rules: Rules,
-                     mesh=None, window: int | None = None, softcap: float = 0.0,
-                     spans: jax.Array | None = None, sink_tokens: int = 0,
-                     codes: tuple | None = None, sparsek: tuple | None = None
-                     ) -> tuple[jax.Array, ...]:
+def decode_attention(q_B1HD: jax.Array, k_B1KD: jax.Array, v_B1KD: jax.Array, cache: tuple,
+                     position_B: jax.Array, mask: Mask = Mask(), *, layout: str, rules: Rules,
+                     mesh=None, threshold=None) -> tuple[jax.Array, tuple]:
   """Attention of the token at `position_B` (one per row) over the cache, after writing its
-  own key and value into it, seeing the `window` positions up to its own (None: every one
-  before it; with per-head spans `spans` [Hq], query head h sees `spans[h]` <= `window`),
-  and, with `sink_tokens` k, positions below k however far back (a cache holds one
-  document per row, so a position is its in-document position); logits capped at `softcap`
-  (0: not). Returns (out [B,1,Hq,D] in q's dtype, key cache, value cache).
+  own key and value into it, as the whole row's forward under `mask` (`parallelism.masks`)
+  sees position p: its spec, the query side (codes [B,1,Hq], per-head spans [Hq]) and the
+  new token's key side (its code or SparseK score, [B,1,Hkv]). A cache holds one document
+  per row, so a position is its in-document position (which keys are sinks).
 
-  A run-time mask (`model.sparse`) keeps one value per slot and kv head in a third cache,
-  written by the new token as its key is, and returned fourth:
-  - `codes` = (query codes [B,1,Hq], key codes [B,1,Hkv], code cache [B,C,Hkv] int32): query
-    head h sees only slots whose code of its kv head equals its own (hash buckets,
-    QK-dropping's kept flags), as `ring_attention`'s `q_buckets`/`k_buckets`.
-  - `sparsek` = (scores [B,1,Hkv], score cache [B,C,Hkv] float32, threshold, w): SparseK
-    (model/sparsek.py). `threshold(u_BCK, position_B) -> [B, Hkv]` solves the query's
-    threshold tau over a row's scores in original order; each device gathers the score cache
-    (C floats per row and kv head) and solves it alike. A slot fewer than w positions back
-    weighs 1, any other exp(logit) times m = clip(u - tau, 0, 1) (log m added to the logit).
-  A query that sees no slot (a dropped query; a bucket of its own) gives 0, as in training.
+  `cache` is (key cache [B,C,Hkv,D], value cache, the slots' key side: a `Side` holding a
+  run-time mask's per-slot operand, [B,C,Hkv], codes int32 or SparseK's scores float32, or
+  none); returns (out [B,1,Hq,D] in q's dtype, the cache with the token's entries written).
+  SparseK's `threshold(u_BCK, position_B) -> [B, Hkv]` solves the query's threshold over a
+  row's scores in original order; each device gathers the score cache (C floats per row and
+  kv head) and solves it alike. A query that sees no slot (a dropped query; a bucket of its
+  own) gives 0, as in training.
 
   `rules` are the decode rules (`decode_rules`); the cache shards as `CACHE_NAMES` map, q
   and the new key/value as the heads do. `mesh=None` uses the mesh set by `jax.set_mesh`;
   with no mesh at all the cache is one local block.
   """
+  key_cache_BCKD, value_cache_BCKD, slots = cache
   capacity = key_cache_BCKD.shape[1]
   mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
   cache_spec = spec_on_mesh(logical_to_spec(CACHE_NAMES, rules), mesh)
@@ -95,36 +89,38 @@ def decode_attention(q_B1HD: jax.Array, k_B1KD: jax.Array, v_B1KD: jax.Array,
   slot_of_position_C = jnp.asarray(inverse_permutation(layout, capacity, ring_shards))
   batch, _, heads, _ = cache_spec
   token_spec, slots_spec = P(batch, None, heads, None), P(*cache_spec[:3])
-  # The optional operands by name, each with its shard_map spec: per-head spans, the query's
-  # codes, and a mask's per-slot cache ("slots") with the new token's entry for it ("token").
-  extra, specs = {}, {}
-  if spans is not None:
-    extra["spans"], specs["spans"] = spans, P(heads)
-  if codes is not None:
-    extra["q_codes"], extra["token"], extra["slots"] = codes
-    specs["q_codes"] = P(batch, None, heads)
-  rule = None
-  if sparsek is not None:
-    extra["token"], extra["slots"], threshold, near = sparsek
-    rule = (threshold, near)
-  if "slots" in extra:
-    specs.update(token=P(batch, None, heads), slots=slots_spec)
+  per_head = P(batch, None, heads)
+  mask_specs = Mask(mask.spec, _specs_like(mask.q, codes=per_head, spans=P(heads)),
+                    _specs_like(mask.k, codes=per_head, scores=per_head))
+  slots_specs = jax.tree.map(lambda _: slots_spec, slots)
 
-  def per_device(q, k, v, key_cache, value_cache, slot_positions, slot_of_position, position,
-                 extra):
-    return _local_attention(q, k, v, key_cache, value_cache, slot_positions, slot_of_position,
-                            position, seq_axes, window, softcap, sink_tokens, extra, rule)
+  def per_device(q, k, v, key_cache, value_cache, slots, slot_positions, slot_of_position,
+                 position, mask):
+    return _local_attention(q, k, v, key_cache, value_cache, slots, slot_positions,
+                            slot_of_position, position, seq_axes, mask, threshold)
 
-  args = (q_B1HD, k_B1KD, v_B1KD, key_cache_BCKD, value_cache_BCKD, slot_positions_C,
-          slot_of_position_C, position_B, extra)
+  args = (q_B1HD, k_B1KD, v_B1KD, key_cache_BCKD, value_cache_BCKD, slots, slot_positions_C,
+          slot_of_position_C, position_B, mask)
   if mesh.empty:
-    return per_device(*args)
-  out_specs = (token_spec, cache_spec, cache_spec) + ((slots_spec,) if "slots" in extra else ())
-  return jax.shard_map(
+    out, *cache = per_device(*args)
+    return out, tuple(cache)
+  out, *cache = jax.shard_map(
       per_device, mesh=mesh,
-      in_specs=(token_spec, token_spec, token_spec, cache_spec, cache_spec,
-                P(cache_spec[1]), P(), P(batch), specs),
-      out_specs=out_specs, check_vma=False)(*args)
+      in_specs=(token_spec, token_spec, token_spec, cache_spec, cache_spec, slots_specs,
+                P(cache_spec[1]), P(), P(batch), mask_specs),
+      out_specs=(token_spec, cache_spec, cache_spec, slots_specs), check_vma=False)(*args)
+  return out, tuple(cache)
+
+
+def _specs_like(side: Side, **specs) -> Side:
+  """The shard_map specs of a decode step's side: `specs` by field, where it has one (a
+  decode step's operands are only these)."""
+  given = {f.name: getattr(side, f.name) for f in dataclasses.fields(side)}
+  unknown = [name for name, value in given.items() if value is not None and name not in specs]
+  if unknown:
+    raise ValueError(f"a decode step's mask takes no {unknown} (the cache's rows are one "
+                     f"document each)")
+  return Side(**{name: None if given[name] is None else spec for name, spec in specs.items()})
 
 
 def _local_slots(positions_BW, slot_of_position_C, local_capacity, seq_axes):
@@ -145,10 +141,11 @@ def _write_token(cache_Bc_, new_B1_, slot_B, held_B):
   return cache_Bc_.at[rows_B, slot_B].set(kept_B_)
 
 
-def _local_attention(q_B1HD, k_B1KD, v_B1KD, key_cache_BcKD, value_cache_BcKD,
-                     slot_positions_c, slot_of_position_C, position_B, seq_axes, window,
-                     softcap, sink_tokens, extra, sparsek_rule):
+def _local_attention(q_B1HD, k_B1KD, v_B1KD, key_cache_BcKD, value_cache_BcKD, slots: Side,
+                     slot_positions_c, slot_of_position_C, position_B, seq_axes, mask: Mask,
+                     threshold):
   """One device's slots: write, then a partial softmax merged over `seq_axes`."""
+  spec = mask.spec
   batch, _, num_heads, head_dim = q_B1HD.shape
   num_kv = k_B1KD.shape[2]
   local_capacity = key_cache_BcKD.shape[1]
@@ -157,48 +154,45 @@ def _local_attention(q_B1HD, k_B1KD, v_B1KD, key_cache_BcKD, value_cache_BcKD,
   write = lambda cache, new: _write_token(cache, new, slot_B1[:, 0], held_B1[:, 0])
   key_cache_BcKD = write(key_cache_BcKD, k_B1KD)
   value_cache_BcKD = write(value_cache_BcKD, v_B1KD)
-  slots_BcK = None  # The mask's per-slot codes or scores, with the new token's written.
-  if "slots" in extra:
-    slots_BcK = write(extra["slots"], extra["token"])
-  sinks = sink_tokens if window is not None else 0  # a global layer sees them anyway
+  # The mask's per-slot operand, with the new token's written.
+  slots = jax.tree.map(write, slots, dataclasses.replace(mask.k, positions=None))
+  window, sinks = spec.window, spec.sink_tokens
   if window is not None and window + sinks < local_capacity:  # Only these slots are read:
     # the window's, then the sinks beyond it (-1, no slot, where the window has them).
     sink_W = jnp.arange(sinks)[None, :]
     positions_BW = jnp.concatenate([
         position_B[:, None] - jnp.arange(window)[None, :],
         jnp.where(sink_W <= position_B[:, None] - window, sink_W, -1)], axis=1)
-    slots_BW, visible_Bc = _local_slots(positions_BW, slot_of_position_C, local_capacity,
-                                        seq_axes)
-    keys_BcKD = jnp.take_along_axis(key_cache_BcKD, slots_BW[:, :, None, None], axis=1)
-    values_BcKD = jnp.take_along_axis(value_cache_BcKD, slots_BW[:, :, None, None], axis=1)
-    read_BcK = None if slots_BcK is None else jnp.take_along_axis(
-        slots_BcK, slots_BW[:, :, None], axis=1)
+    slots_BW, held_Bc = _local_slots(positions_BW, slot_of_position_C, local_capacity,
+                                     seq_axes)
+    take = lambda x: jnp.take_along_axis(x, slots_BW.reshape(*slots_BW.shape,
+                                                             *[1] * (x.ndim - 2)), axis=1)
+    keys_BcKD, values_BcKD, read = take(key_cache_BcKD), take(value_cache_BcKD), jax.tree.map(
+        take, slots)
   else:
-    keys_BcKD, values_BcKD, read_BcK = key_cache_BcKD, value_cache_BcKD, slots_BcK
+    keys_BcKD, values_BcKD, read = key_cache_BcKD, value_cache_BcKD, slots
     positions_BW = jnp.broadcast_to(slot_positions_c[None, :], (batch, local_capacity))
-    visible_Bc = visible(position_B[:, None], positions_BW, None)
-  behind_Bc = position_B[:, None] - positions_BW
-  sink_Bc = positions_BW < sinks
-  if window is not None:
-    visible_Bc = visible_Bc & ((behind_Bc < window) | sink_Bc)
-  visible_BKGc = visible_Bc[:, None, None, :]
-  if "spans" in extra:  # Each query head its own span (the window is the widest).
-    spans_KG = extra["spans"].reshape(num_kv, -1)
-    visible_BKGc = visible_BKGc & ((behind_Bc[:, None, None, :] < spans_KG[None, :, :, None])
-                                   | sink_Bc[:, None, None, :])
+    held_Bc = jnp.ones(positions_BW.shape, bool)
 
   q_BKGD = q_B1HD.reshape(batch, num_kv, num_heads // num_kv, head_dim)
   scores_BKGc = jnp.einsum("bkgd,bckd->bkgc", q_BKGD, keys_BcKD,
-                           preferred_element_type=jnp.float32) / jnp.sqrt(head_dim)
-  if softcap:
-    scores_BKGc = softcap * jnp.tanh(scores_BKGc / softcap)
-  if "q_codes" in extra:  # A query head sees the slots whose code of its kv head is its own.
-    q_codes_BKG1 = extra["q_codes"].reshape(batch, num_kv, -1)[..., None]
-    visible_BKGc = visible_BKGc & (q_codes_BKG1 == jnp.swapaxes(read_BcK, 1, 2)[:, :, None])
-  if sparsek_rule is not None:
-    visible_BKGc, scores_BKGc = _sparsek_mask(
-        visible_BKGc, scores_BKGc, slots_BcK, read_BcK, behind_Bc, slot_of_position_C,
-        position_B, seq_axes, *sparsek_rule)
+                           preferred_element_type=jnp.float32)
+  scores_BKGc = logits(spec, scores_BKGc, head_dim ** -0.5)[0]
+  # The rule (`parallelism.masks.visible`), laid out [B, Hkv, G, slots].
+  per_query = lambda x_B1H: None if x_B1H is None else x_B1H.reshape(batch, num_kv, -1)[..., None]
+  per_slot = lambda x_BcK: None if x_BcK is None else jnp.swapaxes(x_BcK, 1, 2)[:, :, None]
+  behind_B11c = (position_B[:, None] - positions_BW)[:, None, None]
+  tau = None
+  if spec.selects:
+    tau = _threshold(slots.scores, slot_of_position_C, position_B, seq_axes, threshold)
+  queries = Side(codes=per_query(mask.q.codes), scores=tau)
+  keys = Side(positions=positions_BW[:, None, None], codes=per_slot(read.codes),
+              scores=per_slot(read.scores))
+  span = None if mask.q.spans is None else mask.q.spans.reshape(num_kv, -1)[None, :, :, None]
+  visible_BKGc = held_Bc[:, None, None] & visible(spec, behind_B11c, queries, keys, span)
+  if spec.selects:
+    weight, _ = sparsek_weight(spec, behind_B11c, queries, keys)
+    scores_BKGc = scores_BKGc + jnp.log(jnp.where(weight > 0, weight, 1.0))
   scores_BKGc = jnp.where(visible_BKGc, scores_BKGc, -jnp.inf)
   # The merge: the global max first (a device may see nothing: -inf, kept out of the max;
   # with a run-time mask no device may see anything: then 0), then the weights' sum and the
@@ -215,20 +209,12 @@ def _local_attention(q_B1HD, k_B1KD, v_B1KD, key_cache_BcKD, value_cache_BcKD,
   # Without a run-time mask the token sees at least itself; with one it may see nothing (0).
   out_BKGD = out_BKGD / jnp.where(denom_BKG > 0, denom_BKG, 1.0)[..., None]
   out_B1HD = out_BKGD.reshape(batch, 1, num_heads, head_dim).astype(q_B1HD.dtype)
-  return (out_B1HD, key_cache_BcKD, value_cache_BcKD) + (
-      () if slots_BcK is None else (slots_BcK,))
+  return out_B1HD, key_cache_BcKD, value_cache_BcKD, slots
 
 
-def _sparsek_mask(visible_BKGc, scores_BKGc, scores_cache_BcK, read_BcK, behind_Bc,
-                  slot_of_position_C, position_B, seq_axes, threshold, near):
-  """SparseK on this device's slots (model/sparsek.py, as `dense_attention` applies it): the
-  threshold from the whole cache's scores, gathered and put in original order."""
+def _threshold(scores_cache_BcK, slot_of_position_C, position_B, seq_axes, threshold):
+  """SparseK's threshold of the query [B, Hkv, 1, 1] from the whole cache's scores, gathered
+  and put in original order (model/sparsek.py, as the forward solves it)."""
   whole_BCK = lax.all_gather(scores_cache_BcK, seq_axes, axis=1, tiled=True) if seq_axes \
       else scores_cache_BcK
-  tau_BK = threshold(whole_BCK[:, slot_of_position_C], position_B)
-  m_BK1c = jnp.clip(jnp.swapaxes(read_BcK, 1, 2) - tau_BK[..., None], 0.0, 1.0)[:, :, None]
-  near_B11c = (behind_Bc < near)[:, None, None]
-  visible_BKGc = visible_BKGc & (near_B11c | (m_BK1c > 0))
-  scores_BKGc = scores_BKGc + jnp.where(near_B11c, 0.0,
-                                        jnp.log(jnp.where(m_BK1c > 0, m_BK1c, 1.0)))
-  return visible_BKGc, scores_BKGc
+  return threshold(whole_BCK[:, slot_of_position_C], position_B)[:, :, None, None]

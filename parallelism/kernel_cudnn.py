@@ -34,6 +34,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from parallelism import cudnn_packing, kernel_pallas, target
+from parallelism.kernel_grads import Grads
+from parallelism.masks import Mask, MaskSpec
 from parallelism.schedule import RingSchedule
 
 # JAX versions whose jax/_src/cudnn/fused_attention_stablehlo.py this module was read
@@ -162,11 +164,21 @@ def _grads(q_BTHD, k_BTKD, v_BTKD, out_BTHD, dout_BTHD, lse_BTH, causal: bool, p
   return jnp.where(q_in, dq, 0.0), jnp.where(k_in, dk, 0.0), jnp.where(k_in, dv, 0.0)
 
 
-def _no_softcap(softcap: float) -> None:
-  """`kernels.choose` runs `pallas` instead when logits are capped: cuDNN's call here has no
-  soft cap."""
-  if softcap:
-    raise ValueError("the cudnn kernel has no logit soft-capping (kernels.choose runs pallas)")
+def unsupported(spec: MaskSpec) -> str | None:
+  """What of a mask spec cuDNN's calls here cannot apply (`kernels.choose` runs pallas)."""
+  if spec.softcap:
+    return "the cudnn kernel has no logit soft-capping (model.attention_softcap)"
+  if spec.head_spans:
+    return "the cudnn kernel has no per-head windows (model.head_spans)"
+  if spec.sparse != "none":
+    return "the cudnn kernel has no run-time mask (model.sparse)"
+  return None
+
+
+def _check(spec: MaskSpec) -> None:
+  reason = unsupported(spec)
+  if reason:
+    raise ValueError(f"{reason}: kernels.choose runs another kernel")
 
 
 def _by_shape(schedule: RingSchedule, pair, branch):
@@ -214,18 +226,19 @@ def _by_cudnn_or_pallas(q_seg_BT, k_seg_BT, causal: bool, by_cudnn, by_pallas, n
   return lax.switch(route, [by_pallas, lambda: by_cudnn(packing), nothing])
 
 
-def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSchedule, pair,
-              tile: int, softcap: float = 0.0) -> tuple[jax.Array, jax.Array]:
+def block_fwd(q_BTHD, k_BTKD, v_BTKD, mask: Mask, *, schedule: RingSchedule, pair,
+              tile: int, index=None) -> tuple[jax.Array, jax.Array]:
   """Attention of a query block on a key block: (out [B,Tq,Hq,D] f32, lse [B,Tq,Hq] f32)."""
-  _no_softcap(softcap)
+  _check(mask.spec)
+  q_seg_BT, k_seg_BT = mask.q.segment_ids, mask.k.segment_ids
 
   nothing = functools.partial(_nothing_seen, q_BTHD)
 
   def branch(shape: str, p: int):
     if shape == "empty":
       return nothing()
-    by_pallas = functools.partial(kernel_pallas.block_fwd, q_BTHD, k_BTKD, v_BTKD, q_seg_BT,
-                                  k_seg_BT, schedule=schedule, pair=jnp.int32(p), tile=tile)
+    by_pallas = functools.partial(kernel_pallas.block_fwd, q_BTHD, k_BTKD, v_BTKD, mask,
+                                  schedule=schedule, pair=jnp.int32(p), tile=tile)
     if shape == "general":
       return by_pallas()
     if shape == "strictly_causal":
@@ -242,23 +255,23 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSched
   return _by_shape(schedule, pair, branch)
 
 
-def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k_seg_BT, *,
-              schedule: RingSchedule, pair, tile: int, out_BTHD=None, softcap: float = 0.0
-              ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Gradient contributions (dq, dk, dv, float32) of one query block x key block, from the
-  GLOBAL lse and out (`out_BTHD`; cuDNN forms delta from it itself)."""
-  _no_softcap(softcap)
+def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, mask: Mask, *,
+              schedule: RingSchedule, pair, tile: int, out_BTHD=None, index=None) -> Grads:
+  """Gradient contributions (float32) of one query block x key block, from the GLOBAL lse
+  and out (`out_BTHD`; cuDNN forms delta from it itself)."""
+  _check(mask.spec)
+  q_seg_BT, k_seg_BT = mask.q.segment_ids, mask.k.segment_ids
   if out_BTHD is None:
     raise ValueError("the cudnn kernel's backward needs the global output (out_BTHD)")
 
   def nothing():
-    return tuple(jnp.zeros(x.shape, _F32) for x in (q_BTHD, k_BTKD, v_BTKD))
+    return Grads(*(jnp.zeros(x.shape, _F32) for x in (q_BTHD, k_BTKD, v_BTKD)))
 
   def branch(shape: str, p: int):
     if shape == "empty":
       return nothing()
     by_pallas = functools.partial(kernel_pallas.block_bwd, q_BTHD, k_BTKD, v_BTKD, dout_BTHD,
-                                  lse_BTH, delta_BTH, q_seg_BT, k_seg_BT, schedule=schedule,
+                                  lse_BTH, delta_BTH, mask, schedule=schedule,
                                   pair=jnp.int32(p), tile=tile)
     if shape == "general":
       return by_pallas()
@@ -269,13 +282,13 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
         dq, dk, dv = _grads(_up_a_row(q_BTHD), k_BTKD, v_BTKD, _up_a_row(out_BTHD),
                             _up_a_row(dout_BTHD), _up_a_row(lse_BTH), True,
                             _whole_length(packing))
-        return _down_a_row(dq, 0.0), dk, dv
+        return Grads(_down_a_row(dq, 0.0), dk, dv)
       return _by_cudnn_or_pallas(_shifted(q_seg_BT, True), _shifted(k_seg_BT, False), True,
                                  by_cudnn, by_pallas, nothing)
     causal = shape == "causal"
     return _by_cudnn_or_pallas(
         q_seg_BT, k_seg_BT, causal,
-        lambda packing: _grads(q_BTHD, k_BTKD, v_BTKD, out_BTHD, dout_BTHD, lse_BTH, causal,
-                               packing), by_pallas, nothing)
+        lambda packing: Grads(*_grads(q_BTHD, k_BTKD, v_BTKD, out_BTHD, dout_BTHD, lse_BTH,
+                                      causal, packing)), by_pallas, nothing)
 
   return _by_shape(schedule, pair, branch)

@@ -34,6 +34,8 @@ import numpy as np
 from jax import lax
 
 from parallelism import target
+from parallelism.kernel_grads import Grads
+from parallelism.masks import Mask, MaskSpec, Side, visible
 from parallelism.schedule import RingSchedule
 from parallelism.tile_math import bwd_update, fwd_result, fwd_update
 
@@ -169,19 +171,12 @@ def _over_tiles(one_tile, lengths_U, tile: int):
   return jax.tree.map(lambda x: x[jnp.argsort(order_U)], by_length)
 
 
-def _visible(q: Rows, q_row, i, k: Rows, k_row, j, tile: int, window, span):
-  """[tq, tk]: the elementwise rule of one computed tile pair."""
-  q_at = lambda x: _tile(x, q_row, i, tile)[:, None]
-  k_at = lambda x: _tile(x, k_row, j, tile)[None, :]
-  behind = q_at(q.index) - k_at(k.index)
-  seen = (behind >= 0) & (q_at(q.codes) == k_at(k.codes))
-  if window is not None:
-    seen &= behind < window
-  if span is not None:
-    seen &= behind < span
-  if q.seg is not None:
-    seen &= q_at(q.seg) == k_at(k.seg)
-  return seen
+def _visible(spec: MaskSpec, q: Rows, q_row, i, k: Rows, k_row, j, tile: int, span):
+  """[tq, tk]: the rule (`parallelism.masks.visible`) of one computed tile pair."""
+  q_at = lambda x: None if x is None else _tile(x, q_row, i, tile)[:, None]
+  k_at = lambda x: None if x is None else _tile(x, k_row, j, tile)[None, :]
+  return visible(spec, q_at(q.index) - k_at(k.index), Side(q_at(q.seg), codes=q_at(q.codes)),
+                 Side(k_at(k.seg), codes=k_at(k.codes)), span)
 
 
 class _Setup(NamedTuple):
@@ -213,14 +208,17 @@ def computed_tiles(q_codes_BTH, k_codes_BTK, q_seg_BT, k_seg_BT, q_index_T, k_in
                 None, window, q_run_T, k_run_T).meet.sum(dtype=jnp.int32)
 
 
-def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, q_codes_BTH, k_codes_BTK, *,
-              q_index_T, k_index_T, tile: int, softcap: float = 0.0, spans_H=None,
-              window: int | None = None, q_run_T=None,
-              k_run_T=None) -> tuple[jax.Array, jax.Array]:
+def _setup_of(mask: Mask, q_index_T, k_index_T, tile, q_run_T, k_run_T) -> _Setup:
+  return _setup(mask.q.codes, mask.k.codes, mask.q.segment_ids, mask.k.segment_ids, q_index_T,
+                k_index_T, tile, mask.q.spans, mask.spec.window, q_run_T, k_run_T)
+
+
+def block_fwd(q_BTHD, k_BTKD, v_BTKD, mask: Mask, *, q_index_T, k_index_T, tile: int,
+              q_run_T=None, k_run_T=None) -> tuple[jax.Array, jax.Array]:
   """(out [B,Tq,Hq,D] f32, lse [B,Tq,Hq] f32) of the block pair, walking the met tiles.
   `*_index_T`: original token indices; `*_run_T`: runs (`runs`; None: one run)."""
-  at = _setup(q_codes_BTH, k_codes_BTK, q_seg_BT, k_seg_BT, q_index_T, k_index_T, tile,
-              spans_H, window, q_run_T, k_run_T)
+  spec = mask.spec
+  at = _setup_of(mask, q_index_T, k_index_T, tile, q_run_T, k_run_T)
   q_RTD = gather_rows(q_BTHD, at.q.order)
   k_RTD, v_RTD = (gather_rows(x, at.k.order) for x in (k_BTKD, v_BTKD))
   nq = at.num_q_tiles
@@ -236,14 +234,14 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, q_codes_BTH, k_codes_B
     def visit(n, carry):
       j = lists[q_row, i, n]
       k_tD, v_tD = (_tile(x, k_row, j, tile)[None, None] for x in (k_RTD, v_RTD))
-      seen = _visible(at.q, q_row, i, at.k, k_row, j, tile, window, span)
-      return fwd_update(carry, q_tD, k_tD, v_tD, seen[None, None, None], scale=scale,
-                        softcap=softcap)
+      seen = _visible(spec, at.q, q_row, i, at.k, k_row, j, tile, span)
+      return fwd_update(carry, q_tD, k_tD, v_tD, seen[None, None, None], spec=spec,
+                        scale=scale)
 
     rows = q_tD.shape[:-1]
     init = (jnp.full(rows, -jnp.inf, _F32), jnp.zeros(rows, _F32), jnp.zeros(q_tD.shape, _F32))
-    out_tD, lse_t = fwd_result(*lax.fori_loop(0, counts[q_row, i], visit, init), scale=scale,
-                               softcap=softcap)
+    out_tD, lse_t = fwd_result(*lax.fori_loop(0, counts[q_row, i], visit, init), spec=spec,
+                               scale=scale)
     return out_tD[0, 0, 0], lse_t[0, 0, 0]
 
   out_UtD, lse_Ut = _over_tiles(one_query_tile, counts.reshape(-1), tile)
@@ -252,15 +250,13 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, q_codes_BTH, k_codes_B
           scatter_rows(lse_Ut.reshape(q_RTD.shape[:2]), at.q.order, batch))
 
 
-def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k_seg_BT,
-              q_codes_BTH, k_codes_BTK, *, q_index_T, k_index_T, tile: int,
-              softcap: float = 0.0, spans_H=None, window: int | None = None, q_run_T=None,
-              k_run_T=None) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(dq, dk, dv) float32 of the block pair from the GLOBAL lse and delta (the contract): dq
+def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, mask: Mask, *, q_index_T,
+              k_index_T, tile: int, q_run_T=None, k_run_T=None) -> Grads:
+  """Float32 gradients of the block pair from the GLOBAL lse and delta (the contract): dq
   per query tile over the key tiles it meets, dk and dv per key tile over the (query head of
   its group, query tile) pairs that meet it."""
-  at = _setup(q_codes_BTH, k_codes_BTK, q_seg_BT, k_seg_BT, q_index_T, k_index_T, tile,
-              spans_H, window, q_run_T, k_run_T)
+  spec = mask.spec
+  at = _setup_of(mask, q_index_T, k_index_T, tile, q_run_T, k_run_T)
   # lse -inf (a query that sees nothing) -> +inf so exp(s - lse) is 0 rather than NaN.
   lse_safe = jnp.where(jnp.isfinite(lse_BTH), lse_BTH, jnp.inf).astype(_F32)
   q_side = tuple(gather_rows(x, at.q.order)
@@ -278,9 +274,9 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
     q_xs = tuple(_tile(x, q_row, i, tile)[None, None, None] for x in q_side)
     k_tD, v_tD = (_tile(x, k_row, j, tile)[None, None] for x in (k_RTD, v_RTD))
     span = None if at.spans_R is None else at.spans_R[q_row]
-    seen_T = _visible(at.q, q_row, i, at.k, k_row, j, tile, window, span).T
+    seen_T = _visible(spec, at.q, q_row, i, at.k, k_row, j, tile, span).T
     return bwd_update(carry, q_xs, (k_tD, v_tD, jnp.swapaxes(k_tD, 2, 3)),
-                      seen_T[None, None, :, None], scale=scale, softcap=softcap)
+                      seen_T[None, None, :, None], spec=spec, scale=scale)
 
   no_kv = jnp.zeros((1, 1, tile, head_dim), _F32)
   no_dq = jnp.zeros((1, 1, head_dim, 1, tile), _F32)  # dq^T of one query tile
@@ -307,6 +303,6 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
   dq_UtD = _over_tiles(one_query_tile, q_counts.reshape(-1), tile)
   dk_UtD, dv_UtD = _over_tiles(one_key_tile, k_counts.reshape(-1), tile)
   batch = q_BTHD.shape[0]
-  return (scatter_rows(dq_UtD.reshape(q_side[0].shape), at.q.order, batch),
-          scatter_rows(dk_UtD.reshape(k_RTD.shape), at.k.order, batch),
-          scatter_rows(dv_UtD.reshape(v_RTD.shape), at.k.order, batch))
+  return Grads(scatter_rows(dq_UtD.reshape(q_side[0].shape), at.q.order, batch),
+               scatter_rows(dk_UtD.reshape(k_RTD.shape), at.k.order, batch),
+               scatter_rows(dv_UtD.reshape(v_RTD.shape), at.k.order, batch))

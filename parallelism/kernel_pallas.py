@@ -28,7 +28,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from parallelism import target
+from parallelism.kernel_grads import Grads
 from parallelism.kernel_pallas_programs import dkv_program, dq_program, fwd_program, query_tile
+from parallelism.masks import Mask, MaskSpec
 from parallelism.schedule import RingSchedule, TileLists
 
 _F32 = jnp.float32
@@ -186,6 +188,13 @@ def _segments_and_tables(seg_args, seg_specs, tables, span_args=None, span_specs
   return args, specs
 
 
+def unsupported(spec: MaskSpec) -> str | None:
+  """What of a mask spec these kernels cannot apply (`kernels.choose` runs xla)."""
+  if spec.sparse != "none":
+    return "the pallas kernel has no run-time mask (model.sparse)"
+  return None
+
+
 def _span_args(schedule: RingSchedule, pair, spans_H):
   """The pair's query and key token indices ([T] int32 each) and the spans padded to a power
   of 2, or None without per-head spans."""
@@ -196,10 +205,19 @@ def _span_args(schedule: RingSchedule, pair, spans_H):
           jnp.pad(spans_H.astype(jnp.int32), (0, _pow2(heads) - heads))]
 
 
-def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSchedule, pair,
-              tile: int, softcap: float = 0.0, spans_H=None,
-              config: KernelConfig = DEFAULT_CONFIG) -> tuple[jax.Array, jax.Array]:
+def _operands(mask: Mask):
+  """(query and key segment ids, per-head spans), each None where the mask has none; a
+  ValueError for what it cannot apply."""
+  reason = unsupported(mask.spec)
+  if reason:
+    raise ValueError(f"{reason}: kernels.choose runs xla")
+  return mask.q.segment_ids, mask.k.segment_ids, mask.q.spans
+
+
+def block_fwd(q_BTHD, k_BTKD, v_BTKD, mask: Mask, *, schedule: RingSchedule, pair, tile: int,
+              index=None, config: KernelConfig = DEFAULT_CONFIG) -> tuple[jax.Array, jax.Array]:
   """Attention of a query block on a key block: (out [B,Tq,Hq,D] f32, lse [B,Tq,Hq] f32)."""
+  q_seg_BT, k_seg_BT, spans_H = _operands(mask)
   _check_shapes(q_BTHD.shape, k_BTKD.shape, tile, q_BTHD.dtype, config)
   config = config.for_operands(q_BTHD.dtype)
   batch, len_q, num_heads, head_dim = q_BTHD.shape
@@ -217,7 +235,7 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSched
       _index_specs(block_q, len_k, num_q))
   out_shape = [jax.ShapeDtypeStruct(q_BTHD.shape, _F32),
                jax.ShapeDtypeStruct((batch, len_q, num_heads), _F32)]
-  kernel = functools.partial(fwd_program, scale=head_dim ** -0.5, softcap=softcap,
+  kernel = functools.partial(fwd_program, spec=mask.spec, scale=head_dim ** -0.5,
                              block_k=block_k, has_seg=q_seg_BT is not None,
                              has_spans=spans_H is not None)
   return _call(kernel, (num_q, batch, num_heads), [q_spec, kv_spec, kv_spec, *rest_specs],
@@ -225,15 +243,15 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSched
                "block_fwd")(q_BTHD, k_BTKD, v_BTKD, *rest)
 
 
-def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k_seg_BT, *,
-              schedule: RingSchedule, pair, tile: int, out_BTHD=None, softcap: float = 0.0,
-              spans_H=None,
-              config: KernelConfig = DEFAULT_CONFIG) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Gradient contributions (dq, dk, dv, all float32) of one query block x key block.
+def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, mask: Mask, *,
+              schedule: RingSchedule, pair, tile: int, out_BTHD=None, index=None,
+              config: KernelConfig = DEFAULT_CONFIG) -> Grads:
+  """Gradient contributions (float32) of one query block x key block.
 
   `lse_BTH` and `delta_BTH = sum(dout * out, -1)` are the GLOBAL ones (merged over all key
   blocks), as in `kernel_xla.block_bwd`. dout is cast to q's dtype (the matmul operands).
   """
+  q_seg_BT, k_seg_BT, spans_H = _operands(mask)
   _check_shapes(q_BTHD.shape, k_BTKD.shape, tile, q_BTHD.dtype, config)
   batch, len_q, num_heads, head_dim = q_BTHD.shape
   len_k, num_kv = k_BTKD.shape[1], k_BTKD.shape[2]
@@ -257,7 +275,7 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
       _pair_tables(tables.by_key, tables.masks, pair), span_args,
       (pl.BlockSpec((len_q,), lambda j, b, h: (0,)),
        pl.BlockSpec((block_k,), lambda j, b, h: (j,))))
-  kernel = functools.partial(dkv_program, scale=scale, softcap=softcap, block_q=block_q,
+  kernel = functools.partial(dkv_program, spec=mask.spec, scale=scale, block_q=block_q,
                              group=group, has_seg=has_seg, has_spans=has_spans)
   dk_BTKD, dv_BTKD = _call(
       kernel, (len_k // block_k, batch, num_kv),
@@ -276,10 +294,10 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
       (q_seg_BT, k_seg_BT), (seg_spec, pl.BlockSpec((None, len_k), lambda i, b, h: (b, 0))),
       _pair_tables(tables.by_query, tables.masks, pair), span_args,
       _index_specs(block_q, len_k, num_q))
-  kernel = functools.partial(dq_program, scale=scale, softcap=softcap, block_k=block_k,
+  kernel = functools.partial(dq_program, spec=mask.spec, scale=scale, block_k=block_k,
                              has_seg=has_seg, has_spans=has_spans)
   dq_BTHD = _call(kernel, (num_q, batch, num_heads),
                   [q_spec, kv_spec, kv_spec, q_spec, stat_spec, stat_spec, *rest_specs], q_spec,
                   jax.ShapeDtypeStruct(q_BTHD.shape, _F32), config.bwd_warps,
                   config.bwd_stages, "block_bwd_dq")(*args, *rest)
-  return dq_BTHD, dk_BTKD, dv_BTKD
+  return Grads(dq_BTHD, dk_BTKD, dv_BTKD)

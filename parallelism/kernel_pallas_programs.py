@@ -4,11 +4,11 @@ builds the grids, specs and tables and launches them).
 Each program reads its tile's row of the block pair's tile lists and runs the UNMASKED runs
 as plain loops (no branch, no mask, so Triton pipelines them; a branch in every iteration
 measured slower on an H100), then the MASKED tiles with their precomputed mask. Softmax runs
-in base 2 (exp2 with log2(e) folded into the scale); lse is converted back. With `softcap` >
-0 the logits are capped, `softcap * tanh(logits / softcap)`, before the base change, and the
-backward multiplies by the cap's slope. With per-head spans a MASKED tile's mask is narrowed
-to `q - k < span[h]` of the program's query head, the distances from the pair's token
-indices, which come in as two more operands beside the spans.
+in base 2 (exp2 with log2(e) folded into the scale); lse is converted back. With a soft cap
+the logits are capped (`parallelism.masks.logits`) before the base change, and the backward
+multiplies by the cap's slope. With per-head spans a MASKED tile applies the rule
+(`parallelism.masks.visible`) to its distances for the program's query head's span, the
+distances from the pair's token indices, which come in as two more operands beside the spans.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from parallelism.masks import MaskSpec, Side, logits, visible
 from parallelism.schedule import TileLists, over_tiles
 
 _F32 = jnp.float32
@@ -43,21 +44,24 @@ def _dot_tn(a, b):
                          preferred_element_type=_F32)
 
 
-def _visible(masks_ref, mask_id, q_seg_t, k_seg_t, narrow=None):
-  """Visibility [tq, tk] of a tile pair, or None when every query sees every key;
-  `narrow()` gives a MASKED tile's per-head span test (per-head spans only)."""
-  seen = None if q_seg_t is None else q_seg_t[:, None] == k_seg_t[None, :]
+def _visible(spec: MaskSpec, masks_ref, mask_id, q_seg_t, k_seg_t, behind=None, span=None):
+  """Visibility [tq, tk] of a tile pair, or None when every query sees every key: the rule
+  (`parallelism.masks.visible`) on the run-time operands and, on a MASKED tile, its
+  precomputed mask, or with per-head spans the rule on the tile's distances (`behind()`)."""
+  q_side = Side(segment_ids=None if q_seg_t is None else q_seg_t[:, None])
+  k_side = Side(segment_ids=None if k_seg_t is None else k_seg_t[None, :])
+  if mask_id is not None and behind is not None:
+    return visible(spec, behind(), q_side, k_side, span)
+  seen = visible(spec, None, q_side, k_side)
   if mask_id is None:
     return seen
   mask = masks_ref[mask_id] != 0
-  if narrow is not None:
-    mask = mask & narrow()
   return mask if seen is None else mask & seen
 
 
-def _within(q_index_t, k_index_t, span):
-  """Per-head span test of a tile pair: `q - k < span` (the mask says `q - k >= 0`)."""
-  return q_index_t[:, None] - k_index_t[None, :] < span
+def _behind(q_index_t, k_index_t):
+  """A tile pair's distances `q - k`, from the pair's token indices (per-head spans)."""
+  return lambda: q_index_t[:, None] - k_index_t[None, :]
 
 
 def _split_refs(refs, has_seg: bool, has_spans: bool, num_out: int):
@@ -68,16 +72,12 @@ def _split_refs(refs, has_seg: bool, has_spans: bool, num_out: int):
   return seg_refs, TileLists(*refs[:5]), refs[5], span_refs, rest[:num_out]
 
 
-def _logits(q_tD, k_kD, scale: float, softcap: float):
-  """(logits, their derivative by q.k) of a tile pair: scaled, and capped when asked."""
-  logits_tk = _dot(q_tD, k_kD, 1) * scale
-  if not softcap:
-    return logits_tk, scale
-  capped_tk = jnp.tanh(logits_tk / softcap)
-  return softcap * capped_tk, scale * (1.0 - capped_tk * capped_tk)
+def _logits(spec: MaskSpec, q_tD, k_kD, scale: float):
+  """(logits, their derivative by q.k) of a tile pair (`parallelism.masks.logits`)."""
+  return logits(spec, _dot(q_tD, k_kD, 1), scale)
 
 
-def fwd_program(q_ref, k_ref, v_ref, *refs, scale: float, softcap: float, block_k: int,
+def fwd_program(q_ref, k_ref, v_ref, *refs, spec: MaskSpec, scale: float, block_k: int,
                 has_seg: bool, has_spans: bool):
   (q_seg_ref, k_seg_ref), lists, masks_ref, span_refs, (o_ref, lse_ref) = _split_refs(
       refs, has_seg, has_spans, 2)
@@ -91,14 +91,13 @@ def fwd_program(q_ref, k_ref, v_ref, *refs, scale: float, softcap: float, block_
     keys = pl.ds(j * block_k, block_k)
     m_t, l_t, acc_tD = carry
     k_kD, v_kD = k_ref[keys, :], v_ref[keys, :]
-    if softcap:
-      s_tk = _logits(q_tD, k_kD, scale, softcap)[0] * _LOG2E
+    if spec.softcap:
+      s_tk = _logits(spec, q_tD, k_kD, scale)[0] * _LOG2E
     else:  # base-2 logits in one multiply: exp2(s * log2 e) == exp(s)
       s_tk = _dot(q_tD, k_kD, 1) * (scale * _LOG2E)
-    narrow = None
-    if has_spans:
-      narrow = lambda: _within(span_refs[0][...], span_refs[1][keys], span)
-    mask = _visible(masks_ref, mask_id, q_seg_t, k_seg_ref[keys] if has_seg else None, narrow)
+    behind = _behind(span_refs[0][...], span_refs[1][keys]) if has_spans else None
+    mask = _visible(spec, masks_ref, mask_id, q_seg_t, k_seg_ref[keys] if has_seg else None,
+                    behind, span)
     if mask is not None:
       s_tk = jnp.where(mask, s_tk, -jnp.inf)
     m_new = jnp.maximum(m_t, jnp.max(s_tk, axis=1))
@@ -118,9 +117,10 @@ def fwd_program(q_ref, k_ref, v_ref, *refs, scale: float, softcap: float, block_
   lse_ref[...] = jnp.where(seen, (m_t + jnp.log2(l_safe)) / _LOG2E, -jnp.inf)
 
 
-def _bwd_tile(q_tD, k_kD, v_kD, do_tD, lse2_t, delta_t, scale: float, softcap: float, mask_tk):
+def _bwd_tile(spec: MaskSpec, q_tD, k_kD, v_kD, do_tD, lse2_t, delta_t, scale: float,
+              mask_tk):
   """Shared FA-2 backward algebra of one tile pair: (p, ds) in float32."""
-  logits_tk, slope = _logits(q_tD, k_kD, scale, softcap)
+  logits_tk, slope = _logits(spec, q_tD, k_kD, scale)
   p_tk = jnp.exp2(logits_tk * _LOG2E - lse2_t[:, None])
   if mask_tk is not None:
     p_tk = jnp.where(mask_tk, p_tk, 0.0)
@@ -133,8 +133,8 @@ def _lse2(lse_t):
   return jnp.where(lse_t == -jnp.inf, jnp.inf, lse_t * _LOG2E)
 
 
-def dkv_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, scale: float,
-                softcap: float, block_q: int, group: int, has_seg: bool, has_spans: bool):
+def dkv_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: MaskSpec,
+                scale: float, block_q: int, group: int, has_seg: bool, has_spans: bool):
   (q_seg_ref, k_seg_ref), lists, masks_ref, span_refs, (dk_ref, dv_ref) = _split_refs(
       refs, has_seg, has_spans, 2)
   row, kv_head = pl.program_id(0), pl.program_id(2)
@@ -145,13 +145,14 @@ def dkv_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, scale: f
     rows = pl.ds(i * block_q, block_q)
     dk_kD, dv_kD = carry
     q_tD, do_tD = q_ref[rows, g, :], do_ref[rows, g, :]
-    narrow = None
+    behind, span = None, None
     if has_spans:  # This program's kv head's query head g.
-      narrow = lambda: _within(span_refs[0][rows], span_refs[1][...],
-                               span_refs[2][kv_head * group + g])
-    mask = _visible(masks_ref, mask_id, q_seg_ref[rows] if has_seg else None, k_seg_t, narrow)
-    p_tk, ds_tk = _bwd_tile(q_tD, k_kD, v_kD, do_tD, _lse2(lse_ref[rows, g]),
-                            delta_ref[rows, g], scale, softcap, mask)
+      behind = _behind(span_refs[0][rows], span_refs[1][...])
+      span = span_refs[2][kv_head * group + g]
+    mask = _visible(spec, masks_ref, mask_id, q_seg_ref[rows] if has_seg else None, k_seg_t,
+                    behind, span)
+    p_tk, ds_tk = _bwd_tile(spec, q_tD, k_kD, v_kD, do_tD, _lse2(lse_ref[rows, g]),
+                            delta_ref[rows, g], scale, mask)
     dv_kD = dv_kD + _dot_tn(p_tk.astype(do_tD.dtype), do_tD)
     dk_kD = dk_kD + _dot_tn(ds_tk.astype(q_tD.dtype), q_tD)
     return dk_kD, dv_kD
@@ -164,8 +165,8 @@ def dkv_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, scale: f
   dk_ref[...], dv_ref[...] = dk_kD, dv_kD
 
 
-def dq_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, scale: float,
-               softcap: float, block_k: int, has_seg: bool, has_spans: bool):
+def dq_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: MaskSpec,
+               scale: float, block_k: int, has_seg: bool, has_spans: bool):
   (q_seg_ref, k_seg_ref), lists, masks_ref, span_refs, (dq_ref,) = _split_refs(
       refs, has_seg, has_spans, 1)
   row = query_tile(pl.program_id(0), pl.num_programs(0))
@@ -177,11 +178,10 @@ def dq_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, scale: fl
   def visit(j, dq_tD, mask_id):
     keys = pl.ds(j * block_k, block_k)
     k_kD = k_ref[keys, :]
-    narrow = None
-    if has_spans:
-      narrow = lambda: _within(span_refs[0][...], span_refs[1][keys], span)
-    mask = _visible(masks_ref, mask_id, q_seg_t, k_seg_ref[keys] if has_seg else None, narrow)
-    _, ds_tk = _bwd_tile(q_tD, k_kD, v_ref[keys, :], do_tD, lse2_t, delta_t, scale, softcap,
+    behind = _behind(span_refs[0][...], span_refs[1][keys]) if has_spans else None
+    mask = _visible(spec, masks_ref, mask_id, q_seg_t, k_seg_ref[keys] if has_seg else None,
+                    behind, span)
+    _, ds_tk = _bwd_tile(spec, q_tD, k_kD, v_ref[keys, :], do_tD, lse2_t, delta_t, scale,
                          mask)
     return dq_tD + _dot(ds_tk.astype(k_kD.dtype), k_kD, 0)
 

@@ -32,7 +32,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from parallelism.kernel_grads import Grads
 from parallelism.kernel_hash import _put, _ranges, _tile, tile_lists
+from parallelism.masks import Mask, MaskSpec, Side, sparsek_weight, visible
 from parallelism.tile_math import fwd_result
 
 _F32 = jnp.float32
@@ -82,19 +84,18 @@ def _setup(q_tau_BTH, k_score_BTK, q_seg_BT, k_seg_BT, q_index_T, k_index_T, til
   return _Setup(tau_RT, u_RT, q_seg_RT, k_seg_RT, group, meet)
 
 
-def _weights(at: _Setup, q_index_T, k_index_T, q_row, i, k_row, j, tile: int, window: int):
-  """([tq, tk] mask weights m, [tq, tk] whether on SparseK's support) of one tile pair."""
-  q_at = lambda x, row: _tile(x, row, i, tile)[:, None]
-  k_at = lambda x, row: _tile(x, row, j, tile)[None, :]
+def _weights(spec: MaskSpec, at: _Setup, q_index_T, k_index_T, q_row, i, k_row, j, tile: int):
+  """([tq, tk] mask weights m, [tq, tk] whether on SparseK's support) of one tile pair: 0
+  where the rule (`parallelism.masks.visible`) hides the key."""
+  q_at = lambda x, row: None if x is None else _tile(x, row, i, tile)[:, None]
+  k_at = lambda x, row: None if x is None else _tile(x, row, j, tile)[None, :]
   behind = (lax.dynamic_slice_in_dim(q_index_T, i * tile, tile)[:, None]
             - lax.dynamic_slice_in_dim(k_index_T, j * tile, tile)[None, :])
-  visible = behind >= 0
-  if at.q_seg_RT is not None:
-    visible &= q_at(at.q_seg_RT, q_row) == k_at(at.k_seg_RT, k_row)
-  near = behind < window
-  gap = k_at(at.u_RT, k_row) - q_at(at.tau_RT, q_row)
-  weight = jnp.where(visible, jnp.where(near, 1.0, jnp.clip(gap, 0.0, 1.0)), 0.0)
-  return weight, visible & ~near & (gap > 0.0) & (gap < 1.0)
+  q_side = Side(q_at(at.q_seg_RT, q_row), scores=q_at(at.tau_RT, q_row))
+  k_side = Side(k_at(at.k_seg_RT, k_row), scores=k_at(at.u_RT, k_row))
+  weight, support = sparsek_weight(spec, behind, q_side, k_side)
+  seen = visible(spec, behind, q_side, k_side)
+  return jnp.where(seen, weight, 0.0), seen & support
 
 
 def computed_tiles(q_tau_BTH, k_score_BTK, q_seg_BT, k_seg_BT, q_index_T, k_index_T, *,
@@ -104,10 +105,15 @@ def computed_tiles(q_tau_BTH, k_score_BTK, q_seg_BT, k_seg_BT, q_index_T, k_inde
                 window).meet.sum(dtype=jnp.int32)
 
 
-def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, q_tau_BTH, k_score_BTK, *,
-              q_index_T, k_index_T, tile: int, window: int) -> tuple[jax.Array, jax.Array]:
+def _setup_of(mask: Mask, q_index_T, k_index_T, tile: int) -> _Setup:
+  return _setup(mask.q.scores, mask.k.scores, mask.q.segment_ids, mask.k.segment_ids,
+                q_index_T, k_index_T, tile, mask.spec.sparsek_window)
+
+
+def block_fwd(q_BTHD, k_BTKD, v_BTKD, mask: Mask, *, q_index_T, k_index_T,
+              tile: int) -> tuple[jax.Array, jax.Array]:
   """(out [B,Tq,Hq,D] f32, lse [B,Tq,Hq] f32) of the block pair, walking the met tiles."""
-  at = _setup(q_tau_BTH, k_score_BTK, q_seg_BT, k_seg_BT, q_index_T, k_index_T, tile, window)
+  at = _setup_of(mask, q_index_T, k_index_T, tile)
   q_RTD, k_RTD, v_RTD = _rows(q_BTHD), _rows(k_BTKD), _rows(v_BTKD)
   nq = q_RTD.shape[1] // tile
   lists, counts = tile_lists(at.meet.reshape(q_RTD.shape[0], nq, -1))
@@ -122,7 +128,7 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, q_tau_BTH, k_score_BTK
       m_t, l_t, acc_tD = carry
       j = lists[q_row, i, n]
       k_tD, v_tD = (_tile(x, k_row, j, tile) for x in (k_RTD, v_RTD))
-      weight, _ = _weights(at, q_index_T, k_index_T, q_row, i, k_row, j, tile, window)
+      weight, _ = _weights(mask.spec, at, q_index_T, k_index_T, q_row, i, k_row, j, tile)
       s = jnp.einsum("qd,kd->qk", q_tD, k_tD, preferred_element_type=_F32) * scale
       s = jnp.where(weight > 0, s, -jnp.inf)
       m_new = jnp.maximum(m_t, s.max(axis=-1))
@@ -134,8 +140,8 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, q_tau_BTH, k_score_BTK
 
     init = (jnp.full((tile,), -jnp.inf, _F32), jnp.zeros((tile,), _F32),
             jnp.zeros((tile, q_tD.shape[-1]), _F32))
-    out_tD, lse_t = fwd_result(*lax.fori_loop(0, counts[q_row, i], visit, init), scale=1.0,
-                               softcap=0.0)
+    out_tD, lse_t = fwd_result(*lax.fori_loop(0, counts[q_row, i], visit, init),
+                               spec=mask.spec, scale=1.0)
     out_RTD, lse_RT = results
     return _put(out_RTD, q_row, i, out_tD), _put(lse_RT, q_row, i, lse_t)
 
@@ -145,11 +151,12 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, q_tau_BTH, k_score_BTK
   return _unrows(out_RTD, batch), _unrows(lse_RT, batch)
 
 
-def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k_seg_BT,
-              q_tau_BTH, k_score_BTK, *, q_index_T, k_index_T, tile: int, window: int):
-  """(dq, dk, dv, dtau [B,Tq,Hq], du [B,Tk,Hkv]) float32 of the block pair from the GLOBAL
-  lse and delta (the contract), per key tile over the query tiles that meet it."""
-  at = _setup(q_tau_BTH, k_score_BTK, q_seg_BT, k_seg_BT, q_index_T, k_index_T, tile, window)
+def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, mask: Mask, *, q_index_T,
+              k_index_T, tile: int) -> Grads:
+  """Float32 gradients of the block pair, with the thresholds' (dtau [B,Tq,Hq]) and scores'
+  (du [B,Tk,Hkv]), from the GLOBAL lse and delta (the contract), per key tile over the query
+  tiles that meet it."""
+  at = _setup_of(mask, q_index_T, k_index_T, tile)
   # lse -inf (a query that sees nothing) -> +inf so exp(s - lse) is 0 rather than NaN.
   lse_safe = jnp.where(jnp.isfinite(lse_BTH), lse_BTH, jnp.inf).astype(_F32)
   q_RTD, do_RTD = _rows(q_BTHD), _rows(dout_BTHD)
@@ -170,7 +177,8 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
       q_row = k_row * at.group + g
       q_tD, do_tD, lse_t, delta_t = (_tile(x, q_row, i, tile)
                                      for x in (q_RTD, do_RTD, lse_RT, delta_RT))
-      weight, support = _weights(at, q_index_T, k_index_T, q_row, i, k_row, j, tile, window)
+      weight, support = _weights(mask.spec, at, q_index_T, k_index_T, q_row, i, k_row, j,
+                                 tile)
       s = jnp.einsum("qd,kd->qk", q_tD, k_tD, preferred_element_type=_F32) * scale
       p0 = jnp.where(weight > 0, jnp.exp(s - lse_t[:, None]), 0.0)  # without the mask
       p = p0 * weight
@@ -197,5 +205,5 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
            jnp.zeros(k_RTD.shape[:2], _F32))
   dq_RTD, dtau_RT, dk_RTD, dv_RTD, du_RT = lax.fori_loop(0, k_RTD.shape[0] * nk, body, grads)
   batch = q_BTHD.shape[0]
-  return (_unrows(dq_RTD, batch), _unrows(dk_RTD, batch), _unrows(dv_RTD, batch),
-          _unrows(dtau_RT, batch), _unrows(du_RT, batch))
+  return Grads(_unrows(dq_RTD, batch), _unrows(dk_RTD, batch), _unrows(dv_RTD, batch),
+               _unrows(dtau_RT, batch), _unrows(du_RT, batch))

@@ -25,6 +25,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from parallelism import kernel_hash, kernel_sparsek
+from parallelism.kernel_grads import Grads
+from parallelism.masks import Mask, MaskSpec, Side, visible
 from parallelism.schedule import RingSchedule, TileLists, over_tiles
 from parallelism.tile_math import bwd_update, fwd_result, fwd_update
 
@@ -70,19 +72,27 @@ def _spans_KG(spans_H, num_kv: int):
   return None if spans_H is None else spans_H.reshape(num_kv, -1)
 
 
-def visibility(mask_tt, row_seg_Bt, col_seg_Bt):
-  """What a tile pair's queries see, [B or 1, rows, cols]; None when they see every key.
+def visibility(spec: MaskSpec, mask_tt, row_seg, col_seg, behind=None, span=None):
+  """What a tile pair's queries see; None when they see every key: the rule
+  (`parallelism.masks.visible`) on the segment ids (rows [B, ..., rows] and columns [B, ...,
+  cols], None without documents), and on a MASKED tile its precomputed mask `mask_tt`, or
+  with per-head spans the rule on the pair's distances `behind` for each head's `span`
+  (shaped by the caller to broadcast against the scores).
 
-  Rows are queries and columns keys (the forward), or the reverse with a transposed mask
-  (the backward's key-major scores): the segment test is symmetric."""
-  same = None if row_seg_Bt is None else row_seg_Bt[:, :, None] == col_seg_Bt[:, None, :]
+  Rows are queries and columns keys (the forward), or the reverse (the backward's key-major
+  scores, with a transposed mask and distances): the segment test is symmetric."""
+  rows = Side(segment_ids=None if row_seg is None else row_seg[..., :, None])
+  cols = Side(segment_ids=None if col_seg is None else col_seg[..., None, :])
+  if behind is not None:
+    return visible(spec, behind, rows, cols, span)
+  seen = visible(spec, None, rows, cols)
   if mask_tt is None:
-    return same
-  return mask_tt[None] if same is None else same & mask_tt[None]
+    return seen
+  return mask_tt[None] if seen is None else seen & mask_tt[None]
 
 
-def _fwd_update_in_halves(carry, q_BKGtD, k_BKtD, v_BKtD, visible, *, scale: float,
-                          softcap: float):
+def _fwd_update_in_halves(carry, q_BKGtD, k_BKtD, v_BKtD, visible, *, spec: MaskSpec,
+                          scale: float):
   """`fwd_update` of a MASKED tile whose first half of queries sees none of its second half
   of keys (`TileTables.upper_right_empty`): that quarter is not computed. The first half of
   queries meets the first half of keys, the second half all keys. Tiles are square here."""
@@ -90,56 +100,52 @@ def _fwd_update_in_halves(carry, q_BKGtD, k_BKtD, v_BKtD, visible, *, scale: flo
   first, second = (tuple(lax.slice_in_dim(c, start, stop, axis=_Q_AXIS) for c in carry)
                    for start, stop in ((0, h), (h, 2 * h)))
   first = fwd_update(first, q_BKGtD[:, :, :, :h], k_BKtD[:, :, :h], v_BKtD[:, :, :h],
-                      visible[..., :h, :h], scale=scale, softcap=softcap)
+                      visible[..., :h, :h], spec=spec, scale=scale)
   second = fwd_update(second, q_BKGtD[:, :, :, h:], k_BKtD, v_BKtD, visible[..., h:, :],
-                       scale=scale, softcap=softcap)
+                       spec=spec, scale=scale)
   return tuple(jnp.concatenate(pair, axis=_Q_AXIS) for pair in zip(first, second))
 
 
-def _hash_options(schedule: RingSchedule, pair, tile: int, softcap: float, spans_H) -> dict:
+def _pair_index(schedule: RingSchedule, pair, index=None):
+  """The pair's query and key token indices ([T] int32 each): the ring's own (`index`) where
+  given, else the pair's representative blocks' (`RingSchedule.pair_index`), which every
+  device that computes the pair shares as far as the schedule's mask goes."""
+  return index or tuple(jnp.asarray(index_PT)[pair] for index_PT in schedule.pair_index)
+
+
+def _hash_options(schedule: RingSchedule, pair, tile: int) -> dict:
   """What hash attention's walk reads of the static schedule: the pair's token indices and
   runs (its representative blocks': distinct pairs are told apart by their masks, so any
   device that computes the pair sees the same causal, window and span relation; the runs only
-  order the walk) and the window."""
-  index = tuple(jnp.asarray(index_PT)[pair] for index_PT in schedule.pair_index)
+  order the walk)."""
+  index = _pair_index(schedule, pair)
   run = tuple(jnp.asarray(run_PT)[pair] for run_PT in kernel_hash.pair_runs(schedule))
   return dict(q_index_T=index[0], k_index_T=index[1], q_run_T=run[0], k_run_T=run[1],
-              tile=tile, softcap=softcap, spans_H=spans_H, window=schedule.window)
+              tile=tile)
 
 
-def _sparsek_options(schedule: RingSchedule, pair, tile: int, window: int, index) -> dict:
-  """What SparseK's walk reads: the blocks' token indices (the ring's own, `index`; else the
-  pair's, which one block pair has alike)."""
-  index = index or tuple(jnp.asarray(index_PT)[pair] for index_PT in schedule.pair_index)
-  return dict(q_index_T=index[0], k_index_T=index[1], tile=tile, window=window)
+def _behind(q_index_T, k_index_T, i, j, tile: int):
+  """[tq, tk] distances `q - k` of query tile i and key tile j."""
+  return (_tile_of(q_index_T, i, tile, 0)[:, None] - _tile_of(k_index_T, j, tile, 0)[None, :])
 
 
-def _pair_index(schedule: RingSchedule, pair, spans_H):
-  """The pair's query and key token indices ([T] int32 each), when spans narrow masks."""
-  if spans_H is None:
-    return None, None
-  return tuple(jnp.asarray(index_PT)[pair] for index_PT in schedule.pair_index)
-
-
-def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSchedule, pair,
-              tile: int, softcap: float = 0.0, spans_H=None, q_codes_BTH=None,
-              k_codes_BTK=None, sparsek_window: int | None = None, sparsek_index=None
-              ) -> tuple[jax.Array, jax.Array]:
+def block_fwd(q_BTHD, k_BTKD, v_BTKD, mask: Mask, *, schedule: RingSchedule, pair, tile: int,
+              index=None) -> tuple[jax.Array, jax.Array]:
   """Attention of a query block on a key block: (out [B,Tq,Hq,D] f32, lse [B,Tq,Hq] f32).
-  With bucket codes, hash attention's run-time walk (`parallelism.kernel_hash`); with
-  `sparsek_window`, the codes are SparseK's thresholds and scores (`kernel_sparsek`)."""
-  if sparsek_window is not None:
-    return kernel_sparsek.block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, q_codes_BTH,
-                                    k_codes_BTK, **_sparsek_options(schedule, pair, tile,
-                                                                    sparsek_window,
-                                                                    sparsek_index))
-  if q_codes_BTH is not None:
-    return kernel_hash.block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, q_codes_BTH,
-                                 k_codes_BTK, **_hash_options(schedule, pair, tile, softcap,
-                                                              spans_H))
+  With codes, hash attention's run-time walk (`parallelism.kernel_hash`); with SparseK's
+  thresholds and scores, its walk (`kernel_sparsek`)."""
+  spec = mask.spec
+  if spec.selects:
+    q_index, k_index = _pair_index(schedule, pair, index)
+    return kernel_sparsek.block_fwd(q_BTHD, k_BTKD, v_BTKD, mask, q_index_T=q_index,
+                                    k_index_T=k_index, tile=tile)
+  if spec.coded:
+    return kernel_hash.block_fwd(q_BTHD, k_BTKD, v_BTKD, mask,
+                                 **_hash_options(schedule, pair, tile))
+  q_seg_BT, k_seg_BT, spans_H = mask.q.segment_ids, mask.k.segment_ids, mask.q.spans
   num_kv = k_BTKD.shape[2]
   spans_KG = _spans_KG(spans_H, num_kv)
-  q_index_T, k_index_T = _pair_index(schedule, pair, spans_H)
+  q_index_T, k_index_T = _pair_index(schedule, pair) if spans_H is not None else (None, None)
   scale = q_BTHD.shape[3] ** -0.5
   tables = schedule.tiles(tile)
   lists, masks = pair_rows(tables.by_query, pair), jnp.asarray(tables.masks)
@@ -153,21 +159,24 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSched
 
     def visit(j, carry, mask_id):
       k_BKtD, v_BKtD = (_tile_of(x, j, tile, axis=2) for x in (k_BKTD, v_BKTD))
-      visible = visibility(None if mask_id is None else masks[mask_id], q_seg_Bt,
-                           _tile_of(k_seg_BT, j, tile) if segments else None)
-      visible = None if visible is None else visible[:, None, None]
-      if mask_id is not None and spans_KG is not None:
-        behind_tt = (_tile_of(q_index_T, i, tile, 0)[:, None]
-                     - _tile_of(k_index_T, j, tile, 0)[None, :])
-        visible = visible & (behind_tt < spans_KG[:, :, None, None])
+      k_seg_Bt = _tile_of(k_seg_BT, j, tile) if segments else None
+      if mask_id is not None and spans_KG is not None:  # [B, Hkv, G, tq, tk]
+        behind = _behind(q_index_T, k_index_T, i, j, tile)
+        visible_ = visibility(spec, None, q_seg_Bt[:, None, None] if segments else None,
+                              k_seg_Bt[:, None, None] if segments else None, behind,
+                              spans_KG[:, :, None, None])
+      else:
+        visible_ = visibility(spec, None if mask_id is None else masks[mask_id], q_seg_Bt,
+                              k_seg_Bt)
+        visible_ = None if visible_ is None else visible_[:, None, None]
       update = _fwd_update_in_halves if mask_id is not None and halves else fwd_update
-      return update(carry, q_BKGtD, k_BKtD, v_BKtD, visible, scale=scale, softcap=softcap)
+      return update(carry, q_BKGtD, k_BKtD, v_BKtD, visible_, spec=spec, scale=scale)
 
     rows_BKGt = q_BKGtD.shape[:-1]
     init = (jnp.full(rows_BKGt, -jnp.inf, _F32), jnp.zeros(rows_BKGt, _F32),
             jnp.zeros(q_BKGtD.shape, _F32))
-    out_BKGtD, lse_BKGt = fwd_result(*over_tiles(lists, i, visit, init), scale=scale,
-                                     softcap=softcap)
+    out_BKGtD, lse_BKGt = fwd_result(*over_tiles(lists, i, visit, init), spec=spec,
+                                     scale=scale)
     out_BTHD, lse_BTH = results
     return (_with_tile(out_BTHD, i, tile, _q_token_major(out_BKGtD)),
             _with_tile(lse_BTH, i, tile, _q_token_major(lse_BKGt)))
@@ -177,7 +186,7 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT, *, schedule: RingSched
   return lax.fori_loop(0, q_BTHD.shape[1] // tile, q_tile_body, results)
 
 
-def _bwd_update_in_halves(carry, q_xs, k_xs, visible_T, *, scale: float, softcap: float):
+def _bwd_update_in_halves(carry, q_xs, k_xs, visible_T, *, spec: MaskSpec, scale: float):
   """`bwd_update` of a MASKED tile whose second half of keys is seen by none of its first
   half of queries (`TileTables.upper_right_empty`): the first half of keys meets all queries,
   the second half only the second half of queries. Tiles are square here."""
@@ -189,41 +198,38 @@ def _bwd_update_in_halves(carry, q_xs, k_xs, visible_T, *, scale: float, softcap
                              for start, stop in ((0, h), (h, 2 * h)))
   dk_first, dv_first, dq_BKDGt = bwd_update(
       (dk_BKtD[:, :, :h], dv_BKtD[:, :, :h], dq_BKDGt), q_xs, first_keys,
-      visible_T[:, :, :h], scale=scale, softcap=softcap)
+      visible_T[:, :, :h], spec=spec, scale=scale)
   second_queries = tuple(lax.slice_in_dim(x, h, 2 * h, axis=_Q_AXIS) for x in q_xs)
   dk_second, dv_second, dq_second = bwd_update(
       (dk_BKtD[:, :, h:], dv_BKtD[:, :, h:], dq_BKDGt[..., h:]), second_queries, second_keys,
-      visible_T[:, :, h:, :, h:], scale=scale, softcap=softcap)
+      visible_T[:, :, h:, :, h:], spec=spec, scale=scale)
   return (jnp.concatenate([dk_first, dk_second], axis=2),
           jnp.concatenate([dv_first, dv_second], axis=2),
           jnp.concatenate([dq_BKDGt[..., :h], dq_second], axis=-1))
 
 
-def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k_seg_BT, *,
-              schedule: RingSchedule, pair, tile: int, out_BTHD=None,
-              softcap: float = 0.0, spans_H=None, q_codes_BTH=None,
-              k_codes_BTK=None, sparsek_window: int | None = None,
-              sparsek_index=None) -> tuple[jax.Array, ...]:
-  """Gradient contributions (dq, dk, dv, all float32) of one query block x key block.
+def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, mask: Mask, *,
+              schedule: RingSchedule, pair, tile: int, out_BTHD=None, index=None) -> Grads:
+  """Gradient contributions (float32) of one query block x key block.
 
   `lse_BTH` is the GLOBAL log-sum-exp of the queries (merged over all key blocks) and
   `delta_BTH = sum(dout * out, -1)` with the global output, so each block's
-  probabilities are recomputed exactly as the forward's final softmax. With
-  `sparsek_window`, also the thresholds' and scores' gradients (`kernel_sparsek`).
+  probabilities are recomputed exactly as the forward's final softmax. With SparseK, also
+  the thresholds' and scores' gradients (`kernel_sparsek`).
   """
-  if sparsek_window is not None:
+  spec = mask.spec
+  if spec.selects:
+    q_index, k_index = _pair_index(schedule, pair, index)
     return kernel_sparsek.block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH,
-                                    q_seg_BT, k_seg_BT, q_codes_BTH, k_codes_BTK,
-                                    **_sparsek_options(schedule, pair, tile, sparsek_window,
-                                                       sparsek_index))
-  if q_codes_BTH is not None:
-    return kernel_hash.block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH,
-                                 q_seg_BT, k_seg_BT, q_codes_BTH, k_codes_BTK,
-                                 **_hash_options(schedule, pair, tile, softcap, spans_H))
+                                    mask, q_index_T=q_index, k_index_T=k_index, tile=tile)
+  if spec.coded:
+    return kernel_hash.block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, mask,
+                                 **_hash_options(schedule, pair, tile))
+  q_seg_BT, k_seg_BT, spans_H = mask.q.segment_ids, mask.k.segment_ids, mask.q.spans
   num_kv = k_BTKD.shape[2]
   scale = q_BTHD.shape[3] ** -0.5
   spans_KG = _spans_KG(spans_H, num_kv)
-  q_index_T, k_index_T = _pair_index(schedule, pair, spans_H)
+  q_index_T, k_index_T = _pair_index(schedule, pair) if spans_H is not None else (None, None)
   tables = schedule.tiles(tile)
   # Key-major masks, transposed on the host: a traced mask id's gather is not folded away
   # as a lone constant mask is, and transposing each gathered mask cost striped's backward 2%.
@@ -245,16 +251,19 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
       dk, dv, dq_BTHD = carry
       dq_BKDGt = jnp.moveaxis(_q_head_major(_tile_of(dq_BTHD, i, tile), num_kv), 4, 2)
       q_xs = tuple(_tile_of(x, i, tile, axis=_Q_AXIS) for x in per_head)
-      visible_T = visibility(None if mask_id is None else masks_T[mask_id], k_seg_Bt,
-                             _tile_of(q_seg_BT, i, tile) if segments else None)
-      visible_T = None if visible_T is None else visible_T[:, None, :, None, :]
-      if mask_id is not None and spans_KG is not None:
-        behind_tt = (_tile_of(q_index_T, i, tile, 0)[None, :]
-                     - _tile_of(k_index_T, j, tile, 0)[:, None])
-        visible_T = visible_T & (behind_tt[None, :, None, :] < spans_KG[:, None, :, None])
+      q_seg_Bt = _tile_of(q_seg_BT, i, tile) if segments else None
+      if mask_id is not None and spans_KG is not None:  # key-major: [B, Hkv, tk, G, tq]
+        behind_T = _behind(q_index_T, k_index_T, i, j, tile).T[:, None, :]
+        visible_T = visibility(spec, None, k_seg_Bt[:, None, :, None] if segments else None,
+                               q_seg_Bt[:, None, None] if segments else None, behind_T,
+                               spans_KG[:, None, :, None])
+      else:
+        visible_T = visibility(spec, None if mask_id is None else masks_T[mask_id], k_seg_Bt,
+                               q_seg_Bt)
+        visible_T = None if visible_T is None else visible_T[:, None, :, None, :]
       update = _bwd_update_in_halves if mask_id is not None and halves else bwd_update
-      dk, dv, dq_BKDGt = update((dk, dv, dq_BKDGt), q_xs, k_xs, visible_T, scale=scale,
-                                softcap=softcap)
+      dk, dv, dq_BKDGt = update((dk, dv, dq_BKDGt), q_xs, k_xs, visible_T, spec=spec,
+                                scale=scale)
       # In place in the loop carry: only computed tiles touch dq.
       dq_BKGtD = jnp.moveaxis(dq_BKDGt, 2, 4)
       return dk, dv, _with_tile(dq_BTHD, i, tile, _q_token_major(dq_BKGtD))
@@ -268,5 +277,4 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, q_seg_BT, k
   # dq accumulates over key tiles; each dk/dv tile is written once.
   grads = (jnp.zeros(q_BTHD.shape, _F32), jnp.zeros(k_BTKD.shape, _F32),
            jnp.zeros(v_BTKD.shape, _F32))
-  return lax.fori_loop(0, k_BTKD.shape[1] // tile, k_tile_body, grads)
-
+  return Grads(*lax.fori_loop(0, k_BTKD.shape[1] // tile, k_tile_body, grads))

@@ -27,6 +27,7 @@ the other strategies (`parallelism.strategies`) reuse `RingDevice` and the merge
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -34,6 +35,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from parallelism import kernels
+from parallelism.kernels import Grads
+from parallelism.masks import Mask, Side
 from parallelism.schedule import RingSchedule
 
 
@@ -120,26 +123,21 @@ class RingDevice:
   (`lax.axis_index`); scripts/bench_attention.py passes it as a jitted argument to time
   the steps one by one."""
 
-  def __init__(self, schedule: RingSchedule, device, kernel: str, tile: int,
-               softcap: float = 0.0, spans_H=None, sparsek_window: int | None = None):
+  def __init__(self, schedule: RingSchedule, device, kernel: str, tile: int):
     self.schedule, self.tile, self.kernel = schedule, tile, kernels.KERNELS[kernel]
-    # Per-head spans and SparseK's window reach the kernels only when given (the cudnn
-    # kernel takes neither).
-    self.options = (dict(softcap=softcap) | ({} if spans_H is None else dict(spans_H=spans_H))
-                    | ({} if sparsek_window is None else dict(sparsek_window=sparsek_window)))
     self.pair_S = jnp.asarray(schedule.pair)[device]
     self.empty_S = jnp.asarray(schedule.empty)[device]
-    self.device, self.sparsek = device, sparsek_window is not None
+    self.device = device
 
-  def _step_options(self, step) -> dict:
-    """The kernel's options at `step`: with SparseK also the token indices of this device's
-    query block and of the K/V block it holds (its window depends on their distance, which a
-    schedule's representative pair does not keep)."""
-    if not self.sparsek:
-      return self.options
+  def _index(self, step, mask: Mask):
+    """The token indices of this device's query block and of the K/V block it holds, where
+    the mask needs them (SparseK's window depends on their distance, which a schedule's
+    representative pair does not keep); else None."""
+    if not mask.spec.selects:
+      return None
     order_NT = jnp.asarray(self.schedule.order, jnp.int32)
     held = (self.device - step) % self.schedule.num_shards
-    return self.options | dict(sparsek_index=(order_NT[self.device], order_NT[held]))
+    return order_NT[self.device], order_NT[held]
 
   def _unless_empty(self, step, carry, compute):
     """`compute()`, or `carry` where this step's block pair has nothing visible. Only
@@ -148,75 +146,59 @@ class RingDevice:
       return compute()
     return lax.cond(self.empty_S[step], lambda: carry, compute)
 
-  def forward_step(self, step, out_lse, q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT,
-                   codes=None):
-    """The (out, lse) of the queries on this step's K/V block, merged into `out_lse`; at
-    step 0 (`out_lse` None) the own block's (out, lse). A block pair with nothing visible
-    skips the kernel and the merge. `codes`: (the queries', this block's keys') bucket codes
-    of hash attention, or None."""
-    attend = lambda: self.kernel.fwd(q_BTHD, k_BTKD, v_BTKD, q_seg_BT, k_seg_BT,
-                                     schedule=self.schedule, pair=self.pair_S[step],
-                                     tile=self.tile, **self._step_options(step),
-                                     **_code_args(codes))
+  def forward_step(self, step, out_lse, q_BTHD, k_BTKD, v_BTKD, mask: Mask):
+    """The (out, lse) of the queries on this step's K/V block (its key side in `mask`),
+    merged into `out_lse`; at step 0 (`out_lse` None) the own block's (out, lse). A block
+    pair with nothing visible skips the kernel and the merge."""
+    attend = lambda: self.kernel.fwd(q_BTHD, k_BTKD, v_BTKD, mask, schedule=self.schedule,
+                                     pair=self.pair_S[step], tile=self.tile,
+                                     index=self._index(step, mask))
     if out_lse is None:
       return attend()  # a query always sees itself: the own block is never empty
     return self._unless_empty(step, out_lse, lambda: merge(*out_lse, *attend()))
 
-  def backward_step(self, step, dq_dkv, q_BTHD, k_BTKD, v_BTKD, out_BTHD, dout_BTHD, lse_BTH,
-                    delta_BTH, q_seg_BT, k_seg_BT, codes=None):
-    """At step 0 (`dq_dkv` None) the kernel's gradients (dq, dk, dv[, dtau, du]); after
-    it, (query side, key side) (`query_grads`, `key_grads`) with this step's block's
-    contributions added."""
+  def backward_step(self, step, sides, q_BTHD, k_BTKD, v_BTKD, mask: Mask, out_BTHD,
+                    dout_BTHD, lse_BTH, delta_BTH):
+    """At step 0 (`sides` None) the kernel's `Grads`; after it, (query side, key side)
+    (`query_side`, `key_side_grads`) with this step's block's contributions added."""
     grads = lambda: self.kernel.bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH,
-                                    q_seg_BT, k_seg_BT, schedule=self.schedule,
-                                    pair=self.pair_S[step], tile=self.tile, out_BTHD=out_BTHD,
-                                    **self._step_options(step), **_code_args(codes))
-    if dq_dkv is None:
+                                    mask, schedule=self.schedule, pair=self.pair_S[step],
+                                    tile=self.tile, out_BTHD=out_BTHD,
+                                    index=self._index(step, mask))
+    if sides is None:
       return grads()
 
     def add():
       g = grads()
-      return _add(dq_dkv[0], query_grads(g)), _add(dq_dkv[1], key_grads(g))
+      return _add(sides[0], query_side(g)), _add(sides[1], key_side_grads(g))
 
-    return self._unless_empty(step, dq_dkv, add)
-
-
-def query_grads(grads):
-  """The query side of a kernel's gradients: dq, or (dq, dtau) with SparseK."""
-  return grads[0] if len(grads) == 3 else (grads[0], grads[3])
+    return self._unless_empty(step, sides, add)
 
 
-def key_grads(grads):
-  """The key side, what travels with K/V: dK/dV [2, B, T, Hkv, D], or (it, du) with SparseK."""
-  dkv_2BTKD = jnp.stack([grads[1], grads[2]])
-  return dkv_2BTKD if len(grads) == 3 else (dkv_2BTKD, grads[4])
+def query_side(g: Grads):
+  """What stays with the queries: (dq, SparseK's thresholds' gradient or None)."""
+  return g.dq, g.dq_scores
+
+
+def key_side_grads(g: Grads):
+  """What travels with K/V: (dK/dV [2, B, T, Hkv, D], SparseK's scores' gradient or None)."""
+  return jnp.stack([g.dk, g.dv]), g.dk_scores
 
 
 def _add(a, b):
   return jax.tree.map(jnp.add, a, b)
 
 
-def _code_args(codes) -> dict:
-  """The block kernels' bucket-code arguments: only with hash attention (`parallelism.kernels`)."""
-  return {} if codes is None else dict(q_codes_BTH=codes[0], k_codes_BTK=codes[1])
+def blocks(k_BTKD, v_BTKD, k_side: Side):
+  """What travels the ring: K/V, then the keys' run-time operands (`Side.travelling`)."""
+  return (k_BTKD, v_BTKD, *jax.tree.leaves(k_side.travelling()))
 
 
-def blocks(k_BTKD, v_BTKD, seg_BT, k_codes_BTK=None):
-  """What travels the ring: K/V, then the keys' segment ids only when documents are packed
-  and their bucket codes only with hash attention (run-time masks both, as the keys')."""
-  return (k_BTKD, v_BTKD, *(x for x in (seg_BT, k_codes_BTK) if x is not None))
-
-
-def key_side(block, packed: bool, hashed: bool):
-  """(k, v, segment ids or None, bucket codes or None) of a block `blocks` made."""
-  k_BTKD, v_BTKD, *rest = block
-  seg_BT = rest.pop(0) if packed else None
-  return k_BTKD, v_BTKD, seg_BT, rest.pop(0) if hashed else None
-
-
-def _with_keys(codes, k_codes_BTK):
-  """(the queries', a held block's keys') codes; None without hash attention."""
-  return None if codes is None else (codes[0], k_codes_BTK)
+def key_side(block, mask: Mask):
+  """(k, v, `mask` with the key side of the block `blocks` made from its own keys)."""
+  k_BTKD, v_BTKD, *operands = block
+  k_side = jax.tree.unflatten(jax.tree.structure(mask.k.travelling()), operands)
+  return k_BTKD, v_BTKD, dataclasses.replace(mask, k=k_side)
 
 
 def softmax_delta(dout_BTHD, out_BTHD):
@@ -229,69 +211,55 @@ def device_index(axis: str, num_shards: int):
   return lax.axis_index(axis) if num_shards > 1 else 0
 
 
-def forward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, *, axis: str, schedule: RingSchedule,
-                 tile: int, kernel: str, softcap: float = 0.0, spans_H=None, codes=None,
-                 sparsek_window: int | None = None):
-  """Per-device forward ring: returns (out f32 [B,T,Hq,D], lse f32 [B,T,Hq]); `spans_H`: this
-  device's query heads' spans ([Hq] int32), or None; `codes`: the bucket codes of hash
-  attention, (queries' [B,T,Hq], keys' [B,T,Hkv]) int32, or None (the keys' travel); with
-  `sparsek_window`, SparseK's (thresholds, scores) float32 instead."""
-  ring = RingDevice(schedule, device_index(axis, schedule.num_shards), kernel, tile, softcap,
-                    spans_H, sparsek_window)
+def forward_pass(q_BTHD, k_BTKD, v_BTKD, mask: Mask, *, axis: str, schedule: RingSchedule,
+                 tile: int, kernel: str):
+  """Per-device forward ring: returns (out f32 [B,T,Hq,D], lse f32 [B,T,Hq]); `mask` is this
+  device's (`parallelism.masks`), its key side travelling with K/V."""
+  ring = RingDevice(schedule, device_index(axis, schedule.num_shards), kernel, tile)
 
   def step(s, out_lse, *block):
-    k_b, v_b, seg_b, k_codes_b = key_side(block, seg_BT is not None, codes is not None)
-    return ring.forward_step(s, out_lse, q_BTHD, k_b, v_b, seg_BT, seg_b,
-                             _with_keys(codes, k_codes_b))
+    return ring.forward_step(s, out_lse, q_BTHD, *key_side(block, mask))
 
-  own = blocks(k_BTKD, v_BTKD, seg_BT, None if codes is None else codes[1])
   with jax.named_scope("ring_forward"):  # how tests find its collectives in compiled HLO
-    return around_ring(own, functools.partial(step, 0, None),
+    return around_ring(blocks(k_BTKD, v_BTKD, mask.k), functools.partial(step, 0, None),
                        lambda carry, s, *block: step(s, carry, *block), axis=axis,
                        schedule=schedule)
 
 
-def backward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, dout_BTHD, *, axis: str,
-                  schedule: RingSchedule, tile: int, kernel: str, softcap: float = 0.0,
-                  spans_H=None, codes=None, sparsek_window: int | None = None):
-  """Per-device backward ring: returns (dq, dk, dv) in float32, and with SparseK the
-  thresholds' and scores' gradients (dtau, du) after them."""
+def backward_pass(q_BTHD, k_BTKD, v_BTKD, mask: Mask, out_BTHD, lse_BTH, dout_BTHD, *,
+                  axis: str, schedule: RingSchedule, tile: int, kernel: str) -> Grads:
+  """Per-device backward ring: the `Grads` of this device's blocks, float32."""
   num_shards = schedule.num_shards
-  ring = RingDevice(schedule, device_index(axis, num_shards), kernel, tile, softcap, spans_H,
-                    sparsek_window)
+  ring = RingDevice(schedule, device_index(axis, num_shards), kernel, tile)
   delta_BTH = softmax_delta(dout_BTHD, out_BTHD)
 
   def step(s, carry, *block):
-    k_b, v_b, seg_b, k_codes_b = key_side(block, seg_BT is not None, codes is not None)
-    return ring.backward_step(s, carry, q_BTHD, k_b, v_b, out_BTHD, dout_BTHD, lse_BTH,
-                              delta_BTH, seg_BT, seg_b, _with_keys(codes, k_codes_b))
+    k_b, v_b, mask_b = key_side(block, mask)
+    return ring.backward_step(s, carry, q_BTHD, k_b, v_b, mask_b, out_BTHD, dout_BTHD,
+                              lse_BTH, delta_BTH)
 
   def start(*own):
-    # The own block's dK/dV (and with SparseK the scores' gradient: the key side) stay
-    # here; the accumulator that travels (with the block this device sees next) starts
-    # empty, so the others make N - 1 hops, not N.
+    # The own block's key side (dK/dV, with SparseK the scores' gradient) stays here; the
+    # accumulator that travels (with the block this device sees next) starts empty, so the
+    # others make N - 1 hops, not N.
     grads = step(0, None, *own)
-    own_side = key_grads(grads)
-    return query_grads(grads), own_side, jax.tree.map(jnp.zeros_like, own_side)
+    own_side = key_side_grads(grads)
+    return query_side(grads), own_side, jax.tree.map(jnp.zeros_like, own_side)
 
   def visit(carry, s, *block):
-    dq, own_side, travelling = carry
+    q_side, own_side, travelling = carry
     if cut_short(schedule):
-      # The block came straight from device d - s: its dK/dV go straight back, summed
+      # The block came straight from device d - s: its key side goes straight back, summed
       # there with those of the other steps (`travelling` holds what came home).
-      dq, side_s = step(s, (dq, jax.tree.map(jnp.zeros_like, travelling)), *block)
+      q_side, side_s = step(s, (q_side, jax.tree.map(jnp.zeros_like, travelling)), *block)
       home = lax.ppermute(side_s, axis, shifted(-s, num_shards))
-      return dq, own_side, _add(travelling, home)
-    dq, travelling = step(s, (dq, travelling), *block)
+      return q_side, own_side, _add(travelling, home)
+    q_side, travelling = step(s, (q_side, travelling), *block)
     # The accumulator follows its K/V block, one hop after each step; after the last step
     # that hop takes it home to the block's owner.
-    return dq, own_side, lax.ppermute(travelling, axis, shifted(1, num_shards))
+    return q_side, own_side, lax.ppermute(travelling, axis, shifted(1, num_shards))
 
-  dq, own_side, travelling = around_ring(
-      blocks(k_BTKD, v_BTKD, seg_BT, None if codes is None else codes[1]), start, visit,
-      axis=axis, schedule=schedule)
-  if sparsek_window is None:
-    dkv_2BTKD = own_side + travelling
-    return dq, dkv_2BTKD[0], dkv_2BTKD[1]
-  (dkv_2BTKD, du_BTK), (dq_BTHD, dtau_BTH) = _add(own_side, travelling), dq
-  return dq_BTHD, dkv_2BTKD[0], dkv_2BTKD[1], dtau_BTH, du_BTK
+  (dq_BTHD, dq_scores), own_side, travelling = around_ring(
+      blocks(k_BTKD, v_BTKD, mask.k), start, visit, axis=axis, schedule=schedule)
+  dkv_2BTKD, dk_scores = _add(own_side, travelling)
+  return Grads(dq_BTHD, dkv_2BTKD[0], dkv_2BTKD[1], dq_scores, dk_scores)

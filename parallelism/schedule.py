@@ -35,6 +35,7 @@ from jax import lax
 
 from parallelism import tiles
 from parallelism.layouts import LAYOUTS, permutation
+from parallelism.masks import FIELDS, MaskSpec, check, visible
 
 MASK_SHAPES = ("empty", "full", "causal", "strictly_causal", "general")
 
@@ -163,7 +164,7 @@ def ring_schedule(layout: str, seq_len: int, num_shards: int, window: int | None
 def schedule_of_order(order_S: np.ndarray, num_shards: int, name: str = "custom",
                       window: int | None = None, narrowest: int | None = None) -> RingSchedule:
   """The schedule of any order of the sequence (`order_S[p]`: original index at position p)."""
-  tiles.check_band(window, narrowest)
+  check(MaskSpec(window=window, narrowest=narrowest))
   narrowest = None if narrowest == window else narrowest
   order_S = np.asarray(order_S)
   seq_len = order_S.shape[0]
@@ -239,10 +240,11 @@ def _tile_tables(order_NT: np.ndarray, pair_blocks, tile_q: int, tile_k: int,
     ids_QK = np.full(classes_QK.shape, -1, np.int32)
     for i, j in zip(*np.nonzero(classes_QK == tiles.MASKED)):
       q_t1, k_1t = q_T[i * tile_q:(i + 1) * tile_q, None], k_T[None, j * tile_k:(j + 1) * tile_k]
-      mask = tiles.visible(q_t1, k_1t, window)
+      mask = visible(MaskSpec(window=window), q_t1 - k_1t)
       # The ranges the classes read can straddle a window that no token pair meets. With
       # per-head spans a tile is UNMASKED only if the narrowest head sees every key.
-      every = mask.all() if narrowest is None else tiles.visible(q_t1, k_1t, narrowest).all()
+      every = mask.all() if narrowest is None else visible(MaskSpec(window=narrowest),
+                                                           q_t1 - k_1t).all()
       if not mask.any() or every:
         classes_QK[i, j] = tiles.UNMASKED if every else tiles.SKIP
         continue
@@ -369,6 +371,8 @@ def main() -> None:
                       help="per-head spans: the narrowest (default: every head sees --window)")
   args = parser.parse_args()
   try:
+    check(MaskSpec(window=args.window, narrowest=args.narrowest),
+          FIELDS | dict(window="--window", narrowest="--narrowest"))
     schedule = ring_schedule(args.layout, args.seq_len, args.shards, args.window,
                              args.narrowest)
     tile = min(args.tile, schedule.block_len)

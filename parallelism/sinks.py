@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from parallelism.masks import Mask, Side, beyond_ring, logits
 from parallelism.ring import merge, softmax_delta
 
 
@@ -43,10 +44,6 @@ class SinkPlan:
   count: int
   window: int
   reach: int
-
-  def windows(self, heads: int, spans_H=None):
-    """[heads] int32: each query head's window, beyond which this path adds the sinks."""
-    return jnp.full((heads,), self.window, jnp.int32) if spans_H is None else spans_H
 
   def capacity(self, seq_len: int) -> int:
     """Table rows per round (module docstring); 0: no query can need a sink."""
@@ -76,9 +73,9 @@ class _Rounds:
   def __init__(self, plan: SinkPlan, order_S: np.ndarray, seg_BT, pos_BT, axes):
     self.axes, self.block = axes, seg_BT.shape[1]
     self.index_S = jnp.asarray(order_S, jnp.int32)
-    self.seg_BS = _row(seg_BT, axes)
+    self.seg_BS, self.pos_BS = _row(seg_BT, axes), _row(pos_BT, axes)
     self.capacity = plan.capacity(self.index_S.shape[0])
-    needed_BS = _needed(plan, self.seg_BS, _row(pos_BT, axes), self.index_S)
+    needed_BS = _needed(plan, self.seg_BS, self.pos_BS, self.index_S)
     self.needed_BS = needed_BS
     self.rank_BS = jnp.cumsum(needed_BS, axis=1) - 1
     most = jnp.max(jnp.sum(needed_BS, axis=1))
@@ -87,8 +84,8 @@ class _Rounds:
     self.q_index_T = lax.dynamic_slice_in_dim(self.index_S, start, self.block)
 
   def table(self, r):
-    """Round r: (layout position [B, C], valid [B, C], this device's row of each [B, C] or
-    -1, segment ids [B, C], original index [B, C])."""
+    """Round r: (valid [B, C], this device's row of each [B, C] or -1, the table's key side
+    (segment ids, positions [B, C]), original index [B, C])."""
     batch = self.seg_BS.shape[0]
     cap = self.capacity
     taken_BS = self.needed_BS & (self.rank_BS // cap == r)
@@ -99,8 +96,9 @@ class _Rounds:
     valid_BC = jnp.zeros((batch, cap + 1), bool).at[rows_B1, slot_BS].set(True)[:, :cap]
     local_BC = pos_BC - _device(self.axes) * self.block
     mine_BC = valid_BC & (local_BC >= 0) & (local_BC < self.block)
-    return (valid_BC, jnp.where(mine_BC, local_BC, -1),
-            jnp.take_along_axis(self.seg_BS, pos_BC, axis=1), self.index_S[pos_BC])
+    keys = Side(*(jnp.take_along_axis(x_BS, pos_BC, axis=1) for x_BS in (self.seg_BS,
+                                                                         self.pos_BS)))
+    return valid_BC, jnp.where(mine_BC, local_BC, -1), keys, self.index_S[pos_BC]
 
   def fetch(self, x_BTKD, local_BC):
     """Table rows of a local [B, T, K, D] array, from whichever device holds each."""
@@ -109,38 +107,45 @@ class _Rounds:
     return lax.psum(rows, self.axes) if self.axes else rows
 
 
-def _scores(q_BTHD, k_BCKD, seg_BT, table, q_index_T, window_H, softcap):
-  """(logits [B,K,G,T,C] f32, their slope by q.k, visible) of the queries on a table."""
-  valid_BC, _, seg_BC, index_BC = table
+def _scores(q_BTHD, k_BCKD, mask: Mask, table, q_index_T):
+  """(logits [B,K,G,T,C] f32, their slope by q.k, visible) of the queries on a table: the
+  sinks the rule (`parallelism.masks.beyond_ring`) adds beyond the ring's window."""
+  valid_BC, _, keys, index_BC = table
   batch, length, heads, head_dim = q_BTHD.shape
   num_kv = k_BCKD.shape[2]
   q_BTKGD = q_BTHD.reshape(batch, length, num_kv, heads // num_kv, head_dim)
-  scale = head_dim ** -0.5
   s = jnp.einsum("btkgd,bckd->bkgtc", q_BTKGD, k_BCKD, preferred_element_type=jnp.float32,
-                 precision=lax.Precision.HIGHEST) * scale
-  slope = scale
-  if softcap:
-    capped = jnp.tanh(s / softcap)
-    s, slope = softcap * capped, scale * (1.0 - capped * capped)
-  behind_TC = q_index_T[:, None] - index_BC[:, None, :]  # [B, T, C]
-  window_KG = window_H.reshape(num_kv, -1)
-  visible = (valid_BC[:, None, None, None, :]
-             & (seg_BT[:, :, None] == seg_BC[:, None, :])[:, None, None]
-             & (behind_TC[:, None, None] >= window_KG[None, :, :, None, None]))
+                 precision=lax.Precision.HIGHEST)
+  s, slope = logits(mask.spec, s, head_dim ** -0.5)
+  behind_B11TC = (q_index_T[:, None] - index_BC[:, None, :])[:, None, None]
+  span = None if mask.q.spans is None else mask.q.spans.reshape(num_kv, -1)[:, :, None, None]
+  queries = Side(mask.q.segment_ids[:, None, None, :, None])
+  keys = Side(*(x_BC[:, None, None, None, :] for x_BC in (keys.segment_ids, keys.positions)))
+  visible = valid_BC[:, None, None, None, :] & beyond_ring(mask.spec, behind_B11TC, queries,
+                                                           keys, span)
   return s, slope, visible
 
 
-def forward(plan: SinkPlan, order_S, axes, q_BTHD, k_BTKD, v_BTKD, seg_BT, pos_BT, window_H,
-            softcap: float, out_BTHD, lse_BTH):
+def _segments(mask: Mask) -> Mask:
+  """The mask with segment ids on both sides (zeros for one document per row)."""
+  if mask.q.segment_ids is not None:
+    return mask
+  zeros = jnp.zeros_like(mask.q.positions)
+  return Mask(mask.spec, dataclasses.replace(mask.q, segment_ids=zeros),
+              dataclasses.replace(mask.k, segment_ids=zeros))
+
+
+def forward(plan: SinkPlan, order_S, axes, q_BTHD, k_BTKD, v_BTKD, mask: Mask, out_BTHD,
+            lse_BTH):
   """The ring's (out, lse) with every round's sinks merged in (float32)."""
-  rounds = _Rounds(plan, order_S, seg_BT, pos_BT, axes)
+  mask = _segments(mask)
+  rounds = _Rounds(plan, order_S, mask.q.segment_ids, mask.q.positions, axes)
   batch, length, heads, head_dim = q_BTHD.shape
 
   def one(r, out_lse):
     table = rounds.table(r)
     k_BCKD, v_BCKD = (rounds.fetch(x, table[1]) for x in (k_BTKD, v_BTKD))
-    s, _, visible = _scores(q_BTHD, k_BCKD, seg_BT, table, rounds.q_index_T, window_H,
-                            softcap)
+    s, _, visible = _scores(q_BTHD, k_BCKD, mask, table, rounds.q_index_T)
     s = jnp.where(visible, s, -jnp.inf)
     top = jnp.max(s, axis=-1, keepdims=True)
     top = jnp.where(jnp.isfinite(top), top, 0.0)
@@ -156,10 +161,11 @@ def forward(plan: SinkPlan, order_S, axes, q_BTHD, k_BTKD, v_BTKD, seg_BT, pos_B
   return lax.fori_loop(0, rounds.count, one, (out_BTHD, lse_BTH))
 
 
-def backward(plan: SinkPlan, order_S, axes, q_BTHD, k_BTKD, v_BTKD, seg_BT, pos_BT, window_H,
-             softcap: float, out_BTHD, lse_BTH, dout_BTHD):
+def backward(plan: SinkPlan, order_S, axes, q_BTHD, k_BTKD, v_BTKD, mask: Mask, out_BTHD,
+             lse_BTH, dout_BTHD):
   """(dq, dk, dv) float32 of the sink paths, from the global output and lse."""
-  rounds = _Rounds(plan, order_S, seg_BT, pos_BT, axes)
+  mask = _segments(mask)
+  rounds = _Rounds(plan, order_S, mask.q.segment_ids, mask.q.positions, axes)
   batch, length, heads, head_dim = q_BTHD.shape
   num_kv = k_BTKD.shape[2]
   split = lambda x: jnp.moveaxis(x.reshape(batch, length, num_kv, heads // num_kv), 1, 3)
@@ -174,8 +180,7 @@ def backward(plan: SinkPlan, order_S, axes, q_BTHD, k_BTKD, v_BTKD, seg_BT, pos_
     dq, dk, dv = grads
     table = rounds.table(r)
     k_BCKD, v_BCKD = (rounds.fetch(x, table[1]).astype(jnp.float32) for x in (k_BTKD, v_BTKD))
-    s, slope, visible = _scores(q_BTHD, k_BCKD, seg_BT, table, rounds.q_index_T, window_H,
-                                softcap)
+    s, slope, visible = _scores(q_BTHD, k_BCKD, mask, table, rounds.q_index_T)
     p = jnp.where(visible, jnp.exp(s - lse[..., None]), 0.0)
     dp = jnp.einsum("btkgd,bckd->bkgtc", do_BTKGD, v_BCKD, precision=hi)
     ds = p * (dp - delta[..., None]) * slope

@@ -12,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from parallelism import kernels, strategies, tiles
+from parallelism import kernels, strategies
 from parallelism.layouts import check_seq_len, required_divisor
+from parallelism.masks import MaskSpec
 from parallelism.mesh import Rules, as_axes, logical_to_spec, spec_on_mesh
 from parallelism.schedule import ring_schedule
 from parallelism.strategies import STRATEGIES, ULYSSES, Strategy
@@ -58,26 +59,18 @@ def shortest_ring_length(length: int, layout: str, num_shards: int, tile_size: i
 
 def split_attention(strategy: str, layout: str, seq_len: int, tile_size: int, kernel: str,
                     mesh, rules: Rules, num_heads: int, num_kv_heads: int, head_dim: int,
-                    dtype, names: Names = Names(), window: int | None = None,
-                    softcap: float = 0.0, narrowest: int | None = None,
-                    buckets: bool = False, sparsek_window: int | None = None) -> Strategy:
+                    dtype, names: Names = Names(), spec: MaskSpec = MaskSpec()) -> Strategy:
   """Each device's side of `strategy` for `layout` on `mesh` (concrete or abstract), its
-  sequence over the axes `rules` map `activation_seq` to, each query seeing the `window`
-  keys up to itself (None: causal; with per-head spans the widest, `narrowest` the
-  narrowest), logits capped at `softcap` (0: not), with bucket codes (`buckets`, hash
-  attention) or not, SparseK's codes with its `sparsek_window` (ring strategy only); a
+  sequence over the axes `rules` map `activation_seq` to, under the mask `spec`
+  (`parallelism.masks`, checked by its caller; SparseK's on the ring strategy only); a
   ValueError says why not."""
   if strategy not in STRATEGIES:
     raise ValueError(f"unknown sequence-parallel strategy '{strategy}' ({names.strategy}); "
                      f"choose one of {STRATEGIES}")
   kernels.check_name(kernel)
-  tiles.check_band(window, narrowest)
-  if softcap < 0:
-    raise ValueError(f"attention soft cap {softcap} must be >= 0 (0: none)")
   axis, ulysses_axis = _sequence_axes(mesh, rules, strategy, names)
   num_shards = mesh.shape[axis]
-  if sparsek_window is not None and (ulysses_axis or (strategy == "allgather"
-                                                      and num_shards > 1)):
+  if spec.selects and (ulysses_axis or (strategy == "allgather" and num_shards > 1)):
     raise ValueError(f"{names.strategy}='{strategy}' does not carry SparseK's scores and "
                      f"their gradients yet: use 'ring'")
   ulysses = mesh.shape[ulysses_axis] if ulysses_axis else 1
@@ -109,31 +102,26 @@ def split_attention(strategy: str, layout: str, seq_len: int, tile_size: int, ke
   # Each device's blocks as the kernel sees them: the ring's block of the whole sequence's
   # tokens over the ring, of the heads Ulysses leaves it.
   block = seq_len // num_shards
-  schedule = ring_schedule(layout, seq_len, num_shards, window, narrowest)
+  schedule = ring_schedule(layout, seq_len, num_shards, spec.window, spec.narrowest)
   chosen, fallback = kernels.choose(
-      kernel, (1, block, local_heads // ulysses, head_dim),
-      (1, block, local_kv * repeat // ulysses, head_dim), tile, dtype, softcap,
-      narrowest is not None, buckets, "general" in schedule.shapes)
-  return Strategy(strategy, schedule, axis, tile, chosen, ulysses_axis, repeat, fallback,
-                  softcap, sparsek_window)
+      kernel, spec.on_ring, (1, block, local_heads // ulysses, head_dim),
+      (1, block, local_kv * repeat // ulysses, head_dim), tile, dtype,
+      "general" in schedule.shapes)
+  return Strategy(strategy, schedule, axis, tile, chosen, ulysses_axis, repeat, fallback)
 
 
 def local_strategy(layout: str, seq_len: int, tile_size: int, kernel: str, q_shape, k_shape,
-                   dtype, window: int | None = None, softcap: float = 0.0,
-                   narrowest: int | None = None, buckets: bool = False,
-                   sparsek_window: int | None = None) -> Strategy:
+                   dtype, spec: MaskSpec = MaskSpec()) -> Strategy:
   """Without a mesh: the whole row as one block, in its original order (a ring of one)."""
   check_seq_len(seq_len, layout, 1)
   tile = block_tile(seq_len, 1, tile_size)
   if seq_len % tile:
     raise ValueError(f"sequence length {seq_len} must be divisible by sequence shards x tile "
                      f"= 1 x {tile} = {tile}")
-  tiles.check_band(window, narrowest)
-  schedule = ring_schedule(layout, seq_len, 1, window, narrowest)
-  chosen, fallback = kernels.choose(kernel, q_shape, k_shape, tile, dtype, softcap,
-                                    narrowest is not None, buckets, "general" in schedule.shapes)
-  return Strategy("ring", schedule, "sequence", tile, chosen, kernel_fallback=fallback,
-                  softcap=softcap, sparsek_window=sparsek_window)
+  schedule = ring_schedule(layout, seq_len, 1, spec.window, spec.narrowest)
+  chosen, fallback = kernels.choose(kernel, spec.on_ring, q_shape, k_shape, tile, dtype,
+                                    "general" in schedule.shapes)
+  return Strategy("ring", schedule, "sequence", tile, chosen, kernel_fallback=fallback)
 
 
 def _sequence_axes(mesh, rules: Rules, strategy: str, names: Names) -> tuple[str, str | None]:

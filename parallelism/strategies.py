@@ -33,6 +33,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from parallelism import ring
+from parallelism.kernels import Grads
+from parallelism.masks import Mask, Side
 from parallelism.schedule import RingSchedule
 
 STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
@@ -68,65 +70,62 @@ class Strategy:
   ulysses_axis: str | None = None
   kv_repeat: int = 1
   kernel_fallback: str | None = None  # why `kernel` is not the one the setup named
-  softcap: float = 0.0  # logit soft cap (`parallelism.kernels`), 0: none
-  sparsek_window: int | None = None  # SparseK's (its codes are floats), ring only; None: not
 
-  def forward(self, q_BTHD, k_BTKD, v_BTKD, seg_BT, spans_H=None, codes=None):
-    """(out, lse) of this device's queries, float32; out [B,T,Hq,D], lse [B,T,Hq];
-    `spans_H`: the per-head spans of this device's query heads, or None; `codes`: hash
-    attention's bucket codes (queries' [B,T,Hq], keys' [B,T,Hkv]) of this device, or None.
+  def forward(self, q_BTHD, k_BTKD, v_BTKD, mask: Mask):
+    """(out, lse) of this device's queries, float32; out [B,T,Hq,D], lse [B,T,Hq]; `mask`
+    this device's operands (`parallelism.masks`).
 
     Under Ulysses the ring runs on L = T x U tokens (the ring block) of h = Hq / U query
     and k = Hkv x repeat / U key/value heads."""
     if self.ulysses_axis is None:
       run = _gathered_forward_pass if self._gathers else ring.forward_pass
-      return run(q_BTHD, k_BTKD, v_BTKD, seg_BT, **self._ring_args(spans_H, codes))
+      return run(q_BTHD, k_BTKD, v_BTKD, mask, **self._ring_args())
     q_BLhD = self._to_heads(q_BTHD)
     k_BLkD, v_BLkD = (self._to_heads(self._repeat(x)) for x in (k_BTKD, v_BTKD))
-    out_BLhD, lse_BLh = ring.forward_pass(
-        q_BLhD, k_BLkD, v_BLkD, self._whole_block(seg_BT),
-        **self._ring_args(self._head_shard(spans_H), self._codes_to_heads(codes)))
+    out_BLhD, lse_BLh = ring.forward_pass(q_BLhD, k_BLkD, v_BLkD, self._mask_to_heads(mask),
+                                          **self._ring_args())
     # The output moves in q's dtype (half the bytes at bf16); it is cast to it anyway.
     out_BTHD = self._to_sequence(out_BLhD.astype(q_BTHD.dtype)).astype(jnp.float32)
     return out_BTHD, self._to_sequence(lse_BLh)
 
-  def backward(self, q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, dout_BTHD,
-               spans_H=None, codes=None):
-    """(dq, dk, dv) of this device's blocks, float32 (shapes as in `forward`)."""
+  def backward(self, q_BTHD, k_BTKD, v_BTKD, mask: Mask, out_BTHD, lse_BTH,
+               dout_BTHD) -> Grads:
+    """The gradients of this device's blocks, float32 (shapes as in `forward`)."""
     if self.ulysses_axis is None:
       run = _gathered_backward_pass if self._gathers else ring.backward_pass
-      return run(q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, dout_BTHD,
-                 **self._ring_args(spans_H, codes))
+      return run(q_BTHD, k_BTKD, v_BTKD, mask, out_BTHD, lse_BTH, dout_BTHD,
+                 **self._ring_args())
     k_BLkD, v_BLkD = (self._to_heads(self._repeat(x)) for x in (k_BTKD, v_BTKD))
     q_BLhD, out_BLhD, lse_BLh, dout_BLhD = map(self._to_heads,
                                                (q_BTHD, out_BTHD, lse_BTH, dout_BTHD))
-    dq_BLhD, dk_BLkD, dv_BLkD = ring.backward_pass(
-        q_BLhD, k_BLkD, v_BLkD, self._whole_block(seg_BT), out_BLhD, lse_BLh, dout_BLhD,
-        **self._ring_args(self._head_shard(spans_H), self._codes_to_heads(codes)))
+    g = ring.backward_pass(q_BLhD, k_BLkD, v_BLkD, self._mask_to_heads(mask), out_BLhD,
+                           lse_BLh, dout_BLhD, **self._ring_args())
     # Each moves in its input's dtype (half the bytes at bf16), cast to it anyway, except
     # the dK/dV of repeated heads: their copies are summed after the move, in float32, so
     # that they are rounded once, as the ring rounds them.
     kv_dtype = jnp.float32 if self.kv_repeat > 1 else k_BTKD.dtype
     dq_BTHD, dk_BTKD, dv_BTKD = (
-        self._to_sequence(g.astype(dtype)).astype(jnp.float32)
-        for g, dtype in ((dq_BLhD, q_BTHD.dtype), (dk_BLkD, kv_dtype), (dv_BLkD, kv_dtype)))
-    return dq_BTHD, self._sum_copies(dk_BTKD), self._sum_copies(dv_BTKD)
+        self._to_sequence(x.astype(dtype)).astype(jnp.float32)
+        for x, dtype in ((g.dq, q_BTHD.dtype), (g.dk, kv_dtype), (g.dv, kv_dtype)))
+    return Grads(dq_BTHD, self._sum_copies(dk_BTKD), self._sum_copies(dv_BTKD))
 
   @property
   def _gathers(self) -> bool:
     """All-gather K/V: `allgather` with more than one device (one device is a ring of one)."""
     return self.name == "allgather" and self.schedule.num_shards > 1
 
-  def _ring_args(self, spans_H=None, codes=None) -> dict:
-    sparsek = {} if self.sparsek_window is None else dict(sparsek_window=self.sparsek_window)
-    return dict(axis=self.axis, schedule=self.schedule, tile=self.tile, kernel=self.kernel,
-                softcap=self.softcap, spans_H=spans_H, codes=codes, **sparsek)
+  def _ring_args(self) -> dict:
+    return dict(axis=self.axis, schedule=self.schedule, tile=self.tile, kernel=self.kernel)
 
-  def _codes_to_heads(self, codes):
-    """Bucket codes as `_to_heads` moves q and (repeated) k: per token and head, like lse."""
-    if codes is None:
-      return None
-    return self._to_heads(codes[0]), self._to_heads(self._repeat(codes[1]))
+  def _mask_to_heads(self, mask: Mask) -> Mask:
+    """The mask's operands as `_to_heads` moves q and (repeated) k: per-head ones like lse,
+    segment ids gathered over the ring block, spans of this device's head shard."""
+    def side(s: Side, per_head) -> Side:
+      return Side(self._whole_block(s.segment_ids), self._whole_block(s.positions),
+                  *(None if x is None else self._to_heads(per_head(x)) for x in (s.codes,
+                                                                                 s.scores)),
+                  self._head_shard(s.spans))
+    return Mask(mask.spec, side(mask.q, lambda x: x), side(mask.k, self._repeat))
 
   def _head_shard(self, spans_H):
     """The spans of the query heads `_to_heads` leaves this device (its Ulysses shard)."""
@@ -145,11 +144,12 @@ class Strategy:
     """Inverse of `_to_heads`."""
     return lax.all_to_all(x_BTH, self.ulysses_axis, split_axis=1, concat_axis=2, tiled=True)
 
-  def _whole_block(self, seg_BT):
-    """The ring block's segment ids: every Ulysses device's shard, gathered in order."""
-    if seg_BT is None:
+  def _whole_block(self, x_BT):
+    """A per-token [B, T] operand of the ring block: every Ulysses device's shard, gathered
+    in order."""
+    if x_BT is None:
       return None
-    return lax.all_gather(seg_BT, self.ulysses_axis, axis=1, tiled=True)
+    return lax.all_gather(x_BT, self.ulysses_axis, axis=1, tiled=True)
 
   def _repeat(self, x_BTKD):
     return x_BTKD if self.kv_repeat == 1 else jnp.repeat(x_BTKD, self.kv_repeat, axis=2)
@@ -162,18 +162,16 @@ class Strategy:
                            head_dim).sum(axis=3)
 
 
-def _every_block(k_BTKD, v_BTKD, seg_BT, axis: str, codes=None):
-  """All devices' K/V blocks (and key segment ids and bucket codes), gathered as bytes in
-  one collective, and a function returning block b of them (traced b) as
-  (k, v, segment ids or None, (the queries', block b's keys') codes or None)."""
-  own = ring.blocks(k_BTKD, v_BTKD, seg_BT, None if codes is None else codes[1])
+def _every_block(k_BTKD, v_BTKD, mask: Mask, axis: str):
+  """All devices' K/V blocks (with their keys' operands), gathered as bytes in one
+  collective, and a function returning block b of them (traced b) as (k, v, the mask with
+  block b's key side)."""
+  own = ring.blocks(k_BTKD, v_BTKD, mask.k)
   every = lax.all_gather(ring.pack(*own), axis)  # [N, bytes]
 
   def block(b):
-    k_b, v_b, seg_b, k_codes_b = ring.key_side(
-        ring.unpack(lax.dynamic_index_in_dim(every, b, keepdims=False), own),
-        seg_BT is not None, codes is not None)
-    return k_b, v_b, seg_b, None if codes is None else (codes[0], k_codes_b)
+    return ring.key_side(ring.unpack(lax.dynamic_index_in_dim(every, b, keepdims=False), own),
+                         mask)
 
   return block
 
@@ -184,46 +182,45 @@ def _over_needed_steps(schedule: RingSchedule, visit, carry):
   return lax.fori_loop(1, steps.shape[0], lambda i, c: visit(steps[i], c), carry)
 
 
-def _gathered_forward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, *, axis: str,
-                           schedule: RingSchedule, tile: int, kernel: str, softcap: float,
-                           spans_H=None, codes=None):
+def _gathered_forward_pass(q_BTHD, k_BTKD, v_BTKD, mask: Mask, *, axis: str,
+                           schedule: RingSchedule, tile: int, kernel: str):
   """All-gather forward: the ring's steps in order, each block read from the gathered K/V."""
   num_shards = schedule.num_shards
   device = lax.axis_index(axis)
-  runner = ring.RingDevice(schedule, device, kernel, tile, softcap, spans_H)
-  block = _every_block(k_BTKD, v_BTKD, seg_BT, axis, codes)
+  runner = ring.RingDevice(schedule, device, kernel, tile)
+  block = _every_block(k_BTKD, v_BTKD, mask, axis)
 
   def visit(step, out_lse):
-    k_b, v_b, seg_b, codes_b = block((device - step) % num_shards)  # schedule.held_block
-    return runner.forward_step(step, out_lse, q_BTHD, k_b, v_b, seg_BT, seg_b, codes_b)
+    k_b, v_b, mask_b = block((device - step) % num_shards)  # schedule.held_block
+    return runner.forward_step(step, out_lse, q_BTHD, k_b, v_b, mask_b)
 
-  out_lse = runner.forward_step(0, None, q_BTHD, k_BTKD, v_BTKD, seg_BT, seg_BT, codes)
+  out_lse = runner.forward_step(0, None, q_BTHD, k_BTKD, v_BTKD, mask)
   return _over_needed_steps(schedule, visit, out_lse)
 
 
-def _gathered_backward_pass(q_BTHD, k_BTKD, v_BTKD, seg_BT, out_BTHD, lse_BTH, dout_BTHD, *,
-                            axis: str, schedule: RingSchedule, tile: int, kernel: str,
-                            softcap: float, spans_H=None, codes=None):
+def _gathered_backward_pass(q_BTHD, k_BTKD, v_BTKD, mask: Mask, out_BTHD, lse_BTH, dout_BTHD,
+                            *, axis: str, schedule: RingSchedule, tile: int,
+                            kernel: str) -> Grads:
   """All-gather backward: dK/dV of every block accumulate here, then one reduce-scatter
   sends each block's sum to its owner."""
   num_shards = schedule.num_shards
   device = lax.axis_index(axis)
-  runner = ring.RingDevice(schedule, device, kernel, tile, softcap, spans_H)
-  block = _every_block(k_BTKD, v_BTKD, seg_BT, axis, codes)
+  runner = ring.RingDevice(schedule, device, kernel, tile)
+  block = _every_block(k_BTKD, v_BTKD, mask, axis)
   delta_BTH = ring.softmax_delta(dout_BTHD, out_BTHD)
-  grads = lambda step, carry, k_b, v_b, seg_b, codes_b: runner.backward_step(
-      step, carry, q_BTHD, k_b, v_b, out_BTHD, dout_BTHD, lse_BTH, delta_BTH, seg_BT, seg_b,
-      codes_b)
+  grads = lambda step, carry, k_b, v_b, mask_b: runner.backward_step(
+      step, carry, q_BTHD, k_b, v_b, mask_b, out_BTHD, dout_BTHD, lse_BTH, delta_BTH)
 
   def visit(step, carry):
     dq_BTHD, dkv_N2BTKD = carry
     held = (device - step) % num_shards
-    dq_BTHD, dkv_2BTKD = grads(step, (dq_BTHD, dkv_N2BTKD[held]), *block(held))
+    (dq_BTHD, _), (dkv_2BTKD, _) = grads(step, ((dq_BTHD, None), (dkv_N2BTKD[held], None)),
+                                         *block(held))
     return dq_BTHD, lax.dynamic_update_index_in_dim(dkv_N2BTKD, dkv_2BTKD, held, 0)
 
-  dq_BTHD, dk_BTKD, dv_BTKD = grads(0, None, k_BTKD, v_BTKD, seg_BT, codes)
+  own = grads(0, None, k_BTKD, v_BTKD, mask)
   # The own block's slot stays zero: its dK/dV are the ones just computed.
   dkv_N2BTKD = jnp.zeros((num_shards, 2, *k_BTKD.shape), jnp.float32)
-  dq_BTHD, dkv_N2BTKD = _over_needed_steps(schedule, visit, (dq_BTHD, dkv_N2BTKD))
+  dq_BTHD, dkv_N2BTKD = _over_needed_steps(schedule, visit, (own.dq, dkv_N2BTKD))
   dkv_2BTKD = lax.psum_scatter(dkv_N2BTKD, axis, scatter_dimension=0, tiled=False)
-  return dq_BTHD, dk_BTKD + dkv_2BTKD[0], dv_BTKD + dkv_2BTKD[1]
+  return Grads(dq_BTHD, own.dk + dkv_2BTKD[0], own.dv + dkv_2BTKD[1])

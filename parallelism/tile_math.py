@@ -2,8 +2,8 @@
 (`parallelism.kernel_xla`) and hash attention's run-time one (`parallelism.kernel_hash`).
 
 Tiles are head-major: q [B, Hkv, G, t, D], k/v [B, Hkv, t, D] (GQA: q head kv_head * G + g).
-Matmuls take the input dtype (bf16 ok) and accumulate in float32; with `softcap` the
-backward multiplies by the cap's slope. A visibility mask broadcasts against the scores
+Matmuls take the input dtype (bf16 ok) and accumulate in float32; logits are the mask spec's
+(`parallelism.masks.logits`: with a soft cap the backward multiplies by the cap's slope). A visibility mask broadcasts against the scores
 ([.., G, tq, tk] forward, key-major [.., tk, G, tq] backward); None means all visible.
 """
 
@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from parallelism.masks import MaskSpec, logits
+
 _F32 = jnp.float32
 
 
-def fwd_update(carry, q_BKGtD, k_BKtD, v_BKtD, visible, *, scale: float, softcap: float):
+def fwd_update(carry, q_BKGtD, k_BKtD, v_BKtD, visible, *, spec: MaskSpec, scale: float):
   """One online-softmax step of a query tile on a key tile; carry is (m, l, acc).
 
   m is the running max of the UNSCALED scores; the scale goes into the exponent, which
@@ -23,9 +25,9 @@ def fwd_update(carry, q_BKGtD, k_BKtD, v_BKtD, visible, *, scale: float, softcap
   """
   m_BKGt, l_BKGt, acc_BKGtD = carry
   s = jnp.einsum("bhgqd,bhkd->bhgqk", q_BKGtD, k_BKtD, preferred_element_type=_F32)
-  if softcap:
-    s = softcap * jnp.tanh(s * (scale / softcap))
-  scale = max_scale(scale, softcap)
+  if spec.softcap:
+    s = logits(spec, s, scale)[0]
+  scale = max_scale(scale, spec.softcap)
   if visible is not None:  # [B or 1, Hkv or 1, G or 1, tq, tk]
     s = jnp.where(visible, s, -jnp.inf)
   m_new = jnp.maximum(m_BKGt, s.max(axis=-1))
@@ -44,16 +46,16 @@ def max_scale(scale: float, softcap: float) -> float:
   return 1.0 if softcap else scale
 
 
-def fwd_result(m_BKGt, l_BKGt, acc_BKGtD, *, scale: float, softcap: float):
+def fwd_result(m_BKGt, l_BKGt, acc_BKGtD, *, spec: MaskSpec, scale: float):
   """(out, lse) of a query tile from its online-softmax carry: a row that saw no key gives
   out 0 and lse -inf, never NaN."""
   seen = l_BKGt > 0
   log_l = jnp.log(jnp.where(seen, l_BKGt, 1.0))
-  lse_BKGt = jnp.where(seen, m_BKGt * max_scale(scale, softcap) + log_l, -jnp.inf)
+  lse_BKGt = jnp.where(seen, m_BKGt * max_scale(scale, spec.softcap) + log_l, -jnp.inf)
   return acc_BKGtD / jnp.where(seen, l_BKGt, 1.0)[..., None], lse_BKGt
 
 
-def bwd_update(carry, q_xs, k_xs, visible_T, *, scale: float, softcap: float):
+def bwd_update(carry, q_xs, k_xs, visible_T, *, spec: MaskSpec, scale: float):
   """Gradients of one query tile x key tile; carry is (dk, dv) of the key tile and dq of
   the query tile, transposed ([B, Hkv, D, G, tq]), all float32.
 
@@ -68,10 +70,7 @@ def bwd_update(carry, q_xs, k_xs, visible_T, *, scale: float, softcap: float):
   q_BKGtD, do_BKGtD, lse_BKGt, delta_BKGt = q_xs
   k_BKtD, v_BKtD, k_BKDt = k_xs
   s_T = jnp.einsum("bhkd,bhgqd->bhkgq", k_BKtD, q_BKGtD, preferred_element_type=_F32)
-  logits_T, slope = s_T * scale, scale  # d logits / d s
-  if softcap:
-    capped_T = jnp.tanh(logits_T / softcap)
-    logits_T, slope = softcap * capped_T, scale * (1.0 - capped_T * capped_T)
+  logits_T, slope = logits(spec, s_T, scale)  # and d logits / d s
   p_T = jnp.exp(logits_T - lse_BKGt[:, :, None])
   if visible_T is not None:  # [B or 1, Hkv or 1, tk, G or 1, tq]
     p_T = jnp.where(visible_T, p_T, 0.0)

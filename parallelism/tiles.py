@@ -9,7 +9,7 @@ splash's `LocalMask((w - 1, 0))`. A tile pair, summarised by `d = q - k` in
 
 - SKIP when `d_hi < 0` (every key in every query's future) or `d_lo >= window`;
 - UNMASKED when `d_lo >= 0` and `d_hi < window`: every query sees every key;
-- MASKED otherwise (`visible`, elementwise). The schedule turns a MASKED tile whose mask is
+- MASKED otherwise (elementwise: `parallelism.masks.visible`). The schedule turns a MASKED tile whose mask is
   empty into SKIP (under striped a window can fall between the tokens a tile holds).
 
 Per-head spans (MoA) make the window a band between `narrowest` and `window`: SKIP by the
@@ -24,29 +24,6 @@ from __future__ import annotations
 import numpy as np
 
 SKIP, UNMASKED, MASKED = 0, 1, 2
-
-
-def check_window(window: int | None) -> None:
-  if window is not None and (isinstance(window, bool) or not isinstance(window, int)
-                             or window < 1):
-    raise ValueError(f"attention window {window!r} must be a whole number of keys >= 1 (the "
-                     f"query itself counts), or None for causal attention")
-
-
-def check_band(window: int | None, narrowest: int | None) -> None:
-  """Per-head spans lie between `narrowest` and `window`, both whole numbers of keys."""
-  check_window(window)
-  if narrowest is not None:
-    check_window(narrowest)
-    if window is None or narrowest > window:
-      raise ValueError(f"the narrowest span {narrowest} must not exceed the widest {window}")
-
-
-def visible(q_index: np.ndarray, k_index: np.ndarray, window: int | None = None) -> np.ndarray:
-  """The elementwise rule the classes summarise: query sees key (broadcasts like NumPy; also
-  on JAX arrays, as dense attention and decoding apply it)."""
-  seen = k_index <= q_index
-  return seen if window is None else seen & (q_index - k_index < window)
 
 
 def tile_ranges(index_T: np.ndarray, tile: int) -> tuple[np.ndarray, np.ndarray]:

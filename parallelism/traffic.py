@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from parallelism.masks import Mask, MaskSpec
 from parallelism.ring_attention import ring_attention
 from parallelism.split import block_tile
 from parallelism.schedule import critical_path, ring_schedule
@@ -233,9 +234,9 @@ def compiled_bytes(strategy: str, shapes: Shapes, ring: int, ulysses: int = 1,
   kv = jax.ShapeDtypeStruct((rows, seq_len, shapes.kv_heads, head_dim), dtype, sharding=spec)
   seg = jax.ShapeDtypeStruct((rows, seq_len), jnp.int32, sharding=spec)
   rules = (("activation_seq", ("sequence", "ulysses")),)
-  attend = lambda q, k, v, *seg: ring_attention(q, k, v, *seg, layout=layout, mesh=mesh,
-                                                rules=rules, tile_size=tile_size,
-                                                strategy=strategy, window=window)
+  attend = lambda q, k, v, *seg: ring_attention(
+      q, k, v, Mask.of(MaskSpec(window=window), *seg), layout=layout, mesh=mesh, rules=rules,
+      tile_size=tile_size, strategy=strategy)
   loss = lambda q, k, v, *seg: jnp.sum(attend(q, k, v, *seg).astype(jnp.float32))
   args = (q, kv, kv, seg) if shapes.packed else (q, kv, kv)
   return {"forward": hlo_bytes(jax.jit(attend).lower(*args).compile().as_text()),

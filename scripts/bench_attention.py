@@ -132,6 +132,7 @@ def block_seconds(seq_len: int, repeats: int,
   import jax
   import jax.numpy as jnp
 
+  from parallelism.masks import Mask, MaskSpec
   from parallelism.ring import RingDevice
 
   num_shards, tile = TIMED_DEVICES, TIMED_TILE
@@ -142,10 +143,11 @@ def block_seconds(seq_len: int, repeats: int,
   def steps(schedule):
     """The ring's forward and backward step on `schedule`, jitted, device and step traced."""
     device = lambda d: RingDevice(schedule, d, "xla", tile)
+    mask = Mask(MaskSpec(schedule.window))
     fwd = jax.jit(lambda d, s, carry, q, k, v: device(d).forward_step(
-        s, carry, q, k, v, None, None))
+        s, carry, q, k, v, mask))
     bwd = jax.jit(lambda d, s, carry, lse, delta, q, k, v, dout: device(d).backward_step(
-        s, carry, q, k, v, None, dout, lse, delta, None, None))  # xla: no global out needed
+        s, carry, q, k, v, mask, None, dout, lse, delta))  # xla: no global out needed
     return fwd, bwd
 
   runs = {}
@@ -156,7 +158,8 @@ def block_seconds(seq_len: int, repeats: int,
       d_ = jnp.int32(d)
       out, lse = fwd(d_, jnp.int32(0), None, q, k, v)  # a device's own block: step 0
       delta = jnp.sum(out * dout, axis=-1)
-      carries = {"fwd": (out, lse), "bwd": (out, jnp.zeros((2, *k.shape), jnp.float32))}
+      carries = {"fwd": (out, lse),
+                 "bwd": ((out, None), (jnp.zeros((2, *k.shape), jnp.float32), None))}
       for step in schedule.needed_steps:  # a ring cut short never runs the others
         s_ = jnp.int32(step)
         fwd_carry, bwd_carry = (None, None) if step == 0 else (carries["fwd"], carries["bwd"])
@@ -268,6 +271,7 @@ def part_time(seq_len: int, repeats: int, coordinator: str, process_id: int,
 
   from jax.experimental import multihost_utils
 
+  from parallelism.masks import Mask, MaskSpec
   from parallelism.ring_attention import ring_attention
 
   jax.distributed.initialize(coordinator, TIMED_DEVICES, process_id)
@@ -283,8 +287,8 @@ def part_time(seq_len: int, repeats: int, coordinator: str, process_id: int,
                    for _ in range(4))
 
   def make(layout, w):
-    attend = lambda q, k, v: ring_attention(q, k, v, layout=layout, mesh=mesh, tile_size=tile,
-                                            window=w)
+    attend = lambda q, k, v: ring_attention(q, k, v, Mask(MaskSpec(w)), layout=layout,
+                                            mesh=mesh, tile_size=tile)
     fwd = jax.jit(attend)
     fwd_bwd = jax.jit(lambda q, k, v, dout: jax.vjp(attend, q, k, v)[1](dout))
     return {"fwd": lambda: fwd(q, k, v), "fwd_bwd": lambda: fwd_bwd(q, k, v, dout)}

@@ -55,6 +55,7 @@ import numpy as np  # noqa: E402
 from parallelism import kernel_pallas, kernel_xla  # noqa: E402
 from parallelism.kernels import KERNELS  # noqa: E402
 from parallelism.layouts import LAYOUTS  # noqa: E402
+from parallelism.masks import Mask, MaskSpec, Side  # noqa: E402
 from parallelism.schedule import ring_schedule  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -104,10 +105,12 @@ def fwd_bwd(block_fwd, block_bwd, schedule, tile: int = TILE):
   """Forward then backward of one block pair, as ring_attention's custom_vjp runs them."""
   def run(q, k, v, dout, pair, qs=None, ks=None):
     at = dict(schedule=schedule, pair=pair, tile=tile)
-    out, lse = block_fwd(q, k, v, qs, ks, **at)
+    mask = Mask(MaskSpec(schedule.window), Side(qs), Side(ks))
+    out, lse = block_fwd(q, k, v, mask, **at)
     delta = jnp.sum(out * dout.astype(F32), axis=-1)
     # The global out is the block's own here (one block); cuDNN's backward takes it.
-    return block_bwd(q, k, v, dout, lse, delta, qs, ks, out_BTHD=out, **at), out, lse
+    grads = block_bwd(q, k, v, dout, lse, delta, mask, out_BTHD=out, **at)
+    return (grads.dq, grads.dk, grads.dv), out, lse
   return run
 
 
@@ -191,7 +194,7 @@ def part_sweep(seq_len: int) -> kernel_pallas.KernelConfig:
   fwd_flops = _causal_fwd_flops(seq_len)
   best = {"fwd": (None, np.inf), "bwd": (None, np.inf)}
   out, lse = jax.jit(functools.partial(kernel_pallas.block_fwd, **at))(
-      q, k, v, None, None, pair=pair)
+      q, k, v, Mask(), pair=pair)
   delta = jnp.sum(out * dout.astype(F32), axis=-1)
   print(f"\nsweep at S={seq_len}, 32 heads: TFLOP/s (bwd counted as 2.5x fwd FLOPs)")
   for what, options, flops in (("fwd", fwd_opts, fwd_flops), ("bwd", bwd_opts, 2.5 * fwd_flops)):
@@ -199,11 +202,11 @@ def part_sweep(seq_len: int) -> kernel_pallas.KernelConfig:
       cfg = dataclasses.replace(kernel_pallas.DEFAULT_CONFIG, **opts)
       if what == "fwd":
         fn = jax.jit(lambda *a, pair, cfg=cfg: kernel_pallas.block_fwd(
-            *a, None, None, pair=pair, config=cfg, **at))
+            *a, Mask(), pair=pair, config=cfg, **at))
         args = (q, k, v)
       else:
         fn = jax.jit(lambda *a, pair, cfg=cfg: kernel_pallas.block_bwd(
-            *a, None, None, pair=pair, config=cfg, **at))
+            *a, Mask(), pair=pair, config=cfg, **at))
         args = (q, k, v, dout, lse, delta)
       fn = functools.partial(fn, pair=pair)
       try:
@@ -230,7 +233,7 @@ def part_cudnn(config, seq_lens) -> None:
   for seq_len in seq_lens:
     q, k, v, dout = _causal_inputs(seq_len, seed=seq_len)
     schedule, pair = causal_block(seq_len)
-    ours_f = jax.jit(lambda q, k, v, pair: fwd(q, k, v, None, None, schedule=schedule,
+    ours_f = jax.jit(lambda q, k, v, pair: fwd(q, k, v, Mask(), schedule=schedule,
                                                pair=pair, tile=TILE))
     ours_fb = jax.jit(fwd_bwd(fwd, bwd, schedule))
     fwd_flops = _causal_fwd_flops(seq_len)
@@ -256,7 +259,7 @@ def part_cudnn(config, seq_lens) -> None:
 
 def part_cudnn_kernel(config, seq_lens) -> None:
   """The cudnn block kernel vs the Pallas one, both checked against the xla reference."""
-  kernels = {"cudnn": tuple(KERNELS["cudnn"]), "pallas": _ours(config)}
+  kernels = {"cudnn": tuple(KERNELS["cudnn"])[:2], "pallas": _ours(config)}
   print("\ncudnn_kernel: B=1, 32 heads, head_dim 128, bf16; TFLOP/s, rel err vs xla "
         "(out, dq, dk, dv)")
   for seq_len in seq_lens:
@@ -270,7 +273,7 @@ def part_cudnn_kernel(config, seq_lens) -> None:
       row = {}
       for name, (fwd, bwd) in kernels.items():
         f = jax.jit(lambda q, k, v, pair, fwd=fwd, schedule=schedule: fwd(
-            q, k, v, None, None, schedule=schedule, pair=pair, tile=TILE))
+            q, k, v, Mask(), schedule=schedule, pair=pair, tile=TILE))
         fb = jax.jit(fwd_bwd(fwd, bwd, schedule))
         (dq, dk, dv), out, _ = fb(q, k, v, dout, pair)
         errs = [rel_err(out, o_ref), *(rel_err(g, w) for g, w in zip((dq, dk, dv), g_ref))]
@@ -316,7 +319,7 @@ def part_ring(config, blocks, num_shards: int, heads: int, bandwidth: float,
               record=record, kernel: str = "pallas") -> None:
   """Each layout's critical path on an N-device ring, from the block kernel `kernel`'s time
   on each distinct block pair (`pallas` at `config`, or another registered kernel)."""
-  fwd, bwd = _ours(config) if kernel == "pallas" else KERNELS[kernel]
+  fwd, bwd = _ours(config) if kernel == "pallas" else KERNELS[kernel][:2]
   print(f"\nring emulation, {kernel} blocks: N={num_shards}, {heads} heads (= kv heads), "
         f"head_dim 128, bf16, link {bandwidth / 1e9:.0f} GB/s per direction; fraction = N x "
         f"t(causal) / critical")
@@ -329,9 +332,9 @@ def part_ring(config, blocks, num_shards: int, heads: int, bandwidth: float,
 
     def programs(schedule):  # the kernel's forward and backward on the schedule's blocks
       at = dict(schedule=schedule, tile=tile)
-      return (jax.jit(lambda q, k, v, pair: fwd(q, k, v, None, None, pair=pair, **at)),
+      return (jax.jit(lambda q, k, v, pair: fwd(q, k, v, Mask(), pair=pair, **at)),
               jax.jit(lambda q, k, v, dout, out, lse, delta, pair: bwd(
-                  q, k, v, dout, lse, delta, None, None, pair=pair, out_BTHD=out, **at)))
+                  q, k, v, dout, lse, delta, Mask(), pair=pair, out_BTHD=out, **at)))
 
     # A causal block's out and lse: finite for every query, as a ring's global ones are
     # (cuDNN's backward takes the global out); its forward program is the one timed below.

@@ -78,6 +78,7 @@ from model.hashing import bucket_codes, projections  # noqa: E402
 from model.sparsek import prefix_thresholds  # noqa: E402
 from parallelism import kernel_hash, kernel_sparsek, kernel_xla  # noqa: E402
 from parallelism.layouts import LAYOUTS, permute  # noqa: E402
+from parallelism.masks import Mask, MaskSpec, Side  # noqa: E402
 from parallelism.ring_attention import ring_attention  # noqa: E402
 from parallelism.schedule import held_block, ring_schedule  # noqa: E402
 import bench_results  # noqa: E402  (scripts/, first on the path)
@@ -121,56 +122,61 @@ def sparsek_codes(q, k, keep: int, window: int, scores: str = "iid"):
   return jnp.repeat(tau, q.shape[2] // k.shape[2], axis=2), u
 
 
+def hash_spec(buckets: int) -> MaskSpec:
+  return MaskSpec(sparse="hash", hash_buckets=buckets)
+
+
+def mask_of(variant) -> Mask:
+  """A variant's mask: None is causal; else (spec, the queries', the keys' operand), codes
+  (hash, QK-dropping) or SparseK's thresholds and scores."""
+  if variant is None:
+    return Mask()
+  spec, q_side, k_side = variant
+  field = "scores" if spec.selects else "codes"
+  return Mask(spec, Side(**{field: q_side}), Side(**{field: k_side}))
+
+
 def block_step(schedule, tile: int):
   """Forward, and forward+backward, of one block pair (ring_attention's custom_vjp order)."""
   at = dict(schedule=schedule, pair=jnp.int32(0), tile=tile)
 
-  def fwd(q, k, v, dout, codes):
-    return kernel_xla.block_fwd(q, k, v, None, None, **at, **_code_args(codes))
+  def fwd(q, k, v, dout, variant):
+    return kernel_xla.block_fwd(q, k, v, mask_of(variant), **at)
 
-  def fwd_bwd(q, k, v, dout, codes):
-    out, lse = fwd(q, k, v, dout, codes)
+  def fwd_bwd(q, k, v, dout, variant):
+    out, lse = fwd(q, k, v, dout, variant)
     delta = jnp.sum(out * dout.astype(jnp.float32), axis=-1)
-    return kernel_xla.block_bwd(q, k, v, dout, lse, delta, None, None, out_BTHD=out, **at,
-                                **_code_args(codes))
+    grads = kernel_xla.block_bwd(q, k, v, dout, lse, delta, mask_of(variant), out_BTHD=out,
+                                 **at)
+    return grads.dq, grads.dk, grads.dv
   return jax.jit(fwd), jax.jit(fwd_bwd)
-
-
-def _code_args(codes) -> dict:
-  """Bucket or drop codes (int), or SparseK's (thresholds, scores, window)."""
-  if codes is None:
-    return {}
-  extra = {} if len(codes) == 2 else dict(sparsek_window=codes[2])
-  return dict(q_codes_BTH=codes[0], k_codes_BTK=codes[1], **extra)
 
 
 def ring_step(mesh, layout: str, tile: int):
   """Forward, and forward+backward, of ring_attention on `mesh` (inputs already permuted)."""
-  def fwd(q, k, v, dout, codes):
-    if codes is not None and len(codes) == 3:
-      extra = dict(q_thresholds=codes[0], k_scores=codes[1], sparsek_window=codes[2])
-    else:
-      extra = {} if codes is None else dict(q_buckets=codes[0], k_buckets=codes[1])
-    return ring_attention(q, k, v, layout=layout, mesh=mesh, kernel="xla", tile_size=tile,
-                          **extra)
+  def fwd(q, k, v, dout, variant):
+    return ring_attention(q, k, v, mask_of(variant), layout=layout, mesh=mesh, kernel="xla",
+                          tile_size=tile)
 
-  def fwd_bwd(q, k, v, dout, codes):
-    out, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, dout, codes), q, k, v)
+  def fwd_bwd(q, k, v, dout, variant):
+    out, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, dout, variant), q, k, v)
     return vjp(dout)
   return jax.jit(fwd), jax.jit(fwd_bwd)
 
 
-def tile_counts(schedule, tile: int, codes, batch: int) -> tuple[int, int]:
-  """(causal, hash) tile pairs computed over every device and ring step; `codes` in the
-  layout's order. Per (query head, tile pair), the unit of hash attention's walk."""
-  heads = codes[0].shape[2]
+def tile_counts(schedule, tile: int, variant, batch: int) -> tuple[int, int]:
+  """(causal, the variant's) tile pairs computed over every device and ring step; its
+  operands in the layout's order. Per (query head, tile pair), the unit of the run-time
+  walk."""
+  spec, q_side, k_side = variant
+  heads = q_side.shape[2]
   causal = int(schedule.computed_tiles(tile).sum()) * batch * heads
   block, total = schedule.block_len, 0
   count = jax.jit(lambda qc, kc, qi, ki, qr, kr: kernel_hash.computed_tiles(
       qc, kc, None, None, qi, ki, tile=tile, window=schedule.window, q_run_T=qr, k_run_T=kr))
-  if len(codes) == 3:  # SparseK: the devices' own indices (its window reads distances)
+  if spec.selects:  # SparseK: the devices' own indices (its window reads distances)
     count = jax.jit(lambda qc, kc, qi, ki, qr, kr: kernel_sparsek.computed_tiles(
-        qc, kc, None, None, qi, ki, tile=tile, window=codes[2]))
+        qc, kc, None, None, qi, ki, tile=tile, window=spec.sparsek_window))
   (q_index_PT, k_index_PT), (q_run_PT, k_run_PT) = (schedule.pair_index,
                                                     kernel_hash.pair_runs(schedule))
   for device in range(schedule.num_shards):
@@ -180,10 +186,10 @@ def tile_counts(schedule, tile: int, codes, batch: int) -> tuple[int, int]:
         continue  # the ring skips the kernel
       kb = held_block(device, step, schedule.num_shards)
       q_index, k_index = q_index_PT[p], k_index_PT[p]
-      if len(codes) == 3:
+      if spec.selects:
         q_index, k_index = schedule.order[device], schedule.order[kb]
-      total += int(count(codes[0][:, device * block:(device + 1) * block],
-                         codes[1][:, kb * block:(kb + 1) * block], q_index, k_index,
+      total += int(count(q_side[:, device * block:(device + 1) * block],
+                         k_side[:, kb * block:(kb + 1) * block], q_index, k_index,
                          q_run_PT[p], k_run_PT[p]))
   return causal, total
 
@@ -213,16 +219,18 @@ def run_part(part: str, seq_len: int, args, schedule, steps, bucket_list, drop_r
   `hash-1`, one bucket: the run-time walk on the causal mask, which separates the walk's own
   speed per tile from what the buckets skip (its slowest variant)."""
   q, k = args[:2]
-  one = (jnp.zeros(q.shape[:3], jnp.int32), jnp.zeros(k.shape[:3], jnp.int32))
+  one = (hash_spec(2), jnp.zeros(q.shape[:3], jnp.int32), jnp.zeros(k.shape[:3], jnp.int32))
   variants = {"causal": None} | ({"hash-1": one} if control else {})
-  variants |= {f"hash-{b}": codes_of(q, k, b) for b in bucket_list}
-  variants |= {f"drop-{r}": drop_codes(q.shape[0], seq_len, q.shape[2], k.shape[2], r,
-                                       jnp.int32(0), "ring") for r in drop_rates}
-  variants |= {f"sparsek-{n}": (*sparsek_codes(q, k, n, tile, scores), tile) for n in keeps}
-  variants = {name: None if c is None else tuple(perm(x) for x in c[:2]) + tuple(c[2:])
+  variants |= {f"hash-{b}": (hash_spec(b), *codes_of(q, k, b)) for b in bucket_list}
+  variants |= {f"drop-{r}": (MaskSpec(sparse="qk_drop", qk_drop_rate=r),
+                             *drop_codes(q.shape[0], seq_len, q.shape[2], k.shape[2], r,
+                                         jnp.int32(0), "ring")) for r in drop_rates}
+  variants |= {f"sparsek-{n}": (MaskSpec(sparse="sparsek", sparsek_k=n, sparsek_window=tile),
+                                *sparsek_codes(q, k, n, tile, scores)) for n in keeps}
+  variants = {name: None if c is None else (c[0], *map(perm, c[1:]))
               for name, c in variants.items()}
   args = [place(perm(x)) for x in args]
-  times = measure(steps, args, {name: None if c is None else tuple(map(place, c[:2])) + c[2:]
+  times = measure(steps, args, {name: None if c is None else (c[0], *map(place, c[1:]))
                                 for name, c in variants.items()}, repeats)
   rows = []
   for name, codes in variants.items():

@@ -28,6 +28,7 @@ import bench_kernel_e2e  # noqa: E402
 import parallelism  # noqa: E402
 from parallelism import kernel_pallas, kernel_xla  # noqa: E402
 from parallelism import kernels  # noqa: E402
+from parallelism.masks import Mask, MaskSpec, Side  # noqa: E402
 from parallelism.ring_attention import ring_attention  # noqa: E402
 from parallelism.schedule import ring_schedule  # noqa: E402
 
@@ -157,15 +158,15 @@ def _block_rows(record, schedule, pair, inputs, segments, want, kernel_names, fl
   g_ref, o_ref = want
   measured = {}  # kernel run -> its row: `auto` is one of the others, as the ring chooses it
   for label, name in kernel_names.items():
-    runs, _ = kernels.choose(name, q.shape, k.shape, tile, q.dtype,
+    runs, _ = kernels.choose(name, MaskSpec(schedule.window), q.shape, k.shape, tile, q.dtype,
                              general="general" in schedule.shapes)
     if runs in measured:
       record(**{**measured[runs], "kernel": label, "runs": runs, "same_run_as": runs})
       continue
-    fwd, bwd = kernels.KERNELS[runs]
+    fwd, bwd = kernels.KERNELS[runs][:2]
     at = dict(schedule=schedule, tile=tile)
-    run_f = jax.jit(lambda q, k, v, pair, fwd=fwd: fwd(q, k, v, segments, segments, pair=pair,
-                                                       **at))
+    mask = Mask(MaskSpec(schedule.window), Side(segments), Side(segments))
+    run_f = jax.jit(lambda q, k, v, pair, fwd=fwd: fwd(q, k, v, mask, pair=pair, **at))
     run_fb = jax.jit(bench_kernel.fwd_bwd(fwd, bwd, schedule, tile))
     try:
       (dq, dk, dv), out, _ = run_fb(q, k, v, dout, pair, segments, segments)
@@ -191,10 +192,11 @@ def _dense_row(record, inputs, segments, want, smoke: bool, flops, where) -> Non
   q, k, v, dout = inputs
   if smoke:  # no cuDNN: the model's plain masked softmax in its place
     from model.attention import dense_attention  # pylint: disable=g-import-not-at-top
-    attend = lambda q, k, v: dense_attention(q, k, v, segments)
+    attend = lambda q, k, v: dense_attention(q, k, v, Mask.of(segment_ids=segments))
   else:
-    fallback = functools.partial(ring_attention, layout="ring",
-                                 tile_size=min(bench_kernel.TILE, q.shape[1]))
+    fallback = lambda q, k, v, seg: ring_attention(
+        q, k, v, Mask.of(segment_ids=seg), layout="ring",
+        tile_size=min(bench_kernel.TILE, q.shape[1]))
     attend = lambda q, k, v: parallelism.cudnn_dense_attention(q, k, v, segments, fallback)
   g_ref, o_ref = want
   run_f = jax.jit(attend)
@@ -296,14 +298,15 @@ def _sparse_exact(record, bench_sparse, smoke: bool) -> None:
   seq_len = 256 if smoke else 2048
   q, k, v, dout = bench_sparse.inputs(1, seq_len, 4, 2, 64, jnp.float32, seed=1)
   codes = bench_sparse.codes_of(q, k, 4)
+  variant = (bench_sparse.hash_spec(4), *codes)
   fwd, fwd_bwd = bench_sparse.block_step(ring_schedule("ring", seq_len, 1), 128)
   segments = jnp.ones((1, seq_len), jnp.int32)
 
   def dense(q, k, v):
-    return dense_attention(q, k, v, segments, q_codes_BSH=codes[0], k_codes_BSK=codes[1])
+    return dense_attention(q, k, v, Mask.of(bench_sparse.hash_spec(4), segments, codes=codes))
 
   with jax.default_matmul_precision("highest"):  # float32 matmuls, not TF32, on both sides
-    got = (fwd(q, k, v, dout, codes)[0], *fwd_bwd(q, k, v, dout, codes))
+    got = (fwd(q, k, v, dout, variant)[0], *fwd_bwd(q, k, v, dout, variant))
     out, vjp = jax.vjp(dense, q, k, v)
     want = (out, *vjp(dout))
   errors = _errors(got, want)

@@ -15,6 +15,7 @@ from model import Decoder, ModelConfig
 import parallelism
 from parallelism import logical_to_spec
 from parallelism.layouts import permute
+from parallelism.masks import Mask
 from parallelism.ring_attention import KV_NAMES, Q_NAMES, SEGMENT_NAMES, ring_attention
 
 _DEFAULT_RULES = base.get_config().mesh.rules
@@ -53,7 +54,8 @@ def _attention_step_hlo(rules) -> str:
   seg = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=sharding(SEGMENT_NAMES))
 
   def loss(q, k, v, seg):
-    out = ring_attention(q, k, v, seg, layout="striped", mesh=mesh, rules=rules, tile_size=8)
+    out = ring_attention(q, k, v, Mask.of(segment_ids=seg), layout="striped", mesh=mesh,
+                         rules=rules, tile_size=8)
     return jnp.sum(out * out)
 
   step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)),

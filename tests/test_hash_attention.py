@@ -14,6 +14,7 @@ import pytest
 from model.hashing import bucket_codes, projections
 from parallelism import kernel_xla, kernels
 from parallelism.layouts import permute
+from parallelism.masks import Mask, MaskSpec
 from parallelism.schedule import ring_schedule
 from tests.test_ring_attention import (_F32_TOL, assert_close, make_inputs, ring_in_layout,
                                        seq_mesh)
@@ -74,11 +75,10 @@ def _empty_rows(index, seg, q_codes, k_codes):
   return ~_visible(index, seg, q_codes, k_codes).any(-1).transpose(0, 2, 1)
 
 
-def _ring(layout, mesh, inputs, codes, **kwargs):
-  n = mesh.shape["sequence"]
-  q_codes, k_codes = (permute(c, layout, n) for c in codes)
-  got = ring_in_layout(layout, mesh, *inputs, tile_size=8, q_buckets=q_codes,
-                       k_buckets=k_codes, **kwargs)
+def _ring(layout, mesh, inputs, codes, window=None, sparse="hash", **kwargs):
+  spec = MaskSpec(window=window, sparse=sparse,
+                  **({"hash_buckets": BUCKETS} if sparse == "hash" else {"qk_drop_rate": 0.5}))
+  got = ring_in_layout(layout, mesh, *inputs, tile_size=8, spec=spec, codes=codes, **kwargs)
   assert all(np.isfinite(x).all() for x in got)
   return got
 
@@ -150,10 +150,10 @@ def test_block_kernel_lse_and_gradients_with_buckets(side_by_side, monkeypatch):
                         lambda count, tile: walks.append(count) or min(count, side_by_side))
   (q, k, v, dout, index, seg), codes = _packed_inputs(seq_len=32)
   schedule = ring_schedule("ring", 32, 1)
-  at = dict(schedule=schedule, pair=schedule.pair[0, 0], tile=8, q_codes_BTH=codes[0],
-            k_codes_BTK=codes[1])
-  out, lse = kernel_xla.block_fwd(q, k, v, seg, seg, **at)
-  grads = kernel_xla.block_bwd(q, k, v, dout, lse, jnp.sum(out * dout, axis=-1), seg, seg, **at)
+  at = dict(schedule=schedule, pair=schedule.pair[0, 0], tile=8)
+  mask = Mask.of(MaskSpec(sparse="hash", hash_buckets=BUCKETS), seg, codes=codes)
+  out, lse = kernel_xla.block_fwd(q, k, v, mask, **at)
+  grads = kernel_xla.block_bwd(q, k, v, dout, lse, jnp.sum(out * dout, axis=-1), mask, **at)
   want, want_lse = hash_reference(q, k, v, dout, index, seg, *codes)
   assert_close((out, *grads), want, **_F32_TOL)
   assert len(walks) == (3 if side_by_side else 0)  # the forward, dq, and dk with dv
@@ -183,16 +183,17 @@ def test_the_kernel_skips_tiles_by_bucket_at_run_time():
 def test_the_model_dense_path_applies_the_buckets():
   from model.attention import dense_attention as model_dense  # pylint: disable=g-import-not-at-top
   (q, k, v, dout, index, seg), codes = _packed_inputs(seq_len=64)
-  got = model_dense(q, k, v, seg, q_codes_BSH=codes[0], k_codes_BSK=codes[1])
+  got = model_dense(q, k, v, Mask.of(MaskSpec(sparse="hash", hash_buckets=BUCKETS), seg,
+                                     codes=codes))
   want = hash_reference(q, k, v, dout, index, seg, *codes)[0][0]
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), **_F32_TOL)
 
 
 def test_only_xla_applies_buckets():
-  shape = (1, 64, 4, 16)
-  assert kernels.choose("xla", shape, shape, 16, jnp.float32, buckets=True) == ("xla", None)
-  chosen, reason = kernels.choose("pallas", shape, shape, 16, jnp.float32, buckets=True)
-  assert chosen == "xla" and "no bucket mask" in reason
+  shape, spec = (1, 64, 4, 16), MaskSpec(sparse="hash", hash_buckets=4)
+  assert kernels.choose("xla", spec, shape, shape, 16, jnp.float32) == ("xla", None)
+  chosen, reason = kernels.choose("pallas", spec, shape, shape, 16, jnp.float32)
+  assert chosen == "xla" and "no run-time mask" in reason
 
 
 @pytest.mark.parametrize("overrides,field", [

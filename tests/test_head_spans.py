@@ -17,6 +17,7 @@ import pytest
 from model import ModelConfig
 from parallelism import tiles
 from parallelism.layouts import LAYOUTS
+from parallelism.masks import Mask, MaskSpec, Side, visible
 from parallelism.schedule import held_block, ring_schedule
 from tests.test_ring_attention import (_F32_TOL, assert_close, dense_attention, ring_in_layout,
                                        seq_mesh)
@@ -25,6 +26,7 @@ from tests.test_windows import (DECODER, _packed_inputs, decoder_batch, decoder_
                                 under_zigzag)
 
 SPANS = (3, 17, 9, 40)  # per query head; GQA pairs heads (0, 1) and (2, 3) on one kv head
+SPEC = MaskSpec(window=max(SPANS), narrowest=min(SPANS))
 
 
 # Jitted: one compile per shape, where op-by-op dispatch compiled each of its ops.
@@ -64,7 +66,7 @@ def test_a_band_schedule_rebuilds_every_span_between_its_bounds(layout, num_shar
         behind = q_rep[pair][:, None] - k_rep[pair][None, :]
         for span in sorted({narrowest, (narrowest + widest) // 2, widest}):
           got = lists & np.where(masked, behind < span, True)
-          want = tiles.visible(q_index[:, None], k_index[None, :], span)
+          want = visible(MaskSpec(window=span), q_index[:, None] - k_index[None, :])
           np.testing.assert_array_equal(got, want, err_msg=f"s={span} d={device} t={step}")
 
 
@@ -79,7 +81,7 @@ def test_ring_with_per_head_spans_matches_each_head_alone(layout, num_shards, ke
   inputs = _packed_inputs(128)
   want = per_head_reference(*inputs, SPANS)
   got = ring_in_layout(layout, seq_mesh(num_shards), *inputs, tile_size=8, kernel=kernel,
-                       window=max(SPANS), narrowest=min(SPANS), spans=jnp.asarray(SPANS))
+                       spec=SPEC, spans=jnp.asarray(SPANS))
   assert_close(got, want, **_F32_TOL)
   # The spans are not ignored: every head at the widest gives another output.
   widest = per_head_reference(*inputs, (max(SPANS),) * len(SPANS))
@@ -88,10 +90,13 @@ def test_ring_with_per_head_spans_matches_each_head_alone(layout, num_shards, ke
 
 def test_spans_need_their_bounds_and_one_per_query_head():
   q, k, v, *_ = _packed_inputs(64)
-  with pytest.raises(ValueError, match=r"must be \[query heads\] = \[4\]"):
-    from parallelism import ring_attention  # pylint: disable=g-import-not-at-top
-    ring_attention(q, k, v, layout="ring", window=8, spans=jnp.asarray([2, 8]))
-  with pytest.raises(ValueError, match="narrowest span 9 must not exceed the widest 8"):
+  from parallelism import ring_attention  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match=r"mask.q.spans \[query heads\] = \[4\]"):
+    ring_attention(q, k, v, Mask.of(MaskSpec(8, 2), spans=jnp.asarray([2, 8])), layout="ring")
+  with pytest.raises(ValueError, match=r"mask.q.spans \[query heads\] = \[4\]\) go with"):
+    ring_attention(q, k, v, Mask.of(MaskSpec(8), spans=jnp.asarray([2, 8, 4, 4])),
+                   layout="ring")
+  with pytest.raises(ValueError, match=r"narrowest=9: .* at most the widest \(mask.window=8\)"):
     ring_schedule("ring", 64, 2, 8, 9)
 
 
@@ -110,7 +115,7 @@ def test_dense_attention_with_spans_is_each_head_alone():
   """The model's dense path (and the reference of the model test below)."""
   from model.attention import dense_attention as model_dense  # pylint: disable=g-import-not-at-top
   q, k, v, dout, index, seg = _packed_inputs(64)
-  got = jax.jit(lambda q, k, v, seg, spans: model_dense(q, k, v, seg, max(SPANS), spans_H=spans))(
+  got = jax.jit(lambda q, k, v, seg, spans: model_dense(q, k, v, Mask.of(SPEC, seg, spans=spans)))(
       q, k, v, seg, jnp.asarray(SPANS))
   np.testing.assert_allclose(got, per_head_reference(q, k, v, dout, index, seg, SPANS)[0],
                              **_F32_TOL)
@@ -168,15 +173,10 @@ def test_a_decoder_with_a_span_plan_matches_dense_in_zigzag(tmp_path):
 def test_a_decode_step_with_per_head_spans_matches_each_head_alone():
   """Zigzag cache on 4 devices, window 5 (the widest), heads of spans 2, 5, 3, 4; positions
   before, at and past the window."""
-  from parallelism import decoding  # pylint: disable=g-import-not-at-top
   from parallelism.layouts import permutation  # pylint: disable=g-import-not-at-top
+  from tests.test_windows import _decode_step  # pylint: disable=g-import-not-at-top
   spans, heads, kv, dim, capacity = (2, 5, 3, 4), 4, 2, 8, 64
-  rules = decoding.decode_rules((("activation_batch", None), ("activation_seq", "sequence"),
-                                 ("activation_heads", None), ("activation_kv_heads", None)))
-  mesh = jax.make_mesh((4,), ("sequence",), (jax.sharding.AxisType.Auto,),
-                       devices=jax.devices()[:4])
-  step = jax.jit(functools.partial(decoding.decode_attention, layout="zigzag", rules=rules,
-                                   mesh=mesh, window=max(spans)))
+  mesh, step = _decode_step("zigzag", 4, capacity, MaskSpec(max(spans), min(spans)))
   rng = np.random.default_rng(7)
   keys, values = (rng.standard_normal((2, capacity, kv, dim), np.float32) for _ in range(2))
   order = permutation("zigzag", capacity, 4)
@@ -210,9 +210,10 @@ def test_the_pallas_kernels_with_spans_lower_to_triton_for_cuda(monkeypatch):
   seg = jax.ShapeDtypeStruct((1, 256), jnp.int32)
 
   def fwd_bwd(q, k, v, seg, pair, spans):
-    attend = dict(schedule=schedule, pair=pair, tile=256, spans_H=spans)
-    out, lse = kernel_pallas.block_fwd(q, k, v, seg, seg, **attend)
-    return kernel_pallas.block_bwd(q, k, v, q, lse, jnp.sum(out, axis=-1), seg, seg, **attend)
+    attend = dict(schedule=schedule, pair=pair, tile=256)
+    mask = Mask(MaskSpec(300, 40), Side(seg, spans=spans), Side(seg))
+    out, lse = kernel_pallas.block_fwd(q, k, v, mask, **attend)
+    return kernel_pallas.block_bwd(q, k, v, q, lse, jnp.sum(out, axis=-1), mask, **attend)
 
   exported = _export_for_cuda(fwd_bwd, q, kv, kv, seg, jax.ShapeDtypeStruct((), jnp.int32),
                               jax.ShapeDtypeStruct((4,), jnp.int32))

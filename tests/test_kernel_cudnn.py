@@ -28,6 +28,7 @@ import pytest
 import parallelism
 from parallelism import cudnn_packing, kernel_cudnn, kernel_pallas, kernel_xla
 from parallelism.layouts import LAYOUTS
+from parallelism.masks import Mask, MaskSpec
 from parallelism.ring_attention import ring_attention
 from parallelism.schedule import ring_schedule
 from tests.test_ring_attention import (_F32_TOL, assert_close, make_inputs, reference,
@@ -92,7 +93,8 @@ def test_the_kernel_calls_the_real_api_as_it_takes_them(real_api_without_a_gpu, 
 def test_dense_attention_takes_the_real_api_forward_and_backward(real_api_without_a_gpu):
   q = jax.ShapeDtypeStruct((2, 128, 4, 64), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 128, 2, 64), jnp.bfloat16)
-  fallback = functools.partial(ring_attention, layout="ring", tile_size=64, kernel="xla")
+  fallback = lambda q, k, v, seg: ring_attention(q, k, v, Mask.of(segment_ids=seg),
+                                                 layout="ring", tile_size=64, kernel="xla")
 
   def loss(q, k, v):
     out = parallelism.cudnn_dense_attention(q, k, v, jnp.asarray(_packed_rows()), fallback)
@@ -134,29 +136,33 @@ def test_another_jax_version_makes_auto_run_pallas_on_a_gpu(gpu_backend, monkeyp
   a JAX whose private cuDNN API was not read, the run goes on with pallas and says why."""
   from parallelism import kernels  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(jax, "__version__", "0.0.1")
-  chosen, why = kernels.choose("auto", (1, 64, 4, 128), (1, 64, 2, 128), 64, jnp.bfloat16)
+  chosen, why = kernels.choose("auto", MaskSpec(), (1, 64, 4, 128), (1, 64, 2, 128), 64,
+                               jnp.bfloat16)
   assert chosen == "pallas" and "checked against JAX" in why and "this is JAX 0.0.1" in why
 
 
 def test_auto_on_a_gpu_is_cudnn_where_cudnn_takes_the_blocks(attached_gpu):
   from parallelism import kernels  # pylint: disable=g-import-not-at-top
-  q, kv = (1, 64, 4, 128), (1, 64, 2, 128)
-  assert kernels.choose("auto", q, kv, 64, jnp.bfloat16) == ("cudnn", None)
-  assert kernels.choose("auto", q, kv, 64, jnp.float32) == (
+  q, kv, causal = (1, 64, 4, 128), (1, 64, 2, 128), MaskSpec()
+  assert kernels.choose("auto", causal, q, kv, 64, jnp.bfloat16) == ("cudnn", None)
+  assert kernels.choose("auto", causal, q, kv, 64, jnp.float32) == (
       "pallas", "the cudnn kernel cannot take these attention blocks (float32 operands: "
       "cuDNN's flash attention takes bf16 or fp16)")
-  assert kernels.choose("auto", q, kv, 64, jnp.bfloat16, softcap=30.0) == (
+  assert kernels.choose("auto", MaskSpec(softcap=30.0), q, kv, 64, jnp.bfloat16) == (
       "pallas", "the cudnn kernel has no logit soft-capping (model.attention_softcap)")
-  assert kernels.choose("auto", q, kv, 64, jnp.bfloat16, buckets=True)[0] == "xla"
+  hashed = MaskSpec(sparse="hash", hash_buckets=4)
+  assert kernels.choose("auto", hashed, q, kv, 64, jnp.bfloat16)[0] == "xla"
   # Schedules with general blocks (a window, zigzag), which the cudnn kernel hands to
   # pallas: auto runs pallas directly. A named cudnn keeps its own dispatch.
   general = ("pallas", "blocks whose masks cuDNN cannot express (a window, zigzag's halves): "
                        "the cudnn kernel would hand them to pallas")
-  assert kernels.choose("auto", q, kv, 64, jnp.bfloat16, general=True) == general
-  assert kernels.choose("cudnn", q, kv, 64, jnp.bfloat16, general=True) == ("cudnn", None)
+  assert kernels.choose("auto", causal, q, kv, 64, jnp.bfloat16, general=True) == general
+  assert kernels.choose("cudnn", causal, q, kv, 64, jnp.bfloat16, general=True) == (
+      "cudnn", None)
   # Blocks Triton cannot take (head size 96): the cudnn kernel's pallas branches could not
   # either, so auto runs xla.
-  chosen, why = kernels.choose("auto", (1, 64, 4, 96), (1, 64, 2, 96), 64, jnp.bfloat16)
+  chosen, why = kernels.choose("auto", causal, (1, 64, 4, 96), (1, 64, 2, 96), 64,
+                               jnp.bfloat16)
   assert chosen == "xla" and why.startswith("the pallas kernel cannot take these attention")
 
 
@@ -359,7 +365,8 @@ def test_dense_attention_is_cudnn_with_documents_apart(reference_cudnn):
   compile: the segment ids are an argument and the route is decided at run time."""
   busy = _packed_rows(((37, 90), tuple(range(2, 128, 6))))
   assert (np.diff(busy[1]) != 0).sum() + 1 > cudnn_packing.DOCUMENTS_PER_CALL
-  fallback = functools.partial(ring_attention, layout="ring", tile_size=8, kernel="xla")
+  fallback = lambda q, k, v, seg: ring_attention(q, k, v, Mask.of(segment_ids=seg),
+                                                 layout="ring", tile_size=8, kernel="xla")
 
   @jax.jit
   def run(q, k, v, dout, seg):

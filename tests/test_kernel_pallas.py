@@ -24,6 +24,7 @@ from jax import export
 
 from parallelism import kernel_pallas, tiles
 from parallelism.layouts import LAYOUTS, permute, unpermute
+from parallelism.masks import Mask, MaskSpec, Side
 from parallelism.ring_attention import ring_attention
 from parallelism.schedule import ring_schedule, schedule_of_order
 from tests.test_ring_attention import dense_attention
@@ -75,9 +76,10 @@ def _fwd_bwd(schedule, **config):
   @jax.jit
   def run(q, k, v, dout, pair, q_seg, k_seg):
     at = dict(schedule=schedule, pair=pair, tile=TILE, **config)
-    out, lse = kernel_pallas.block_fwd(q, k, v, q_seg, k_seg, **at)
+    mask = Mask(MaskSpec(), Side(q_seg), Side(k_seg))
+    out, lse = kernel_pallas.block_fwd(q, k, v, mask, **at)
     delta = jnp.sum(out * dout, axis=-1)
-    grads = kernel_pallas.block_bwd(q, k, v, dout, lse, delta, q_seg, k_seg, **at)
+    grads = kernel_pallas.block_bwd(q, k, v, dout, lse, delta, mask, **at)
     return out, lse, grads
   return run
 
@@ -182,10 +184,12 @@ def test_kernels_lower_to_triton_for_cuda(monkeypatch, packed):
 
   def fwd_bwd(q, k, v, seg, pair):
     seg = seg if packed else None
-    attend = dict(schedule=schedule, pair=pair, tile=256, softcap=30.0 if packed else 0.0)
-    out, lse = kernel_pallas.block_fwd(q, k, v, seg, seg, **attend)
+    attend = dict(schedule=schedule, pair=pair, tile=256)
+    spec = MaskSpec(300, softcap=30.0) if packed else MaskSpec()
+    mask = Mask(spec, Side(seg), Side(seg))
+    out, lse = kernel_pallas.block_fwd(q, k, v, mask, **attend)
     delta = jnp.sum(out, axis=-1)
-    return kernel_pallas.block_bwd(q, k, v, q, lse, delta, seg, seg, **attend)
+    return kernel_pallas.block_bwd(q, k, v, q, lse, delta, mask, **attend)
 
   exported = _export_for_cuda(fwd_bwd, q, kv, kv, seg, jax.ShapeDtypeStruct((), jnp.int32))
   assert exported.mlir_module().count("__gpu$xla.gpu.triton") == 3  # fwd, dK/dV, dQ
@@ -228,9 +232,9 @@ def test_ring_attention_pallas_matches_dense(layout, window, softcap):
 
   @jax.jit
   def run(q, k, v, dout):
-    attend = lambda q, k, v: ring_attention(q, k, v, perm(seg), layout=layout, mesh=mesh,
-                                            kernel="pallas", tile_size=8, window=window,
-                                            softcap=softcap)
+    mask = Mask.of(MaskSpec(window=window, softcap=softcap), perm(seg))
+    attend = lambda q, k, v: ring_attention(q, k, v, mask, layout=layout, mesh=mesh,
+                                            kernel="pallas", tile_size=8)
     out, vjp = jax.vjp(attend, q, k, v)
     return (out, *vjp(dout))
 
@@ -263,8 +267,8 @@ def test_auto_runs_xla_on_gpus_where_triton_cannot_lower(monkeypatch, q_len, hea
 
   def fwd_bwd(q, k, v, pair):
     attend = dict(schedule=schedule, pair=pair, tile=tile)
-    out, lse = kernel_pallas.block_fwd(q, k, v, None, None, **attend)
-    return kernel_pallas.block_bwd(q, k, v, q, lse, lse, None, None, **attend)
+    out, lse = kernel_pallas.block_fwd(q, k, v, Mask(), **attend)
+    return kernel_pallas.block_bwd(q, k, v, q, lse, lse, Mask(), **attend)
 
   try:
     _export_for_cuda(fwd_bwd, q, kv, kv, jax.ShapeDtypeStruct((), jnp.int32))
@@ -275,10 +279,10 @@ def test_auto_runs_xla_on_gpus_where_triton_cannot_lower(monkeypatch, q_len, hea
   assert lowered == (reason is None), reason
   cannot = f"the pallas kernel cannot take these attention blocks ({reason})"
   with kernels.target.compiling_for("gpu"):
-    planned, why = kernels.choose("auto", q.shape, kv.shape, tile, q.dtype)
+    planned, why = kernels.choose("auto", MaskSpec(), q.shape, kv.shape, tile, q.dtype)
   assert why.startswith("the cudnn kernel cannot be planned for described GPUs")
   assert (planned, why.endswith(cannot)) == (("pallas", False) if lowered else ("xla", True))
   monkeypatch.setattr(kernels.target, "backend", lambda: "gpu")
   monkeypatch.setattr(kernels.kernel_cudnn, "unusable", lambda *_: None)  # as on a CUDA GPU
-  assert kernels.choose("auto", q.shape, kv.shape, tile, q.dtype) == (
+  assert kernels.choose("auto", MaskSpec(), q.shape, kv.shape, tile, q.dtype) == (
       ("cudnn", None) if lowered else ("xla", cannot))

@@ -7,6 +7,7 @@ import pytest
 
 from model import Decoder, ModelConfig, dense_attention
 from model.decoder import Block
+from parallelism.masks import Mask
 
 B, S = 2, 32
 
@@ -78,8 +79,9 @@ def test_changing_a_future_token_never_changes_earlier_logits():
 @jax.jit
 def _gqa_and_multihead(q, k, v, segments):
   groups = q.shape[2] // k.shape[2]
-  return dense_attention(q, k, v, segments), dense_attention(
-      q, jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2), segments)
+  mask = Mask.of(segment_ids=segments)
+  return dense_attention(q, k, v, mask), dense_attention(
+      q, jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2), mask)
 
 
 @pytest.mark.parametrize("groups", [1, 2, 4])

@@ -64,7 +64,7 @@ def test_ring_with_drop_codes_matches_dense_and_dropped_queries_give_zero():
   inputs, _ = _packed_inputs()
   codes = tuple(np.broadcast_to(c, (2, *c.shape)) for c in _codes(128, 0.5))
   want, _ = hash_reference(*inputs, *codes)
-  got = _ring("striped", seq_mesh(4), inputs, codes)  # asserts all finite
+  got = _ring("striped", seq_mesh(4), inputs, codes, sparse="qk_drop")  # asserts all finite
   assert_close(got, want, **_F32_TOL)
   dropped = codes[0] == 1
   np.testing.assert_array_equal(got[0][dropped], 0.0)

@@ -20,6 +20,7 @@ from jax.sharding import AxisType
 from configs import base as base_config
 from parallelism import kernel_xla
 from parallelism.layouts import LAYOUTS, permute, unpermute
+from parallelism.masks import Mask, MaskSpec, Side
 from parallelism.ring import merge, pack, unpack
 from parallelism.ring_attention import ring_attention
 from parallelism.schedule import ring_schedule, schedule_of_order
@@ -80,23 +81,33 @@ def block_reference(q, k, v, dout, q_index, q_seg, k_index, k_seg):
   return (out, *vjp(dout))
 
 
-def ring_in_layout(layout, mesh, q, k, v, dout, index, seg, packed=True, **kwargs):
+def ring_in_layout(layout, mesh, q, k, v, dout, index, seg, packed=True, spec=MaskSpec(),
+                   positions=None, spans=None, codes=(None, None), **kwargs):
   """Runs ring_attention (jitted) on permuted inputs; returns out, dq, dk, dv unpermuted.
 
-  `packed=False` passes no segment ids (one document per row; `seg` must be all one id).
+  The mask is `spec` with the operands given (`positions` and `codes` in the original order,
+  permuted here); `packed=False` passes no segment ids (one document per row; `seg` must be
+  all one id).
   """
   n = mesh.shape["sequence"]
   perm = functools.partial(permute, layout=layout, num_shards=n)
-  seg_p = perm(seg) if packed else None
+  optional = lambda x: None if x is None else perm(x)
+  mask = Mask.of(spec, perm(seg) if packed else None, positions=optional(positions),
+                 spans=spans, codes=tuple(map(optional, codes)))
 
   @jax.jit
   def run(q, k, v, dout):
-    out, vjp = jax.vjp(lambda q, k, v: ring_attention(q, k, v, seg_p, layout=layout, mesh=mesh,
+    out, vjp = jax.vjp(lambda q, k, v: ring_attention(q, k, v, mask, layout=layout, mesh=mesh,
                                                       **kwargs), q, k, v)
     return (out, *vjp(dout))
 
   results = run(perm(q), perm(k), perm(v), perm(dout))
   return [unpermute(np.asarray(x, np.float32), layout, n) for x in results]
+
+
+def pair_mask(q_seg=None, k_seg=None, spec=MaskSpec()):
+  """A block pair's mask for a kernel: its spec, the queries' and the keys' segment ids."""
+  return Mask(spec, Side(q_seg), Side(k_seg))
 
 
 def assert_close(got, want, **tol):
@@ -210,7 +221,7 @@ def test_block_kernel_rows_that_see_nothing():
   seg = np.zeros((1, 16), np.int32)
   dout = rng.standard_normal(q.shape, np.float32)
   want = block_reference(q, k, v, dout, q_index, seg, k_index, seg)
-  out, lse = kernel_xla.block_fwd(q, k, v, None, None, schedule=schedule, pair=pair, tile=4)
+  out, lse = kernel_xla.block_fwd(q, k, v, Mask(), schedule=schedule, pair=pair, tile=4)
   assert np.isfinite(np.asarray(out)).all()
   np.testing.assert_array_equal(np.asarray(out)[:, :8], 0.0)
   assert np.all(np.asarray(lse)[:, :8] == -np.inf)
@@ -222,7 +233,7 @@ def test_block_kernel_rows_that_see_nothing():
   future = ring_schedule("ring", 32, 2)
   empty_pair = future.pair[0, 1]
   assert future.shapes[empty_pair] == "empty" and future.empty[0, 1]
-  out_f, lse_f = kernel_xla.block_fwd(q, k, v, None, None, schedule=future, pair=empty_pair,
+  out_f, lse_f = kernel_xla.block_fwd(q, k, v, Mask(), schedule=future, pair=empty_pair,
                                       tile=4)
   np.testing.assert_array_equal(np.asarray(out_f), 0.0)
   assert np.all(np.asarray(lse_f) == -np.inf)
@@ -233,7 +244,7 @@ def test_block_kernel_rows_that_see_nothing():
   np.testing.assert_allclose(np.asarray(merged), np.asarray(out), **_F32_TOL)
 
   # With one block its lse is the global one, so block_bwd is the whole gradient.
-  grads = kernel_xla.block_bwd(q, k, v, dout, lse, jnp.sum(out * dout, axis=-1), None, None,
+  grads = kernel_xla.block_bwd(q, k, v, dout, lse, jnp.sum(out * dout, axis=-1), Mask(),
                                schedule=schedule, pair=pair, tile=4)
   for got, w in zip(grads, want[1:]):
     np.testing.assert_allclose(np.asarray(got), np.asarray(w), **_F32_TOL)
@@ -261,9 +272,9 @@ def test_block_kernel_masks_of_any_shape(order, monkeypatch):
     q_index, k_index = (np.stack([schedule.order[b]] * 2) for b in (q_block, k_block))
     q_seg, k_seg = seg_BT, np.roll(seg_BT, 5, axis=1)
     at = dict(schedule=schedule, pair=pair, tile=8)
-    out, lse = kernel_xla.block_fwd(q, k, v, q_seg, k_seg, **at)
+    out, lse = kernel_xla.block_fwd(q, k, v, pair_mask(q_seg, k_seg), **at)
     delta = jnp.sum(out * dout, axis=-1)
-    grads = kernel_xla.block_bwd(q, k, v, dout, lse, delta, q_seg, k_seg, **at)
+    grads = kernel_xla.block_bwd(q, k, v, dout, lse, delta, pair_mask(q_seg, k_seg), **at)
     assert_close((out, *grads), block_reference(q, k, v, dout, q_index, q_seg, k_index, k_seg),
                  **_F32_TOL)
   assert set(traced) == ({"_fwd_update_in_halves", "_bwd_update_in_halves"} if halves else set())
@@ -298,7 +309,7 @@ def test_no_mesh_computes_locally():
 
   @jax.jit  # jit adds no mesh; one compile where op-by-op dispatch compiled each op
   def run(q, k, v, dout):
-    out, vjp = jax.vjp(lambda q, k, v: ring_attention(q, k, v, seg, layout="zigzag",
+    out, vjp = jax.vjp(lambda q, k, v: ring_attention(q, k, v, Mask.of(segment_ids=seg), layout="zigzag",
                                                       tile_size=16), q, k, v)
     return (out, *vjp(dout))
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from parallelism.layouts import permute
+from parallelism.masks import Mask, MaskSpec
 from tests.test_ring_attention import (_F32_TOL, assert_close, make_inputs, ring_in_layout,
                                        seq_mesh)
 
@@ -53,10 +54,10 @@ def sink_reference(q, k, v, dout, index, seg, positions, windows, sinks=SINKS):
   return (out, *vjp(dout))
 
 
-def _ring(layout, num_shards, inputs, positions, **kwargs):
+def _ring(layout, num_shards, inputs, positions, window, narrowest=None, **kwargs):
+  spec = MaskSpec(window=window, narrowest=narrowest, sink_tokens=SINKS)
   return ring_in_layout(layout, seq_mesh(num_shards), *inputs, tile_size=8,
-                        positions=permute(positions, layout, num_shards), sink_tokens=SINKS,
-                        **kwargs)
+                        positions=positions, spec=spec, **kwargs)
 
 
 # The sinks' own code (`parallelism.sinks`) is the same in every layout but for the host-side
@@ -82,9 +83,9 @@ def test_other_strategies_take_sinks(strategy, ring, ulysses, layout, window):
   inputs, positions = _inputs()
   mesh = jax.make_mesh((ring, ulysses), ("sequence", "ulysses"),
                        devices=jax.devices()[:ring * ulysses])
-  got = ring_in_layout(layout, mesh, *inputs, tile_size=8, window=window, strategy=strategy,
+  got = ring_in_layout(layout, mesh, *inputs, tile_size=8, strategy=strategy,
                        rules=(("activation_seq", ("sequence", "ulysses")),),
-                       positions=permute(positions, layout, ring), sink_tokens=SINKS)
+                       positions=positions, spec=MaskSpec(window=window, sink_tokens=SINKS))
   assert_close(got, sink_reference(*inputs, positions, (window,) * 4), **_F32_TOL)
 
 
@@ -106,12 +107,13 @@ def test_ring_with_sinks_matches_dense_over_several_rounds():
 def test_sinks_need_a_window_and_positions():
   (q, k, v, *_), positions = _inputs(64)
   from parallelism import ring_attention  # pylint: disable=g-import-not-at-top
-  with pytest.raises(ValueError, match="sink tokens need a window"):
-    ring_attention(q, k, v, layout="ring", positions=positions, sink_tokens=2)
-  with pytest.raises(ValueError, match=r"need positions \[B, S\]"):
-    ring_attention(q, k, v, layout="ring", window=8, sink_tokens=2)
+  with pytest.raises(ValueError, match=r"sink_tokens=2 needs a window \(mask.window\)"):
+    ring_attention(q, k, v, Mask.of(MaskSpec(sink_tokens=2), positions=positions),
+                   layout="ring")
+  with pytest.raises(ValueError, match=r"sink tokens need positions .* \[B, S\]"):
+    ring_attention(q, k, v, Mask.of(MaskSpec(window=8, sink_tokens=2)), layout="ring")
   with pytest.raises(ValueError, match="sink_tokens=-1 must be >= 0"):
-    ring_attention(q, k, v, layout="ring", window=8, sink_tokens=-1)
+    ring_attention(q, k, v, Mask.of(MaskSpec(window=8, sink_tokens=-1)), layout="ring")
 
 
 @pytest.mark.parametrize("capacity", [64, 16])
@@ -124,8 +126,7 @@ def test_a_decode_step_reads_the_sinks_beyond_the_window(capacity):
   window, heads, kv, dim = 5, 4, 2, 8
   rng = np.random.default_rng(3)
   keys, values = (rng.standard_normal((2, capacity, kv, dim), np.float32) for _ in range(2))
-  mesh, step = _decode_step("zigzag", 4, capacity, window)
-  step = jax.jit(functools.partial(step.__wrapped__, sink_tokens=SINKS))
+  mesh, step = _decode_step("zigzag", 4, capacity, MaskSpec(window=window, sink_tokens=SINKS))
   order = permutation("zigzag", capacity, 4)
   for position in (1, 6, capacity - 1):
     q, k, v = (rng.standard_normal((2, 1, h, dim), np.float32) for h in (heads, kv, kv))
@@ -149,8 +150,9 @@ def test_the_model_dense_path_sees_the_sinks():
   from model.attention import dense_attention as model_dense  # pylint: disable=g-import-not-at-top
   (q, k, v, dout, index, seg), positions = _inputs(64)
   want = sink_reference(q, k, v, dout, index, seg, positions, SPANS)[0]
-  got = model_dense(q, k, v, seg, max(SPANS), spans_H=jnp.asarray(SPANS),
-                    positions_BS=jnp.asarray(positions), sink_tokens=SINKS)
+  spec = MaskSpec(window=max(SPANS), narrowest=min(SPANS), sink_tokens=SINKS)
+  got = model_dense(q, k, v, Mask.of(spec, seg, positions=jnp.asarray(positions),
+                                     spans=jnp.asarray(SPANS)))
   np.testing.assert_allclose(got, want, **_F32_TOL)
 
 

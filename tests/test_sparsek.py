@@ -18,6 +18,7 @@ import pytest
 from model import sparsek as sk
 from parallelism import kernel_sparsek, kernel_xla
 from parallelism.layouts import permute, unpermute
+from parallelism.masks import Mask, MaskSpec
 from parallelism.ring_attention import ring_attention
 from parallelism.schedule import ring_schedule
 from tests.test_hash_attention import assert_one_line_config_error
@@ -160,6 +161,10 @@ def _inputs(num_kv=2, seq_len=64, seed=3, empty=True):
   return inputs, tau, u
 
 
+def _spec(window=WINDOW):
+  return MaskSpec(sparse="sparsek", sparsek_k=K, sparsek_window=window)
+
+
 def _ring(layout, n, inputs, tau, u, window=WINDOW):
   """ring_attention on n devices in `layout` with its VJP; results in the original order."""
   q, k, v, dout, _, seg = inputs
@@ -169,8 +174,8 @@ def _ring(layout, n, inputs, tau, u, window=WINDOW):
   @jax.jit
   def run(*args):
     out, vjp = jax.vjp(lambda q, k, v, tau, u: ring_attention(
-        q, k, v, perm(seg), layout=layout, mesh=mesh, tile_size=8, q_thresholds=tau,
-        k_scores=u, sparsek_window=window), *args[:5])
+        q, k, v, Mask.of(_spec(window), perm(seg), scores=(tau, u)), layout=layout, mesh=mesh,
+        tile_size=8), *args[:5])
     return (out, *vjp(args[5]))
 
   got = run(*(perm(x) for x in (q, k, v, tau, u, dout)))
@@ -204,9 +209,9 @@ def test_block_kernel_lse_and_tile_skipping():
   when every threshold is -inf (every mask 1)."""
   (q, k, v, dout, index, seg), tau, u = _inputs(num_kv=1)  # the striped test's reference
   schedule = ring_schedule("ring", 64, 1)
-  at = dict(schedule=schedule, pair=schedule.pair[0, 0], tile=8, q_codes_BTH=tau,
-            k_codes_BTK=u, sparsek_window=0)
-  out, lse = jax.jit(functools.partial(kernel_xla.block_fwd, **at))(q, k, v, seg, seg)
+  at = dict(schedule=schedule, pair=schedule.pair[0, 0], tile=8)
+  out, lse = jax.jit(functools.partial(kernel_xla.block_fwd, **at))(
+      q, k, v, Mask.of(_spec(0), seg, scores=(tau, u)))
   _, want_lse = sparsek_reference(q, k, v, dout, index, seg, tau, u, window=0)
   np.testing.assert_allclose(lse, want_lse, **_F32_TOL)
   assert lse[0, 5, 0] == -np.inf

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from parallelism.layouts import permute, unpermute
+from parallelism.masks import Mask
 from parallelism.ring_attention import ring_attention
 from parallelism.strategies import kv_repeat
 from tests.test_ring_attention import _F32_TOL, assert_close, make_inputs, reference
@@ -42,8 +43,9 @@ def run_strategy(strategy, layout, mesh, q, k, v, dout, index, seg, tile_size=8)
 
   @jax.jit
   def run(q, k, v, dout, seg):
-    attend = lambda q, k, v: ring_attention(q, k, v, seg, layout=layout, mesh=mesh, rules=RULES,
-                                            tile_size=tile_size, strategy=strategy)
+    attend = lambda q, k, v: ring_attention(q, k, v, Mask.of(segment_ids=seg), layout=layout,
+                                            mesh=mesh, rules=RULES, tile_size=tile_size,
+                                            strategy=strategy)
     out, vjp = jax.vjp(attend, q, k, v)
     return (out, *vjp(dout))
 

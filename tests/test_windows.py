@@ -18,6 +18,7 @@ import pytest
 from model import ModelConfig
 from parallelism import tiles, traffic
 from parallelism.layouts import LAYOUTS
+from parallelism.masks import Mask, MaskSpec, Side, visible
 from parallelism.schedule import compare_layouts, held_block, ring_schedule
 from tests.test_ring_attention import (_F32_TOL, assert_close, make_inputs, reference,
                                        ring_in_layout, seq_mesh)
@@ -42,7 +43,7 @@ def test_schedule_with_a_window_rebuilds_the_elementwise_rule(layout, num_shards
       for step in range(num_shards):
         q_index = schedule.order[device]
         k_index = schedule.order[held_block(device, step, num_shards)]
-        want = tiles.visible(q_index[:, None], k_index[None, :], window)
+        want = visible(MaskSpec(window=window), q_index[:, None] - k_index[None, :])
         pair = schedule.pair[device, step]
         for lists, outer, inner, transposed in ((plan.by_query, tile, tile, False),
                                                 (plan.by_key, tile, tile, True)):
@@ -96,8 +97,8 @@ def test_ring_with_a_window_matches_dense(layout, num_shards, window, softcap):
   and past a zigzag chunk, and Gemma 2's logit soft cap (it changes the output by ~1)."""
   seq_len = 96 if num_shards == 3 else 128
   inputs = _packed_inputs(seq_len)
-  got = ring_in_layout(layout, seq_mesh(num_shards), *inputs, tile_size=8, window=window,
-                       softcap=softcap)
+  got = ring_in_layout(layout, seq_mesh(num_shards), *inputs, tile_size=8,
+                       spec=MaskSpec(window=window, softcap=softcap))
   assert_close(got, reference(*inputs, window=window, softcap=softcap), **_F32_TOL)
 
 
@@ -134,9 +135,10 @@ def test_window_and_pattern_errors_name_the_field():
                      (dict(window=4, layer_pattern="G"), "has no local layer"),
                      (dict(window=-1), "model.window=-1 must be >= 0"),
                      (dict(window=4, local_rope_theta=-1.0), "local_rope_theta"),
-                     (dict(attention_softcap=-1.0), "attention_softcap=-1.0 must be >= 0")):
+                     (dict(attention_softcap=-1.0),
+                      "attention_softcap=-1.0 must be a finite number >= 0")):
     assert match in ModelConfig(**fields, **bad).pattern_problem()
-  with pytest.raises(ValueError, match="attention window 0 must be a whole number"):
+  with pytest.raises(ValueError, match="window=0 must be a whole number"):
     ring_schedule("ring", 64, 2, 0)
 
 
@@ -222,15 +224,23 @@ def test_local_and_global_layers_in_one_scan_match_dense_in_a_ring_cut_short():
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5 * scale)
 
 
-def _decode_step(layout, num_shards, capacity, window):
-  """`decode_attention` on a sequence mesh of `num_shards`, jitted, for a cache in layout."""
+def _decode_step(layout, num_shards, capacity, spec):
+  """`decode_attention` under the mask `spec` on a sequence mesh of `num_shards`, jitted,
+  for a cache in layout: step(q, k, v, key cache, value cache, positions, spans=None) ->
+  (out, key cache, value cache)."""
   from parallelism import decoding  # pylint: disable=g-import-not-at-top
   rules = decoding.decode_rules((("activation_batch", None), ("activation_seq", "sequence"),
                                  ("activation_heads", None), ("activation_kv_heads", None)))
   mesh = jax.make_mesh((num_shards,), ("sequence",), (jax.sharding.AxisType.Auto,),
                        devices=jax.devices()[:num_shards])  # as parallelism.make_mesh's
-  return mesh, jax.jit(functools.partial(decoding.decode_attention, layout=layout, rules=rules,
-                                         mesh=mesh, window=window))
+
+  def step(q, k, v, key_cache, value_cache, positions, spans=None):
+    out, (keys, values, _) = decoding.decode_attention(
+        q, k, v, (key_cache, value_cache, Side()), positions, Mask(spec, Side(spans=spans)),
+        layout=layout, rules=rules, mesh=mesh)
+    return out, keys, values
+
+  return mesh, jax.jit(step)
 
 
 def _cache_sharding(mesh):
@@ -249,7 +259,7 @@ def test_a_local_decode_step_reads_the_window_and_matches_dense(layout):
   window, heads, kv, dim, capacity = 5, 4, 2, 8, 64
   rng = np.random.default_rng(7)
   keys, values = (rng.standard_normal((2, capacity, kv, dim), np.float32) for _ in range(2))
-  mesh, step = _decode_step(layout, 4, capacity, window)
+  mesh, step = _decode_step(layout, 4, capacity, MaskSpec(window=window))
   order = permutation(layout, capacity, 4)
   for position in (0, 3, 4, 5, 30, 63):
     q, k, v = (rng.standard_normal((2, 1, h, dim), np.float32) for h in (heads, kv, kv))
@@ -269,7 +279,7 @@ def test_a_local_decode_step_reads_the_window_and_matches_dense(layout):
       np.testing.assert_array_equal(np.asarray(key_cache)[row, np.argsort(order)[p]], k[row, 0])
 
   def flops(capacity):
-    mesh, step = _decode_step(layout, 4, capacity, window)
+    mesh, step = _decode_step(layout, 4, capacity, MaskSpec(window=window))
     token, cache = ((2, 1, h, dim) for h in (heads, kv, kv)), (2, capacity, kv, dim)
     args = [*(jax.ShapeDtypeStruct(s, jnp.float32) for s in token),
             *(jax.ShapeDtypeStruct(cache, jnp.float32, sharding=_cache_sharding(mesh))

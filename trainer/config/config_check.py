@@ -211,9 +211,7 @@ def attention_split(config: ml_collections.ConfigDict, num_devices: int,
     return parallelism.split_attention(
         m.sequence_parallel, layout_of(m.attention), config.data.seq_len, m.attention_tile,
         m.kernel, mesh, config.mesh.rules, m.num_heads, m.num_kv_heads, cfg.head_size,
-        jnp.dtype(m.dtype), CONFIG_NAMES, window=cfg.window_of(kind),
-        softcap=cfg.attention_softcap, narrowest=cfg.narrowest_span if kind == "L" else None,
-        buckets=cfg.coded, sparsek_window=cfg.sparsek_window if cfg.selects else None)
+        jnp.dtype(m.dtype), CONFIG_NAMES, spec=cfg.mask_spec(kind))
   except ValueError as error:
     raise ConfigError(str(error)) from None
 
