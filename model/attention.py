@@ -57,15 +57,16 @@ def dense_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
                                                                              None, :]
   row = lambda x_BS, axis: None if x_BS is None else jnp.expand_dims(x_BS[:, None, None],
                                                                      axis)
-  queries = parallelism.Side(row(mask.q.segment_ids, -1), codes=per_query(mask.q.codes),
-                             scores=per_query(mask.q.scores))
-  keys = parallelism.Side(row(mask.k.segment_ids, -2), row(mask.k.positions, -2),
-                          per_key(mask.k.codes), per_key(mask.k.scores))
   span = None if mask.q.spans is None else mask.q.spans.reshape(num_kv_heads, -1)[
       :, :, None, None]
-  visible_BKGST = parallelism.masks.visible(spec, behind_ST, queries, keys, span)
+  laid_out = parallelism.Mask(
+      spec, parallelism.Side(row(mask.q.segment_ids, -1), codes=per_query(mask.q.codes),
+                             scores=per_query(mask.q.scores), spans=span),
+      parallelism.Side(row(mask.k.segment_ids, -2), row(mask.k.positions, -2),
+                       per_key(mask.k.codes), per_key(mask.k.scores)))
+  visible_BKGST = parallelism.masks.visible(laid_out, behind_ST)
   if spec.selects:
-    weight, _ = parallelism.masks.sparsek_weight(spec, behind_ST, queries, keys)
+    weight, _ = parallelism.masks.sparsek_weight(laid_out, behind_ST)
     scores_BKGST += jnp.log(jnp.where(weight > 0, weight, 1.0))
   scores_BKGST = jnp.where(visible_BKGST, scores_BKGST, -jnp.inf)
   row_max_BKGS1 = jnp.max(scores_BKGST, axis=-1, keepdims=True)

@@ -185,13 +185,13 @@ def _local_attention(q_B1HD, k_B1KD, v_B1KD, key_cache_BcKD, value_cache_BcKD, s
   tau = None
   if spec.selects:
     tau = _threshold(slots.scores, slot_of_position_C, position_B, seq_axes, threshold)
-  queries = Side(codes=per_query(mask.q.codes), scores=tau)
-  keys = Side(positions=positions_BW[:, None, None], codes=per_slot(read.codes),
-              scores=per_slot(read.scores))
   span = None if mask.q.spans is None else mask.q.spans.reshape(num_kv, -1)[None, :, :, None]
-  visible_BKGc = held_Bc[:, None, None] & visible(spec, behind_B11c, queries, keys, span)
+  slot_mask = Mask(spec, Side(codes=per_query(mask.q.codes), scores=tau, spans=span),
+                   Side(positions=positions_BW[:, None, None], codes=per_slot(read.codes),
+                        scores=per_slot(read.scores)))
+  visible_BKGc = held_Bc[:, None, None] & visible(slot_mask, behind_B11c)
   if spec.selects:
-    weight, _ = sparsek_weight(spec, behind_B11c, queries, keys)
+    weight, _ = sparsek_weight(slot_mask, behind_B11c)
     scores_BKGc = scores_BKGc + jnp.log(jnp.where(weight > 0, weight, 1.0))
   scores_BKGc = jnp.where(visible_BKGc, scores_BKGc, -jnp.inf)
   # The merge: the global max first (a device may see nothing: -inf, kept out of the max;

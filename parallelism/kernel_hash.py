@@ -1,146 +1,59 @@
-"""Hash attention's block kernel (SCFA, issue #38): tiles sorted by bucket, skipped at run time.
+"""The block kernel of run-time codes (hash attention, QK-dropping; issue #54): sort, then
+ranges, as SCFA computes them.
 
-The `xla` kernel hands a block pair here when it has codes (`parallelism.kernels`): query
-head h sees a key iff causal by ORIGINAL token index, same document, same code as its kv
-head's key (and within the window or its span, when the layer has one).
+The `xla` kernel hands a block pair here when its mask is coded (`MaskSpec.coded`): query
+head h sees a key iff its code of h's kv head equals the query's, it is in the same
+document, not after the query by original position and within its window or span. The
+ring sorts each device's queries and keys once, per head, by (code, document, original
+position) (`parallelism.sorting`); then every query sees one contiguous range [lo, hi) of a
+key block's sorted keys (`sorting.ranges`), and a query tile the key tiles from its first
+query's lo to its last query's hi (both rise with the sorted order). Ranges are the mask:
+a computed tile masks key position p of query q by lo_q <= p < hi_q, and no tile outside
+the ranges is visited, with the loop's bounds read at run time.
 
-- Rows: each (batch row, query head) is one row, each kv head one key row; both are sorted
-  stably by (run, bucket, original index). A run is a stretch of the block whose indices
-  advance by its stride (`runs`, from the layout on the host): zigzag's two chunks stay
-  apart, so the causal rule still skips between them.
-- SKIP a tile pair when the bucket ranges cannot meet, `min(k_index) > max(q_index)`,
-  `min(q_index) - max(k_index) >= window`, or the segment ranges cannot meet; compute every
-  other with the elementwise mask. Block pairs the schedule knows are empty never get here.
-- Static capacity: per row and query tile the met key tiles first, then their count. The
-  query tiles walk their lists one at a time on a CPU, side by side in batches on a GPU
-  (`_over_tiles`; one at a time, a GPU ran B x H x T/t tiny steps); the backward walks
-  twice, dq per query tile, dk and dv per key tile (key tiles side by side cannot all add
-  into one dq). Memory: lists, sort metadata, a sorted copy of each operand, a batch's tiles.
-- GQA: no union of heads (at SCFA's B=4, H=48 a shared tile would skip almost nothing); one
-  head per matmul instead.
+- Rows: each (batch row, query head) is one row, each kv head one key row; no union of a
+  group's heads (their codes differ; at SCFA's B=4, H=48 a shared tile would skip little).
+- Forward and dq: per query tile over its key tiles. dK/dV: per key tile, over each query
+  head of its group, the query tiles from its first key's lowest query to its last key's
+  highest (the keys' ranges); key tiles side by side cannot all add into one dq.
+- The tiles walk one at a time on a CPU; on a GPU side by side in batches of like lengths
+  (`_over_tiles`; one at a time, a GPU ran B x H x T/t tiny steps).
+- Outputs stay in the sorted order (the ring merges them so and unsorts once); a pair given
+  unsorted (a block alone, e.g. `dense` or a test) is sorted here and its results unsorted.
 
-Results are scattered back to the block's order; a query that sees nothing gives 0 and lse
--inf, never NaN. Tile arithmetic is the `xla` kernel's (`parallelism.tile_math`).
+A query that sees nothing gives 0 and lse -inf, never NaN. Tile arithmetic is the `xla`
+kernel's (`parallelism.tile_math`).
 """
 
 from __future__ import annotations
 
-import functools
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from parallelism import target
+from parallelism import sorting, target
 from parallelism.kernel_grads import Grads
-from parallelism.masks import Mask, MaskSpec, Side, visible
-from parallelism.schedule import RingSchedule
+from parallelism.masks import Mask
+from parallelism.row_tiles import rows, tile as tile_of, unrows
 from parallelism.tile_math import bwd_update, fwd_result, fwd_update
 
 _F32 = jnp.float32
 
 
-class Rows(NamedTuple):
-  """One side of a block pair sorted per row: [R, T] each (`seg` None without documents)."""
-  order: jax.Array  # position in the block of each sorted entry
-  codes: jax.Array
-  index: jax.Array  # original token index
-  seg: jax.Array | None
+def _span(lo_RT, hi_RT, row, i, tile: int):
+  """(first, stop) of the tiles the ranges of tile i of row `row` reach (lo and hi rise
+  along a sorted row: its first entry's lo, its last's hi); first == stop where every range
+  of the tile is empty."""
+  first = lo_RT[row, i * tile]
+  last = hi_RT[row, i * tile + tile - 1]
+  stop = jnp.where(last > first, (last + tile - 1) // tile, first // tile)
+  return first // tile, stop
 
 
-def runs(index_T: np.ndarray) -> np.ndarray:
-  """[T] int32: the run of each position of a block, a new one wherever its original index
-  does not advance by the block's most common step (host-side, from the static layout)."""
-  steps = np.diff(np.asarray(index_T))
-  if steps.size == 0:
-    return np.zeros(np.shape(index_T), np.int32)
-  values, counts = np.unique(steps, return_counts=True)
-  return np.concatenate([[0], np.cumsum(steps != values[np.argmax(counts)])]).astype(np.int32)
-
-
-@functools.lru_cache(maxsize=64)
-def pair_runs(schedule: RingSchedule) -> tuple[np.ndarray, np.ndarray]:
-  """([P, T], [P, T]) int32: the runs of each distinct pair's query and key blocks."""
-  return tuple(np.stack([runs(index_T) for index_T in index_PT])
-               for index_PT in schedule.pair_index)
-
-
-def sort_rows(codes_BTH, index_T, seg_BT, run_T=None) -> Rows:
-  """Rows (b * H + h) of a side, sorted stably by (run, bucket, original index)."""
-  batch, length, heads = codes_BTH.shape
-  codes_RT = jnp.swapaxes(codes_BTH, 1, 2).reshape(batch * heads, length)
-  index_RT = jnp.broadcast_to(index_T.astype(jnp.int32), codes_RT.shape)
-  keys = (index_RT, codes_RT) + (() if run_T is None else
-                                 (jnp.broadcast_to(run_T, codes_RT.shape),))
-  order_RT = jnp.lexsort(keys, axis=-1).astype(jnp.int32)
-  take = lambda x_RT: jnp.take_along_axis(x_RT, order_RT, axis=1)
-  seg_RT = None if seg_BT is None else take(jnp.repeat(seg_BT, heads, axis=0))
-  return Rows(order_RT, take(codes_RT), take(index_RT), seg_RT)
-
-
-def gather_rows(x_BTH, order_RT):
-  """[B, T, H, ...] -> [B*H, T, ...] in the rows' sorted order."""
-  batch, length, heads = x_BTH.shape[:3]
-  x = jnp.swapaxes(x_BTH, 1, 2).reshape(batch * heads, length, *x_BTH.shape[3:])
-  order = order_RT.reshape(order_RT.shape + (1,) * (x.ndim - 2))
-  return jnp.take_along_axis(x, order, axis=1)
-
-
-def scatter_rows(x_RT, order_RT, batch: int):
-  """Inverse of `gather_rows`: back to the block's order, [B, T, H, ...]."""
-  inverse_RT = jnp.argsort(order_RT, axis=1)
-  x = jnp.take_along_axis(x_RT, inverse_RT.reshape(inverse_RT.shape + (1,) * (x_RT.ndim - 2)),
-                          axis=1)
-  x = x.reshape(batch, -1, *x.shape[1:])
-  return jnp.swapaxes(x, 1, 2)
-
-
-def _ranges(x_RT, tile: int):
-  chunks = x_RT.reshape(x_RT.shape[0], -1, tile)
-  return chunks.min(axis=-1), chunks.max(axis=-1)
-
-
-def meets(q: Rows, k: Rows, tile: int, window: int | None = None):
-  """[Rk, G, nq, nk] bool: the tile pairs the rule computes (query row = key row * G + g)."""
-  num_k_rows = k.codes.shape[0]
-
-  def ranges(rows: Rows, query: bool):
-    shape = (num_k_rows, -1, rows.codes.shape[1] // tile, 1) if query else (
-        num_k_rows, 1, 1, -1)
-    return [tuple(r.reshape(shape) for r in _ranges(x, tile))
-            for x in (rows.codes, rows.index, rows.seg) if x is not None]
-
-  (qc_lo, qc_hi), (qi_lo, qi_hi), *q_seg = ranges(q, True)
-  (kc_lo, kc_hi), (ki_lo, ki_hi), *k_seg = ranges(k, False)
-  meet = (qc_lo <= kc_hi) & (kc_lo <= qc_hi) & (ki_lo <= qi_hi)
-  if window is not None:
-    meet &= qi_lo - ki_hi < window
-  for (qs_lo, qs_hi), (ks_lo, ks_hi) in zip(q_seg, k_seg):
-    meet &= (qs_lo <= ks_hi) & (ks_lo <= qs_hi)
-  return meet
-
-
-def tile_lists(meet_RON):
-  """Per row and outer tile, the met inner tiles in ascending order, padded to a static
-  capacity (at least 2: with 1, XLA would hoist a loop body that reads a constant index;
-  see `parallelism.schedule`), and their count."""
-  capacity = max(meet_RON.shape[-1], 2)
-  padded = jnp.pad(meet_RON, [(0, 0), (0, 0), (0, capacity - meet_RON.shape[-1])])
-  return (jnp.argsort(~padded, axis=-1, stable=True).astype(jnp.int32),
-          meet_RON.sum(axis=-1, dtype=jnp.int32))
-
-
-def _tile(x_RT, row, i, tile: int):
-  """Tile `i` of row `row`: [t, ...]."""
-  start = (row, i * tile) + (0,) * (x_RT.ndim - 2)
-  return lax.dynamic_slice(x_RT, start, (1, tile, *x_RT.shape[2:]))[0]
-
-
-def _put(x_RT, row, i, value):
-  start = (row, i * value.shape[0]) + (0,) * (x_RT.ndim - 2)
-  return lax.dynamic_update_slice(x_RT, value[None].astype(x_RT.dtype), start)
+def _within(lo_t, hi_t, j, tile: int):
+  """[t, tk]: which positions of tile j lie in each range [lo, hi)."""
+  at = j * tile + jnp.arange(tile, dtype=jnp.int32)
+  return (at[None, :] >= lo_t[:, None]) & (at[None, :] < hi_t[:, None])
 
 
 # The score tiles one batch of `_over_tiles` holds at once on a GPU (a few float32 [t, t]
@@ -151,7 +64,7 @@ _SCORE_BYTES = 1 << 28
 
 def tiles_side_by_side(count: int, tile: int) -> int:
   """How many of `count` tiles `_over_tiles` walks at once: one on a CPU, which runs a walk
-  fastest without the masked steps of a batch's shorter lists; on a GPU as many as
+  fastest without the masked steps of a batch's shorter ranges; on a GPU as many as
   _SCORE_BYTES holds, since one at a time is a tiny step each."""
   if target.backend() == "cpu":
     return 1
@@ -159,8 +72,8 @@ def tiles_side_by_side(count: int, tile: int) -> int:
 
 
 def _over_tiles(one_tile, lengths_U, tile: int):
-  """`one_tile(u)` for every tile u (its list `lengths_U[u]` long), stacked: batches of tiles
-  walked side by side, one after another. A batch's loop runs to its longest list (the
+  """`one_tile(u)` for every tile u (its walk `lengths_U[u]` long), stacked: batches of tiles
+  walked side by side, one after another. A batch's loop runs to its longest walk (the
   shorter ones masked), so a batch takes tiles of like lengths (the order is undone after)."""
   count = lengths_U.shape[0]
   size = tiles_side_by_side(count, tile)
@@ -171,138 +84,140 @@ def _over_tiles(one_tile, lengths_U, tile: int):
   return jax.tree.map(lambda x: x[jnp.argsort(order_U)], by_length)
 
 
-def _visible(spec: MaskSpec, q: Rows, q_row, i, k: Rows, k_row, j, tile: int, span):
-  """[tq, tk]: the rule (`parallelism.masks.visible`) of one computed tile pair."""
-  q_at = lambda x: None if x is None else _tile(x, q_row, i, tile)[:, None]
-  k_at = lambda x: None if x is None else _tile(x, k_row, j, tile)[None, :]
-  return visible(spec, q_at(q.index) - k_at(k.index), Side(q_at(q.seg), codes=q_at(q.codes)),
-                 Side(k_at(k.seg), codes=k_at(k.codes)), span)
+def _walk_lengths(lo_RT, hi_RT, tile: int):
+  """[R * n]: how many tiles each tile's ranges reach."""
+  first = lo_RT[:, ::tile]
+  last = hi_RT[:, tile - 1::tile]
+  return jnp.where(last > first, (last + tile - 1) // tile - first // tile, 0).reshape(-1)
 
 
-class _Setup(NamedTuple):
-  q: Rows
-  k: Rows
-  group: int
-  num_q_tiles: int
-  meet: jax.Array  # [Rk, G, nq, nk]
-  spans_R: jax.Array | None  # per query row
+def computed_tiles(mask: Mask, tile: int, q_index_T=None, k_index_T=None) -> jax.Array:
+  """How many (query head, query tile, key tile) pairs the kernel computes on this block
+  pair (sorted here when given unsorted, with its blocks' original positions)."""
+  _, _, _, mask, _, _ = _sorted(None, None, None, mask, q_index_T, k_index_T)
+  (lo, hi), _ = sorting.ranges(mask)
+  return _walk_lengths(lo, hi, tile).sum(dtype=jnp.int32)
 
 
-def _setup(q_codes_BTH, k_codes_BTK, q_seg_BT, k_seg_BT, q_index_T, k_index_T, tile,
-           spans_H, window, q_run_T=None, k_run_T=None) -> _Setup:
-  for name, length in (("query", q_codes_BTH.shape[1]), ("key", k_codes_BTK.shape[1])):
+def _sorted(q_BTHD, k_BTKD, v_BTKD, mask: Mask, q_index_T, k_index_T):
+  """The pair sorted (`parallelism.sorting`) where it came unsorted: (q, k, v, mask, the
+  queries' order or None, the keys' order or None)."""
+  if mask.q.index is not None:
+    return q_BTHD, k_BTKD, v_BTKD, mask, None, None
+  q_side, q_order = sorting.sort_side(mask.q, q_index_T)
+  k_side, k_order = sorting.sort_side(mask.k, k_index_T)
+  sort = lambda x, order: None if x is None else sorting.gather(x, order)
+  return (sort(q_BTHD, q_order), sort(k_BTKD, k_order), sort(v_BTKD, k_order),
+          Mask(mask.spec, q_side, k_side), q_order, k_order)
+
+
+def _check(q_BTHD, k_BTKD, tile: int) -> None:
+  for name, length in (("query", q_BTHD.shape[1]), ("key", k_BTKD.shape[1])):
     if length % tile:
       raise ValueError(f"{name} block length {length} is not divisible by tile size {tile}")
-  q = sort_rows(q_codes_BTH, q_index_T, q_seg_BT, q_run_T)
-  k = sort_rows(k_codes_BTK, k_index_T, k_seg_BT, k_run_T)
-  spans_R = None if spans_H is None else jnp.tile(spans_H, q_codes_BTH.shape[0])
-  return _Setup(q, k, q_codes_BTH.shape[2] // k_codes_BTK.shape[2],
-                q_codes_BTH.shape[1] // tile, meets(q, k, tile, window), spans_R)
 
 
-def computed_tiles(q_codes_BTH, k_codes_BTK, q_seg_BT, k_seg_BT, q_index_T, k_index_T, *,
-                   tile: int, window: int | None = None, q_run_T=None,
-                   k_run_T=None) -> jax.Array:
-  """How many (query head, query tile, key tile) pairs the kernel computes on this block."""
-  return _setup(q_codes_BTH, k_codes_BTK, q_seg_BT, k_seg_BT, q_index_T, k_index_T, tile,
-                None, window, q_run_T, k_run_T).meet.sum(dtype=jnp.int32)
-
-
-def _setup_of(mask: Mask, q_index_T, k_index_T, tile, q_run_T, k_run_T) -> _Setup:
-  return _setup(mask.q.codes, mask.k.codes, mask.q.segment_ids, mask.k.segment_ids, q_index_T,
-                k_index_T, tile, mask.q.spans, mask.spec.window, q_run_T, k_run_T)
-
-
-def block_fwd(q_BTHD, k_BTKD, v_BTKD, mask: Mask, *, q_index_T, k_index_T, tile: int,
-              q_run_T=None, k_run_T=None) -> tuple[jax.Array, jax.Array]:
-  """(out [B,Tq,Hq,D] f32, lse [B,Tq,Hq] f32) of the block pair, walking the met tiles.
-  `*_index_T`: original token indices; `*_run_T`: runs (`runs`; None: one run)."""
+def block_fwd(q_BTHD, k_BTKD, v_BTKD, mask: Mask, *, tile: int, q_index_T=None,
+              k_index_T=None) -> tuple[jax.Array, jax.Array]:
+  """(out [B,Tq,Hq,D] f32, lse [B,Tq,Hq] f32) of the block pair, over the key tiles of each
+  query tile's ranges; in the sorted order where the pair came sorted, else the block's
+  (`*_index_T`: the blocks' original positions, to sort by)."""
+  _check(q_BTHD, k_BTKD, tile)
+  q_BTHD, k_BTKD, v_BTKD, mask, q_order, _ = _sorted(q_BTHD, k_BTKD, v_BTKD, mask, q_index_T,
+                                                     k_index_T)
   spec = mask.spec
-  at = _setup_of(mask, q_index_T, k_index_T, tile, q_run_T, k_run_T)
-  q_RTD = gather_rows(q_BTHD, at.q.order)
-  k_RTD, v_RTD = (gather_rows(x, at.k.order) for x in (k_BTKD, v_BTKD))
-  nq = at.num_q_tiles
-  lists, counts = tile_lists(at.meet.reshape(q_RTD.shape[0], nq, -1))
+  (lo_RT, hi_RT), _ = sorting.ranges(mask)
+  q_RTD, k_RTD, v_RTD = rows(q_BTHD), rows(k_BTKD), rows(v_BTKD)
+  heads, num_kv = q_BTHD.shape[2], k_BTKD.shape[2]
+  group, nq = heads // num_kv, q_RTD.shape[1] // tile
   scale = q_BTHD.shape[3] ** -0.5
 
   def one_query_tile(u):
-    q_row, i = u // nq, u % nq
-    k_row = q_row // at.group
-    q_tD = _tile(q_RTD, q_row, i, tile)[None, None, None]  # [1, 1, 1, t, D]
-    span = None if at.spans_R is None else at.spans_R[q_row]
+    row, i = u // nq, u % nq
+    k_row = (row // heads) * num_kv + (row % heads) // group
+    q_tD = tile_of(q_RTD, row, i, tile)[None, None, None]  # [1, 1, 1, t, D]
+    lo_t, hi_t = tile_of(lo_RT, row, i, tile), tile_of(hi_RT, row, i, tile)
 
-    def visit(n, carry):
-      j = lists[q_row, i, n]
-      k_tD, v_tD = (_tile(x, k_row, j, tile)[None, None] for x in (k_RTD, v_RTD))
-      seen = _visible(spec, at.q, q_row, i, at.k, k_row, j, tile, span)
-      return fwd_update(carry, q_tD, k_tD, v_tD, seen[None, None, None], spec=spec,
-                        scale=scale)
+    def visit(j, carry):
+      k_tD, v_tD = (tile_of(x, k_row, j, tile)[None, None] for x in (k_RTD, v_RTD))
+      seen = _within(lo_t, hi_t, j, tile)[None, None, None]
+      return fwd_update(carry, q_tD, k_tD, v_tD, seen, spec=spec, scale=scale)
 
-    rows = q_tD.shape[:-1]
-    init = (jnp.full(rows, -jnp.inf, _F32), jnp.zeros(rows, _F32), jnp.zeros(q_tD.shape, _F32))
-    out_tD, lse_t = fwd_result(*lax.fori_loop(0, counts[q_row, i], visit, init), spec=spec,
+    shape = q_tD.shape[:-1]
+    init = (jnp.full(shape, -jnp.inf, _F32), jnp.zeros(shape, _F32), jnp.zeros(q_tD.shape, _F32))
+    first, stop = _span(lo_RT, hi_RT, row, i, tile)
+    out_tD, lse_t = fwd_result(*lax.fori_loop(first, stop, visit, init), spec=spec,
                                scale=scale)
     return out_tD[0, 0, 0], lse_t[0, 0, 0]
 
-  out_UtD, lse_Ut = _over_tiles(one_query_tile, counts.reshape(-1), tile)
+  out_UtD, lse_Ut = _over_tiles(one_query_tile, _walk_lengths(lo_RT, hi_RT, tile), tile)
   batch = q_BTHD.shape[0]
-  return (scatter_rows(out_UtD.reshape(q_RTD.shape), at.q.order, batch),
-          scatter_rows(lse_Ut.reshape(q_RTD.shape[:2]), at.q.order, batch))
+  out_BTHD = unrows(out_UtD.reshape(q_RTD.shape), batch)
+  lse_BTH = unrows(lse_Ut.reshape(q_RTD.shape[:2]), batch)
+  if q_order is None:
+    return out_BTHD, lse_BTH
+  return sorting.unsort(out_BTHD, q_order), sorting.unsort(lse_BTH, q_order)
 
 
-def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, mask: Mask, *, q_index_T,
-              k_index_T, tile: int, q_run_T=None, k_run_T=None) -> Grads:
+def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, mask: Mask, *, tile: int,
+              q_index_T=None, k_index_T=None) -> Grads:
   """Float32 gradients of the block pair from the GLOBAL lse and delta (the contract): dq
-  per query tile over the key tiles it meets, dk and dv per key tile over the (query head of
-  its group, query tile) pairs that meet it."""
+  per query tile over its ranges' key tiles, dk and dv per key tile over the query tiles of
+  its keys' ranges, in each query head of its group; sorted as `block_fwd`."""
+  _check(q_BTHD, k_BTKD, tile)
+  q_BTHD, k_BTKD, v_BTKD, mask, q_order, k_order = _sorted(q_BTHD, k_BTKD, v_BTKD, mask,
+                                                           q_index_T, k_index_T)
+  if q_order is not None:
+    dout_BTHD, lse_BTH, delta_BTH = (sorting.gather(x, q_order)
+                                     for x in (dout_BTHD, lse_BTH, delta_BTH))
   spec = mask.spec
-  at = _setup_of(mask, q_index_T, k_index_T, tile, q_run_T, k_run_T)
+  (lo_RT, hi_RT), (k_lo_RGT, k_hi_RGT) = sorting.ranges(mask)
   # lse -inf (a query that sees nothing) -> +inf so exp(s - lse) is 0 rather than NaN.
   lse_safe = jnp.where(jnp.isfinite(lse_BTH), lse_BTH, jnp.inf).astype(_F32)
-  q_side = tuple(gather_rows(x, at.q.order)
-                 for x in (q_BTHD, dout_BTHD, lse_safe, delta_BTH.astype(_F32)))
-  k_RTD, v_RTD = (gather_rows(x, at.k.order) for x in (k_BTKD, v_BTKD))
-  nq, nk = at.num_q_tiles, k_RTD.shape[1] // tile
-  q_lists, q_counts = tile_lists(at.meet.reshape(q_side[0].shape[0], nq, -1))
-  meet_RKGQ = jnp.moveaxis(at.meet, 3, 1)  # [Rk, nk, G, nq]
-  k_lists, k_counts = tile_lists(meet_RKGQ.reshape(*meet_RKGQ.shape[:2], -1))
-  scale = q_BTHD.shape[3] ** -0.5
-  head_dim = q_BTHD.shape[3]
+  q_side = tuple(rows(x) for x in (q_BTHD, dout_BTHD, lse_safe, delta_BTH.astype(_F32)))
+  k_RTD, v_RTD = rows(k_BTKD), rows(v_BTKD)
+  heads, num_kv = q_BTHD.shape[2], k_BTKD.shape[2]
+  group, nq, nk = heads // num_kv, q_side[0].shape[1] // tile, k_RTD.shape[1] // tile
+  scale, head_dim = q_BTHD.shape[3] ** -0.5, q_BTHD.shape[3]
 
-  def pair(q_row, i, k_row, j, carry):
-    """bwd_update of one met tile pair (carry: dk, dv, dq^T)."""
-    q_xs = tuple(_tile(x, q_row, i, tile)[None, None, None] for x in q_side)
-    k_tD, v_tD = (_tile(x, k_row, j, tile)[None, None] for x in (k_RTD, v_RTD))
-    span = None if at.spans_R is None else at.spans_R[q_row]
-    seen_T = _visible(spec, at.q, q_row, i, at.k, k_row, j, tile, span).T
+  def pair(row, i, k_row, j, carry):
+    """bwd_update of one tile pair (carry: dk, dv, dq^T), masked by the queries' ranges."""
+    q_xs = tuple(tile_of(x, row, i, tile)[None, None, None] for x in q_side)
+    k_tD, v_tD = (tile_of(x, k_row, j, tile)[None, None] for x in (k_RTD, v_RTD))
+    seen_T = _within(tile_of(lo_RT, row, i, tile), tile_of(hi_RT, row, i, tile), j, tile).T
     return bwd_update(carry, q_xs, (k_tD, v_tD, jnp.swapaxes(k_tD, 2, 3)),
                       seen_T[None, None, :, None], spec=spec, scale=scale)
 
   no_kv = jnp.zeros((1, 1, tile, head_dim), _F32)
   no_dq = jnp.zeros((1, 1, head_dim, 1, tile), _F32)  # dq^T of one query tile
+  k_row_of = lambda row: (row // heads) * num_kv + (row % heads) // group
 
-  def one_query_tile(u):  # its dq, over the key tiles it meets (the forward's lists)
-    q_row, i = u // nq, u % nq
-    k_row = q_row // at.group
+  def one_query_tile(u):  # its dq, over its ranges' key tiles (the forward's)
+    row, i = u // nq, u % nq
+    first, stop = _span(lo_RT, hi_RT, row, i, tile)
+    visit = lambda j, dq_DGt: pair(row, i, k_row_of(row), j, (no_kv, no_kv, dq_DGt))[2]
+    return lax.fori_loop(first, stop, visit, no_dq)[0, 0, :, 0].T
 
-    def visit(n, dq_DGt):
-      return pair(q_row, i, k_row, q_lists[q_row, i, n], (no_kv, no_kv, dq_DGt))[2]
-
-    return lax.fori_loop(0, q_counts[q_row, i], visit, no_dq)[0, 0, :, 0].T
-
-  def one_key_tile(u):  # its dk and dv, over the (query head, query tile) pairs it meets
+  def one_key_tile(u):  # its dk and dv, over each query head's tiles its keys' ranges reach
     k_row, j = u // nk, u % nk
+    row_of = lambda g: (k_row // num_kv) * heads + (k_row % num_kv) * group + g
 
-    def visit(n, dkv):
-      g, i = k_lists[k_row, j, n] // nq, k_lists[k_row, j, n] % nq
-      return pair(k_row * at.group + g, i, k_row, j, (*dkv, no_dq))[:2]
+    def head(g, dkv):
+      first, stop = _span(k_lo_RGT[:, g], k_hi_RGT[:, g], k_row, j, tile)
+      visit = lambda i, dkv: pair(row_of(g), i, k_row, j, (*dkv, no_dq))[:2]
+      return lax.fori_loop(first, stop, visit, dkv)
 
-    dk_tD, dv_tD = lax.fori_loop(0, k_counts[k_row, j], visit, (no_kv, no_kv))
+    dk_tD, dv_tD = lax.fori_loop(0, group, head, (no_kv, no_kv))
     return dk_tD[0, 0], dv_tD[0, 0]
 
-  dq_UtD = _over_tiles(one_query_tile, q_counts.reshape(-1), tile)
-  dk_UtD, dv_UtD = _over_tiles(one_key_tile, k_counts.reshape(-1), tile)
+  dq_UtD = _over_tiles(one_query_tile, _walk_lengths(lo_RT, hi_RT, tile), tile)
+  k_lengths = sum(_walk_lengths(k_lo_RGT[:, g], k_hi_RGT[:, g], tile) for g in range(group))
+  dk_UtD, dv_UtD = _over_tiles(one_key_tile, k_lengths, tile)
   batch = q_BTHD.shape[0]
-  return Grads(scatter_rows(dq_UtD.reshape(q_side[0].shape), at.q.order, batch),
-               scatter_rows(dk_UtD.reshape(k_RTD.shape), at.k.order, batch),
-               scatter_rows(dv_UtD.reshape(v_RTD.shape), at.k.order, batch))
+  grads = Grads(unrows(dq_UtD.reshape(q_side[0].shape), batch),
+                unrows(dk_UtD.reshape(k_RTD.shape), batch),
+                unrows(dv_UtD.reshape(v_RTD.shape), batch))
+  if q_order is None:
+    return grads
+  return Grads(sorting.unsort(grads.dq, q_order), sorting.unsort(grads.dk, k_order),
+               sorting.unsort(grads.dv, k_order))

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from parallelism.masks import MaskSpec, Side, logits, visible
+from parallelism.masks import Mask, MaskSpec, Side, logits, visible
 from parallelism.schedule import TileLists, over_tiles
 
 _F32 = jnp.float32
@@ -48,11 +48,12 @@ def _visible(spec: MaskSpec, masks_ref, mask_id, q_seg_t, k_seg_t, behind=None, 
   """Visibility [tq, tk] of a tile pair, or None when every query sees every key: the rule
   (`parallelism.masks.visible`) on the run-time operands and, on a MASKED tile, its
   precomputed mask, or with per-head spans the rule on the tile's distances (`behind()`)."""
-  q_side = Side(segment_ids=None if q_seg_t is None else q_seg_t[:, None])
-  k_side = Side(segment_ids=None if k_seg_t is None else k_seg_t[None, :])
+  tile_mask = Mask(spec, Side(segment_ids=None if q_seg_t is None else q_seg_t[:, None],
+                              spans=span),
+                   Side(segment_ids=None if k_seg_t is None else k_seg_t[None, :]))
   if mask_id is not None and behind is not None:
-    return visible(spec, behind(), q_side, k_side, span)
-  seen = visible(spec, None, q_side, k_side)
+    return visible(tile_mask, behind())
+  seen = visible(tile_mask)
   if mask_id is None:
     return seen
   mask = masks_ref[mask_id] != 0

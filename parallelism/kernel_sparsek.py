@@ -14,7 +14,7 @@ m_ij exp(q_i.k_j) (log m added to the logits), so a key with m = 0 is not seen a
 - SKIP a tile pair when `max(u of the key tile) <= min(tau of the query tile)` and no pair
   of it is within the window (`min(q_index) - max(k_index) >= window`), or by the causal and
   segment ranges as hash attention; walk the met tiles from static-capacity lists
-  (`parallelism.kernel_hash.tile_lists`), so a skipped tile costs nothing.
+  (`tile_lists`), so a skipped tile costs nothing.
 - Backward: besides dq, dk, dv, the gradient of the logits' log m: on the support
   (0 < u_j - tau_i < 1, outside the window) d logit / d u_j = 1 / m_ij = -d logit / d tau_i,
   so du_j = sum_i p0_ij (dp_ij - delta_i) and dtau_i = -sum_j of the same, p0 the
@@ -33,21 +33,27 @@ import jax.numpy as jnp
 from jax import lax
 
 from parallelism.kernel_grads import Grads
-from parallelism.kernel_hash import _put, _ranges, _tile, tile_lists
+from parallelism.row_tiles import put as _put, rows as _rows, tile as _tile, unrows as _unrows
 from parallelism.masks import Mask, MaskSpec, Side, sparsek_weight, visible
 from parallelism.tile_math import fwd_result
 
 _F32 = jnp.float32
 
 
-def _rows(x_BTH):
-  """[B, T, H, ...] -> [B*H, T, ...] (row b * H + h)."""
-  batch, length, heads = x_BTH.shape[:3]
-  return jnp.swapaxes(x_BTH, 1, 2).reshape(batch * heads, length, *x_BTH.shape[3:])
+def _ranges(x_RT, tile: int):
+  """(min, max) of each tile of each row."""
+  chunks = x_RT.reshape(x_RT.shape[0], -1, tile)
+  return chunks.min(axis=-1), chunks.max(axis=-1)
 
 
-def _unrows(x_RT, batch: int):
-  return jnp.swapaxes(x_RT.reshape(batch, -1, *x_RT.shape[1:]), 1, 2)
+def tile_lists(meet_RON):
+  """Per row and outer tile, the met inner tiles in ascending order, padded to a static
+  capacity (at least 2: with 1, XLA would hoist a loop body that reads a constant index;
+  see `parallelism.schedule`), and their count."""
+  capacity = max(meet_RON.shape[-1], 2)
+  padded = jnp.pad(meet_RON, [(0, 0), (0, 0), (0, capacity - meet_RON.shape[-1])])
+  return (jnp.argsort(~padded, axis=-1, stable=True).astype(jnp.int32),
+          meet_RON.sum(axis=-1, dtype=jnp.int32))
 
 
 class _Setup(NamedTuple):
@@ -91,10 +97,10 @@ def _weights(spec: MaskSpec, at: _Setup, q_index_T, k_index_T, q_row, i, k_row, 
   k_at = lambda x, row: None if x is None else _tile(x, row, j, tile)[None, :]
   behind = (lax.dynamic_slice_in_dim(q_index_T, i * tile, tile)[:, None]
             - lax.dynamic_slice_in_dim(k_index_T, j * tile, tile)[None, :])
-  q_side = Side(q_at(at.q_seg_RT, q_row), scores=q_at(at.tau_RT, q_row))
-  k_side = Side(k_at(at.k_seg_RT, k_row), scores=k_at(at.u_RT, k_row))
-  weight, support = sparsek_weight(spec, behind, q_side, k_side)
-  seen = visible(spec, behind, q_side, k_side)
+  tile_mask = Mask(spec, Side(q_at(at.q_seg_RT, q_row), scores=q_at(at.tau_RT, q_row)),
+                   Side(k_at(at.k_seg_RT, k_row), scores=k_at(at.u_RT, k_row)))
+  weight, support = sparsek_weight(tile_mask, behind)
+  seen = visible(tile_mask, behind)
   return jnp.where(seen, weight, 0.0), seen & support
 
 

@@ -81,11 +81,11 @@ def visibility(spec: MaskSpec, mask_tt, row_seg, col_seg, behind=None, span=None
 
   Rows are queries and columns keys (the forward), or the reverse (the backward's key-major
   scores, with a transposed mask and distances): the segment test is symmetric."""
-  rows = Side(segment_ids=None if row_seg is None else row_seg[..., :, None])
+  rows = Side(segment_ids=None if row_seg is None else row_seg[..., :, None], spans=span)
   cols = Side(segment_ids=None if col_seg is None else col_seg[..., None, :])
   if behind is not None:
-    return visible(spec, behind, rows, cols, span)
-  seen = visible(spec, None, rows, cols)
+    return visible(Mask(spec, rows, cols), behind)
+  seen = visible(Mask(spec, rows, cols))
   if mask_tt is None:
     return seen
   return mask_tt[None] if seen is None else seen & mask_tt[None]
@@ -113,17 +113,6 @@ def _pair_index(schedule: RingSchedule, pair, index=None):
   return index or tuple(jnp.asarray(index_PT)[pair] for index_PT in schedule.pair_index)
 
 
-def _hash_options(schedule: RingSchedule, pair, tile: int) -> dict:
-  """What hash attention's walk reads of the static schedule: the pair's token indices and
-  runs (its representative blocks': distinct pairs are told apart by their masks, so any
-  device that computes the pair sees the same causal, window and span relation; the runs only
-  order the walk)."""
-  index = _pair_index(schedule, pair)
-  run = tuple(jnp.asarray(run_PT)[pair] for run_PT in kernel_hash.pair_runs(schedule))
-  return dict(q_index_T=index[0], k_index_T=index[1], q_run_T=run[0], k_run_T=run[1],
-              tile=tile)
-
-
 def _behind(q_index_T, k_index_T, i, j, tile: int):
   """[tq, tk] distances `q - k` of query tile i and key tile j."""
   return (_tile_of(q_index_T, i, tile, 0)[:, None] - _tile_of(k_index_T, j, tile, 0)[None, :])
@@ -139,9 +128,10 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, mask: Mask, *, schedule: RingSchedule, pai
     q_index, k_index = _pair_index(schedule, pair, index)
     return kernel_sparsek.block_fwd(q_BTHD, k_BTKD, v_BTKD, mask, q_index_T=q_index,
                                     k_index_T=k_index, tile=tile)
-  if spec.coded:
-    return kernel_hash.block_fwd(q_BTHD, k_BTKD, v_BTKD, mask,
-                                 **_hash_options(schedule, pair, tile))
+  if spec.coded:  # sorted by the ring; a pair alone, by its representative's positions
+    q_index, k_index = _pair_index(schedule, pair, index)
+    return kernel_hash.block_fwd(q_BTHD, k_BTKD, v_BTKD, mask, tile=tile, q_index_T=q_index,
+                                 k_index_T=k_index)
   q_seg_BT, k_seg_BT, spans_H = mask.q.segment_ids, mask.k.segment_ids, mask.q.spans
   num_kv = k_BTKD.shape[2]
   spans_KG = _spans_KG(spans_H, num_kv)
@@ -223,8 +213,9 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, mask: Mask,
     return kernel_sparsek.block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH,
                                     mask, q_index_T=q_index, k_index_T=k_index, tile=tile)
   if spec.coded:
+    q_index, k_index = _pair_index(schedule, pair, index)
     return kernel_hash.block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, mask,
-                                 **_hash_options(schedule, pair, tile))
+                                 tile=tile, q_index_T=q_index, k_index_T=k_index)
   q_seg_BT, k_seg_BT, spans_H = mask.q.segment_ids, mask.k.segment_ids, mask.q.spans
   num_kv = k_BTKD.shape[2]
   scale = q_BTHD.shape[3] ** -0.5

@@ -155,17 +155,19 @@ def check(spec: MaskSpec, names: dict[str, str] = FIELDS) -> None:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["segment_ids", "positions", "codes", "scores", "spans"],
+                   data_fields=["segment_ids", "positions", "codes", "scores", "spans", "index"],
                    meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class Side:
   """One side's run-time operands, each None where the spec needs none. Per token [B, S] or
-  [B, S, H] in the layout's order, as q (query side, H = Hq) or k (key side, H = Hkv)."""
+  [B, S, H] in the layout's order, as q (query side, H = Hq) or k (key side, H = Hkv); a
+  side sorted per head (`parallelism.sorting`) holds [B, S, H] in each head's order."""
   segment_ids: Any = None  # [B, S] int32: document ids; None: one document per row
   positions: Any = None  # [B, S] int32: in-document positions (which keys are sinks)
   codes: Any = None  # [B, S, H] int32: hash bucket or QK-dropping's kept flag per head
   scores: Any = None  # [B, S, H] float32: SparseK's threshold (queries) or score (keys)
   spans: Any = None  # [Hq] int32, query side: each head's span (MoA)
+  index: Any = None  # [B, S, H] int32, a sorted side: each entry's original position
 
   def travelling(self) -> Side:
     """What a key block carries around the ring: positions stay (the sink path, off the
@@ -196,7 +198,7 @@ class Mask:
     check(self.spec)
     spec, row = self.spec, tuple(q_shape[:2])
     needs = dict(segment_ids=None, positions=spec.sink_tokens > 0, codes=spec.coded,
-                 scores=spec.selects)
+                 scores=spec.selects, index=False)
     what = dict(positions="sink tokens need positions (in-document positions, which say "
                           "which keys are sinks)",
                 codes="hash attention and QK-dropping need codes", scores="SparseK needs "
@@ -239,22 +241,23 @@ class Mask:
       per_head = P(*x_spec[:3])
       return Side(*(None if value is None else spec for value, spec in (
           (s.segment_ids, row_spec), (s.positions, row_spec), (s.codes, per_head),
-          (s.scores, per_head), (s.spans, P(q_spec[2])))))
+          (s.scores, per_head), (s.spans, P(q_spec[2])), (s.index, per_head))))
     return Mask(self.spec, side(self.q, q_spec), side(self.k, kv_spec))
 
 
-def visible(spec: MaskSpec, behind, q: Side = Side(), k: Side = Side(), span=None):
-  """Whether each query sees each key: the one rule. Operands broadcast against each other
-  (NumPy or JAX arrays, laid out however the caller holds its tiles): `behind` is the query's
-  original index minus the key's, or None where a mask of positions already holds (a
-  schedule's tile mask, which is this rule run on the host); `q` and `k` hold the two sides'
-  operands; `span` the query head's span (with spec.head_spans). Sinks are included: the
-  ring's kernels take `spec.on_ring`, the sink path the rest (`beyond_ring`)."""
+def visible(mask: Mask, behind=None):
+  """Whether each query sees each key: the one rule. The mask's operands broadcast against
+  each other (NumPy or JAX arrays, laid out however the caller holds its tiles; the query
+  side's `spans` as each query head's span): `behind` is the query's original position
+  minus the key's, or None where a mask of positions already holds (a schedule's tile mask,
+  which is this rule run on the host). Sinks are included: the ring's kernels take
+  `Mask.on_ring`, the sink path the rest (`beyond_ring`)."""
+  spec, q, k = mask.spec, mask.q, mask.k
   seen = None
   if behind is not None:
     seen = behind >= 0
     if spec.window is not None:
-      seen = seen & (behind < (spec.window if span is None else span))
+      seen = seen & (behind < (spec.window if q.spans is None else q.spans))
   if spec.selects:  # a key fewer than sparsek_window back, or of a score above the threshold
     picked = k.scores - q.scores > 0.0
     seen = _and(seen, picked if behind is None else (behind < spec.sparsek_window) | picked)
@@ -267,9 +270,9 @@ def visible(spec: MaskSpec, behind, q: Side = Side(), k: Side = Side(), span=Non
   return seen
 
 
-def beyond_ring(spec: MaskSpec, behind, q: Side, k: Side, span=None):
+def beyond_ring(mask: Mask, behind):
   """What the sink path adds to the ring's keys: visible, but not on the ring (`on_ring`)."""
-  return visible(spec, behind, q, k, span) & ~visible(spec.on_ring, behind, q, k, span)
+  return visible(mask, behind) & ~visible(mask.on_ring(), behind)
 
 
 def _and(a, b):
@@ -286,10 +289,10 @@ def logits(spec: MaskSpec, s, scale: float):
   return spec.softcap * capped, scale * (1.0 - capped * capped)
 
 
-def sparsek_weight(spec: MaskSpec, behind, q: Side, k: Side):
+def sparsek_weight(mask: Mask, behind):
   """SparseK's weight of each visible key, m = 1 within its window, else
   clip(score - threshold, 0, 1), and whether it lies strictly inside (0, 1) (its support,
   where the weight has a gradient). Attention weighs exp(logit) by m (log m added)."""
-  gap = k.scores - q.scores
-  near = behind < spec.sparsek_window
+  gap = mask.k.scores - mask.q.scores
+  near = behind < mask.spec.sparsek_window
   return jnp.where(near, 1.0, jnp.clip(gap, 0.0, 1.0)), ~near & (gap > 0.0) & (gap < 1.0)

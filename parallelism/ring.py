@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from parallelism import kernels
+from parallelism import kernels, sorting
 from parallelism.kernels import Grads
 from parallelism.masks import Mask, Side
 from parallelism.schedule import RingSchedule
@@ -211,26 +211,42 @@ def device_index(axis: str, num_shards: int):
   return lax.axis_index(axis) if num_shards > 1 else 0
 
 
+def own_index(schedule: RingSchedule, device):
+  """[T] int32: the original positions of the device's own block."""
+  return jnp.asarray(schedule.order, jnp.int32)[device]
+
+
 def forward_pass(q_BTHD, k_BTKD, v_BTKD, mask: Mask, *, axis: str, schedule: RingSchedule,
                  tile: int, kernel: str):
   """Per-device forward ring: returns (out f32 [B,T,Hq,D], lse f32 [B,T,Hq]); `mask` is this
-  device's (`parallelism.masks`), its key side travelling with K/V."""
-  ring = RingDevice(schedule, device_index(axis, schedule.num_shards), kernel, tile)
+  device's (`parallelism.masks`), its key side travelling with K/V. Run-time codes sort
+  queries and keys first (`parallelism.sorting`: the keys travel sorted), and the results
+  are unsorted once at the end."""
+  device = device_index(axis, schedule.num_shards)
+  ring = RingDevice(schedule, device, kernel, tile)
+  q_BTHD, k_BTKD, v_BTKD, mask, q_order, _ = sorting.sort_device(
+      q_BTHD, k_BTKD, v_BTKD, mask, own_index(schedule, device))
 
   def step(s, out_lse, *block):
     return ring.forward_step(s, out_lse, q_BTHD, *key_side(block, mask))
 
   with jax.named_scope("ring_forward"):  # how tests find its collectives in compiled HLO
-    return around_ring(blocks(k_BTKD, v_BTKD, mask.k), functools.partial(step, 0, None),
-                       lambda carry, s, *block: step(s, carry, *block), axis=axis,
-                       schedule=schedule)
+    out_lse = around_ring(blocks(k_BTKD, v_BTKD, mask.k), functools.partial(step, 0, None),
+                          lambda carry, s, *block: step(s, carry, *block), axis=axis,
+                          schedule=schedule)
+  return sorting.unsorted(out_lse, q_order)
 
 
 def backward_pass(q_BTHD, k_BTKD, v_BTKD, mask: Mask, out_BTHD, lse_BTH, dout_BTHD, *,
                   axis: str, schedule: RingSchedule, tile: int, kernel: str) -> Grads:
-  """Per-device backward ring: the `Grads` of this device's blocks, float32."""
+  """Per-device backward ring: the `Grads` of this device's blocks, float32 (sorted and
+  unsorted as `forward_pass`; dK/dV come home in their owner's order)."""
   num_shards = schedule.num_shards
-  ring = RingDevice(schedule, device_index(axis, num_shards), kernel, tile)
+  device = device_index(axis, num_shards)
+  ring = RingDevice(schedule, device, kernel, tile)
+  q_BTHD, k_BTKD, v_BTKD, mask, q_order, k_order = sorting.sort_device(
+      q_BTHD, k_BTKD, v_BTKD, mask, own_index(schedule, device))
+  out_BTHD, lse_BTH, dout_BTHD = sorting.sorted_like((out_BTHD, lse_BTH, dout_BTHD), q_order)
   delta_BTH = softmax_delta(dout_BTHD, out_BTHD)
 
   def step(s, carry, *block):
@@ -262,4 +278,6 @@ def backward_pass(q_BTHD, k_BTKD, v_BTKD, mask: Mask, out_BTHD, lse_BTH, dout_BT
   (dq_BTHD, dq_scores), own_side, travelling = around_ring(
       blocks(k_BTKD, v_BTKD, mask.k), start, visit, axis=axis, schedule=schedule)
   dkv_2BTKD, dk_scores = _add(own_side, travelling)
-  return Grads(dq_BTHD, dkv_2BTKD[0], dkv_2BTKD[1], dq_scores, dk_scores)
+  dq_BTHD, = sorting.unsorted((dq_BTHD,), q_order)
+  dk_BTKD, dv_BTKD = sorting.unsorted((dkv_2BTKD[0], dkv_2BTKD[1]), k_order)
+  return Grads(dq_BTHD, dk_BTKD, dv_BTKD, dq_scores, dk_scores)

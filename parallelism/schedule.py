@@ -35,7 +35,7 @@ from jax import lax
 
 from parallelism import tiles
 from parallelism.layouts import LAYOUTS, permutation
-from parallelism.masks import FIELDS, MaskSpec, check, visible
+from parallelism.masks import FIELDS, Mask, MaskSpec, check, visible
 
 MASK_SHAPES = ("empty", "full", "causal", "strictly_causal", "general")
 
@@ -240,10 +240,10 @@ def _tile_tables(order_NT: np.ndarray, pair_blocks, tile_q: int, tile_k: int,
     ids_QK = np.full(classes_QK.shape, -1, np.int32)
     for i, j in zip(*np.nonzero(classes_QK == tiles.MASKED)):
       q_t1, k_1t = q_T[i * tile_q:(i + 1) * tile_q, None], k_T[None, j * tile_k:(j + 1) * tile_k]
-      mask = visible(MaskSpec(window=window), q_t1 - k_1t)
+      mask = visible(Mask(MaskSpec(window=window)), q_t1 - k_1t)
       # The ranges the classes read can straddle a window that no token pair meets. With
       # per-head spans a tile is UNMASKED only if the narrowest head sees every key.
-      every = mask.all() if narrowest is None else visible(MaskSpec(window=narrowest),
+      every = mask.all() if narrowest is None else visible(Mask(MaskSpec(window=narrowest)),
                                                            q_t1 - k_1t).all()
       if not mask.any() or every:
         classes_QK[i, j] = tiles.UNMASKED if every else tiles.SKIP

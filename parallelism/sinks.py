@@ -119,10 +119,10 @@ def _scores(q_BTHD, k_BCKD, mask: Mask, table, q_index_T):
   s, slope = logits(mask.spec, s, head_dim ** -0.5)
   behind_B11TC = (q_index_T[:, None] - index_BC[:, None, :])[:, None, None]
   span = None if mask.q.spans is None else mask.q.spans.reshape(num_kv, -1)[:, :, None, None]
-  queries = Side(mask.q.segment_ids[:, None, None, :, None])
+  queries = Side(mask.q.segment_ids[:, None, None, :, None], spans=span)
   keys = Side(*(x_BC[:, None, None, None, :] for x_BC in (keys.segment_ids, keys.positions)))
-  visible = valid_BC[:, None, None, None, :] & beyond_ring(mask.spec, behind_B11TC, queries,
-                                                           keys, span)
+  visible = valid_BC[:, None, None, None, :] & beyond_ring(Mask(mask.spec, queries, keys),
+                                                           behind_B11TC)
   return s, slope, visible
 
 

@@ -32,7 +32,7 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
-from parallelism import ring
+from parallelism import ring, sorting
 from parallelism.kernels import Grads
 from parallelism.masks import Mask, Side
 from parallelism.schedule import RingSchedule
@@ -184,10 +184,13 @@ def _over_needed_steps(schedule: RingSchedule, visit, carry):
 
 def _gathered_forward_pass(q_BTHD, k_BTKD, v_BTKD, mask: Mask, *, axis: str,
                            schedule: RingSchedule, tile: int, kernel: str):
-  """All-gather forward: the ring's steps in order, each block read from the gathered K/V."""
+  """All-gather forward: the ring's steps in order, each block read from the gathered K/V
+  (sorted first with run-time codes, as the ring's)."""
   num_shards = schedule.num_shards
   device = lax.axis_index(axis)
   runner = ring.RingDevice(schedule, device, kernel, tile)
+  q_BTHD, k_BTKD, v_BTKD, mask, q_order, _ = sorting.sort_device(
+      q_BTHD, k_BTKD, v_BTKD, mask, ring.own_index(schedule, device))
   block = _every_block(k_BTKD, v_BTKD, mask, axis)
 
   def visit(step, out_lse):
@@ -195,7 +198,7 @@ def _gathered_forward_pass(q_BTHD, k_BTKD, v_BTKD, mask: Mask, *, axis: str,
     return runner.forward_step(step, out_lse, q_BTHD, k_b, v_b, mask_b)
 
   out_lse = runner.forward_step(0, None, q_BTHD, k_BTKD, v_BTKD, mask)
-  return _over_needed_steps(schedule, visit, out_lse)
+  return sorting.unsorted(_over_needed_steps(schedule, visit, out_lse), q_order)
 
 
 def _gathered_backward_pass(q_BTHD, k_BTKD, v_BTKD, mask: Mask, out_BTHD, lse_BTH, dout_BTHD,
@@ -206,6 +209,9 @@ def _gathered_backward_pass(q_BTHD, k_BTKD, v_BTKD, mask: Mask, out_BTHD, lse_BT
   num_shards = schedule.num_shards
   device = lax.axis_index(axis)
   runner = ring.RingDevice(schedule, device, kernel, tile)
+  q_BTHD, k_BTKD, v_BTKD, mask, q_order, k_order = sorting.sort_device(
+      q_BTHD, k_BTKD, v_BTKD, mask, ring.own_index(schedule, device))
+  out_BTHD, lse_BTH, dout_BTHD = sorting.sorted_like((out_BTHD, lse_BTH, dout_BTHD), q_order)
   block = _every_block(k_BTKD, v_BTKD, mask, axis)
   delta_BTH = ring.softmax_delta(dout_BTHD, out_BTHD)
   grads = lambda step, carry, k_b, v_b, mask_b: runner.backward_step(
@@ -223,4 +229,6 @@ def _gathered_backward_pass(q_BTHD, k_BTKD, v_BTKD, mask: Mask, out_BTHD, lse_BT
   dkv_N2BTKD = jnp.zeros((num_shards, 2, *k_BTKD.shape), jnp.float32)
   dq_BTHD, dkv_N2BTKD = _over_needed_steps(schedule, visit, (own.dq, dkv_N2BTKD))
   dkv_2BTKD = lax.psum_scatter(dkv_N2BTKD, axis, scatter_dimension=0, tiled=False)
-  return Grads(dq_BTHD, own.dk + dkv_2BTKD[0], own.dv + dkv_2BTKD[1])
+  dq_BTHD, = sorting.unsorted((dq_BTHD,), q_order)
+  return Grads(dq_BTHD, *sorting.unsorted((own.dk + dkv_2BTKD[0], own.dv + dkv_2BTKD[1]),
+                                          k_order))

@@ -66,7 +66,7 @@ def test_a_band_schedule_rebuilds_every_span_between_its_bounds(layout, num_shar
         behind = q_rep[pair][:, None] - k_rep[pair][None, :]
         for span in sorted({narrowest, (narrowest + widest) // 2, widest}):
           got = lists & np.where(masked, behind < span, True)
-          want = visible(MaskSpec(window=span), q_index[:, None] - k_index[None, :])
+          want = visible(Mask(MaskSpec(window=span)), q_index[:, None] - k_index[None, :])
           np.testing.assert_array_equal(got, want, err_msg=f"s={span} d={device} t={step}")
 
 

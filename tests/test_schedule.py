@@ -14,6 +14,7 @@ import pytest
 
 from parallelism import tiles
 from parallelism.layouts import LAYOUTS, permutation
+from parallelism.masks import Mask, visible
 from parallelism.schedule import (critical_path, held_block, ring_schedule, schedule_of_order,
                                   MASK_SHAPES)
 
@@ -49,7 +50,7 @@ def test_metadata_rebuilds_the_elementwise_rule(layout, num_shards, tile_q, tile
     for step in range(num_shards):
       q_index = schedule.order[device]
       k_index = schedule.order[held_block(device, step, num_shards)]
-      want = tiles.visible(q_index[:, None], k_index[None, :])
+      want = visible(Mask(), q_index[:, None] - k_index[None, :])
       pair = schedule.pair[device, step]
       by_query = _visible_from_lists(plan, plan.by_query, pair, tile_q, tile_k, block_len, False)
       by_key = _visible_from_lists(plan, plan.by_key, pair, tile_k, tile_q, block_len, True)
@@ -114,8 +115,8 @@ def test_any_order_and_errors():
   plan = schedule.tiles(4)
   for device in range(4):
     for step in range(4):
-      want = tiles.visible(schedule.order[device][:, None],
-                           schedule.order[held_block(device, step, 4)][None, :])
+      want = visible(Mask(), schedule.order[device][:, None]
+                     - schedule.order[held_block(device, step, 4)][None, :])
       got = _visible_from_lists(plan, plan.by_query, schedule.pair[device, step], 4, 4, 16,
                                 False)
       np.testing.assert_array_equal(got, want)

@@ -43,7 +43,7 @@ def test_schedule_with_a_window_rebuilds_the_elementwise_rule(layout, num_shards
       for step in range(num_shards):
         q_index = schedule.order[device]
         k_index = schedule.order[held_block(device, step, num_shards)]
-        want = visible(MaskSpec(window=window), q_index[:, None] - k_index[None, :])
+        want = visible(Mask(MaskSpec(window=window)), q_index[:, None] - k_index[None, :])
         pair = schedule.pair[device, step]
         for lists, outer, inner, transposed in ((plan.by_query, tile, tile, False),
                                                 (plan.by_key, tile, tile, True)):
