@@ -28,10 +28,14 @@ K, WINDOW = 4, 3  # keys kept per query, keys always seen (itself and the two be
 
 def brute_threshold(z, k):
   """SparseK's threshold of z (float64): the root of sum clip(z - t, 0, 1) = k found on the
-  breakpoints of that piecewise-linear sum; -inf with k entries or fewer."""
+  breakpoints of that piecewise-linear sum; the middle of a flat stretch (the k largest 1 or
+  more above the rest: the sum is k all along it); -inf with k entries or fewer."""
   z = np.asarray(z, np.float64)
   if z.size <= k:
     return -np.inf
+  top = np.sort(z)[::-1]
+  if top[k - 1] - 1.0 >= top[k]:
+    return 0.5 * (top[k] + top[k - 1] - 1.0)
   mass = lambda t: np.clip(z - t, 0.0, 1.0).sum()
   points = np.unique(np.concatenate([z, z - 1.0]))
   for a, b in zip(points[:-1], points[1:]):
@@ -67,6 +71,33 @@ def test_the_operator_is_the_capped_simplex_projection_with_its_gradient():
     np.testing.assert_allclose(np.sum(got), 3.0, rtol=1e-6)
     np.testing.assert_allclose(got_jac, jac, atol=1e-6)
   np.testing.assert_array_equal(jax.jit(sk.sparsek, static_argnums=1)(cases[0, :3], 3), 1.0)
+
+
+def test_flat_stretches_take_the_middle_with_gradient_0():
+  """Where the k largest scores stand 1 or more above the rest, tau is the stretch's middle
+  and its gradient 0; float32 rounding once left it at the upper edge, the edge key's gap
+  just below 1 and the gradient 1 there (issue #57). Against the float64 solve on random
+  rows of coarse scores (many flat), and the issue's row through the per-query thresholds."""
+  rng = np.random.default_rng(57)
+  rows = (np.round(rng.standard_normal((512, 16)) * 6 / 0.7) * 0.7).astype(np.float32)
+  tau, grad = jax.jit(jax.vmap(jax.value_and_grad(lambda z: sk.threshold(z, 4))))(rows)
+  flat = 0
+  for z, got_tau, got_grad in zip(rows, tau, grad):
+    want = brute_threshold(z, 4)
+    gap = z.astype(np.float64) - want
+    np.testing.assert_allclose(got_tau, want, atol=2e-6)
+    if np.min(np.abs(np.concatenate([gap, gap - 1.0]))) < 1e-5:
+      continue  # A kink: the gradient is undefined there.
+    support = (gap > 0) & (gap < 1)
+    flat += not support.any()
+    np.testing.assert_allclose(got_grad, support / max(support.sum(), 1), atol=1e-6)
+  assert flat > 150
+  u = (np.random.default_rng(0).standard_normal((2, 512, 2)) * 2).astype(np.float32)
+  z = u[1, 150:173, 1]
+  tau, grad = jax.jit(jax.value_and_grad(lambda z: sk.decode_thresholds(
+      z[None, :, None], jnp.array([22]), 8, 0)[0, 0]))(z)
+  np.testing.assert_allclose(tau, brute_threshold(z, 8), atol=2e-6)
+  np.testing.assert_array_equal(grad, 0.0)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
