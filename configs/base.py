@@ -58,7 +58,7 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
   # model/hashing.py). Exact masked attention in every layout and strategy (xla kernel, which
   # skips tiles by code at run time); no decoding (sampling, needle evals).
   config.model.sparse = "none"
-  config.model.hash_buckets = 0  # Buckets of hash attention: even, >= 2; 0 without it.
+  config.model.hash_buckets = 0  # Buckets of hash attention: even, 2 to 2 x head size; 0: none.
   # "qk_drop" (SCFA's QK-dropping): per layer and head, each chunk of 64 consecutive positions
   # keeps floor((1 - rate) * 64 + 1/2) queries and as many keys, by a fixed seeded hash of
   # (layer, head, position), the same in every layout, in training and eval (model/dropping.py);

@@ -48,7 +48,7 @@ class ModelConfig:
   head_spans: str = ""  # A plan of per-(layer, head) spans (model/spans.py); "": none.
   sink_tokens: int = 0  # Local layers also see the first k positions of each document.
   sparse: str = "none"  # "hash": a query sees only keys of its bucket; "qk_drop": kept ones.
-  hash_buckets: int = 0  # Buckets of hash attention (even, >= 2); 0 without it.
+  hash_buckets: int = 0  # Buckets of hash attention (even, 2 to 2 x head size); 0 without it.
   qk_drop_rate: float = 0.0  # Share of queries and keys QK-dropping drops; 0 without it.
   sparsek_k: int = 0  # Keys SparseK's soft top-k mask keeps per query; 0 without it.
   sparsek_window: int = 0  # Keys up to itself a SparseK query always sees; 0: none.
@@ -176,6 +176,12 @@ class ModelConfig:
     if self.sparse == "hash" and (self.hash_buckets < 2 or self.hash_buckets % 2):
       return (f"model.hash_buckets={self.hash_buckets} must be even and >= 2 with model.sparse="
               f"'hash' (the hash is argmax over [xR, -xR] of b/2 projections)")
+    # Reformer's and SCFA's R is a random rotation: b/2 directions of a head's space at most.
+    # So the fixed projections and the projected q and k are never larger than q and k.
+    if self.sparse == "hash" and self.hash_buckets > 2 * self.head_size:
+      return (f"model.hash_buckets={self.hash_buckets} must be at most twice the head size, "
+              f"{2 * self.head_size} (argmax over [xR, -xR] of b/2 directions in head size "
+              f"dimensions)")
     if self.sparse == "qk_drop" and not 0 < self.qk_drop_rate < 1:
       return (f"model.qk_drop_rate={self.qk_drop_rate:g} must be in (0, 1) with model.sparse="
               f"'qk_drop' (the share of queries and keys dropped per head)")
