@@ -27,11 +27,16 @@ def run_copy(workdir: str) -> str:
 
 def read(config: ml_collections.ConfigDict) -> bytes:
   """The bytes of the config's plan (b"" without one), read once: what is hashed is what is
-  copied. The config check has read the file already, so it is there."""
+  copied. (The config check read the file too; it may have gone since.)"""
   if not config.model.head_spans:
     return b""
-  with open(config.model.head_spans, "rb") as f:
-    return f.read()
+  try:
+    return _bytes_of(config.model.head_spans)
+  except OSError as error:
+    # Here, not at the top: the tools' flag parsing imports this module, and no JAX.
+    from trainer.config.config_check import ConfigError  # pylint: disable=g-import-not-at-top
+    raise ConfigError(f"model.head_spans={config.model.head_spans!r}: cannot read the plan "
+                      f"({workdir_files.os_reason(error)})") from None
 
 
 def sha256(plan: bytes) -> str:
