@@ -48,7 +48,7 @@ class ModelConfig:
   head_spans: str = ""  # A plan of per-(layer, head) spans (model/spans.py); "": none.
   sink_tokens: int = 0  # Local layers also see the first k positions of each document.
   sparse: str = "none"  # "hash": a query sees only keys of its bucket; "qk_drop": kept ones.
-  hash_buckets: int = 0  # Buckets of hash attention (even, >= 2); 0 without it.
+  hash_buckets: int = 0  # Buckets of hash attention (even, 2 to 2 x head size); 0 without it.
   qk_drop_rate: float = 0.0  # Share of queries and keys QK-dropping drops; 0 without it.
   sparsek_k: int = 0  # Keys SparseK's soft top-k mask keeps per query; 0 without it.
   sparsek_window: int = 0  # Keys up to itself a SparseK query always sees; 0: none.
@@ -154,6 +154,12 @@ class ModelConfig:
     if self.sink_tokens and LOCAL not in self.layer_kinds:
       return (f"model.sink_tokens={self.sink_tokens} needs local layers (model.window or "
               f"model.head_spans): a global layer already sees every earlier key")
+    # Reformer's and SCFA's R is a random rotation: b/2 directions of a head's space at most.
+    # So the fixed projections and the projected q and k are never larger than q and k.
+    if self.sparse == "hash" and self.hash_buckets > 2 * self.head_size:
+      return (f"model.hash_buckets={self.hash_buckets} must be at most twice the head size, "
+              f"{2 * self.head_size} (argmax over [xR, -xR] of b/2 directions in head size "
+              f"dimensions)")
     for kind in dict.fromkeys(self.layer_kinds):  # every rule of masks: one function
       problem = parallelism.masks.problem(self.mask_spec(kind), self._mask_names)
       if problem:

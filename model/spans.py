@@ -7,13 +7,15 @@ A plan is a JSON file of MoA's elastic form, one (alpha, beta) per layer and que
 
 Head h of layer l sees `round(alpha + beta * N)` keys up to itself (the query included, as
 `model.window` counts: `parallelism.tiles`), N being the row length the plan is resolved
-at (`data.seq_len`); a span of N or more is causal. Each query head keeps its own span, under
-GQA too (its kv head's keys are read as far back as its widest query head needs).
+at (`data.seq_len`); a span of N or more (JSON's Infinity too) is causal. Each query head
+keeps its own span, under GQA too (its kv head's keys are read as far back as its widest
+query head needs).
 """
 
 from __future__ import annotations
 
 import json
+import math
 
 
 def resolve(path: str, num_layers: int, num_heads: int,
@@ -40,14 +42,30 @@ def resolve(path: str, num_layers: int, num_heads: int,
                          f"{num_heads} (model.num_heads); it has {_count(row)}")
       if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in row):
         raise ValueError(f"{where}: '{key}' row {layer} must hold numbers, got {row}")
-  spans = tuple(tuple(min(round(a + b * length), length) for a, b in zip(*rows))
-                for rows in zip(plan["alpha"], plan["beta"]))
-  for layer, row in enumerate(spans):
-    for head, span in enumerate(row):
+  spans = []
+  for layer, rows in enumerate(zip(plan["alpha"], plan["beta"])):
+    spans.append([])
+    for head, (alpha, beta) in enumerate(zip(*rows)):
+      span = _float(alpha) + _float(beta) * length
+      if math.isnan(span):
+        raise ValueError(f"{where}: layer {layer} head {head} has alpha {alpha} and beta {beta}"
+                         f": alpha + beta * length is not a number")
+      # Of the row or more, infinity too, is causal; round() has no integer for infinity.
+      span = length if span >= length else round(span) if math.isfinite(span) else span
       if span < 1:
         raise ValueError(f"{where}: layer {layer} head {head} has span {span} at length "
                          f"{length} (alpha + beta * length); every span must be >= 1 key")
-  return spans
+      spans[-1].append(span)
+  return tuple(map(tuple, spans))
+
+
+def _float(number: int | float) -> float:
+  """The plan's number as a float; an integer too large for one (JSON has no bound) as the
+  infinity of its sign, which is what it means for a span."""
+  try:
+    return float(number)
+  except OverflowError:
+    return math.inf if number > 0 else -math.inf
 
 
 def _count(value) -> str:

@@ -75,12 +75,17 @@ def _solve(z_QK, member_QK, k: int):
     size_Q = support.sum(-1)
     solved = (jnp.sum(jnp.where(support, z_QK, 0.0), -1) + ones_Q - k) / jnp.maximum(size_Q, 1)
     tau_Q = jnp.where(size_Q > 0, solved, tau_Q)
-  # No support: the mass is k on a flat stretch (k scores a gap of over 1 above the rest);
-  # take its middle, away from the kinks where the gradient is undefined.
-  gap_QK = z_QK - tau_Q[..., None]
-  below_Q = jnp.max(jnp.where(member_QK & (gap_QK <= 0.0), z_QK, -jnp.inf), -1)
-  above_Q = jnp.min(jnp.where(member_QK & (gap_QK >= 1.0), z_QK, jnp.inf), -1) - 1.0
-  tau_Q = jnp.where(_inside(z_QK, tau_Q, member_QK).any(-1), tau_Q, 0.5 * (below_Q + above_Q))
+  # A flat stretch: the k largest scores stand 1 or more above the rest, so the mass is k for
+  # every tau between; take its middle, away from the kinks where the gradient is undefined.
+  # The search ends at the stretch's upper edge, where float32 may leave the edge key's gap a
+  # rounding below 1 (a support of one, gradient 1): so decide on the scores, not the gaps.
+  # On (or a rounding off) a stretch the k largest are the members over 1/2 above tau; where
+  # there is no stretch, no split of the members passes the test below.
+  top_QK = member_QK & (z_QK - tau_Q[..., None] > 0.5)
+  below_Q = jnp.max(jnp.where(member_QK & ~top_QK, z_QK, -jnp.inf), -1)
+  above_Q = jnp.min(jnp.where(top_QK, z_QK, jnp.inf), -1) - 1.0
+  flat_Q = (top_QK.sum(-1) == k) & (above_Q >= below_Q)
+  tau_Q = jnp.where(flat_Q, 0.5 * (below_Q + above_Q), tau_Q)
   tau_Q = jnp.where(count_Q <= k, -jnp.inf, tau_Q)
   return tau_Q, _inside(z_QK, tau_Q, member_QK)
 

@@ -370,6 +370,11 @@ def main() -> None:
   parser.add_argument("--narrowest", type=int, default=None,
                       help="per-head spans: the narrowest (default: every head sees --window)")
   args = parser.parse_args()
+  # Here, not in the errors below: a length of 0 made a tile of 0 and blamed that instead.
+  for flag in ("seq_len", "shards", "tile", "window", "narrowest"):
+    value = getattr(args, flag)
+    if value is not None and value < 1:
+      raise SystemExit(f"error: --{flag} must be positive (got {value})")
   try:
     check(MaskSpec(window=args.window, narrowest=args.narrowest),
           FIELDS | dict(window="--window", narrowest="--narrowest"))

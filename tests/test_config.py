@@ -86,12 +86,22 @@ def test_paper_models_have_the_paper_shapes():
     ({"data.tokenizer_vocab_size": 100}, "data.tokenizer_vocab_size=100 must exceed 260"),
     ({"data.prefetch": -1}, "data.prefetch=-1 must be >= 0"),
     ({"cpu_devices": -1}, "cpu_devices=-1 must be >= 0"),
+    # NaN passes `x < 0` and infinity `x > 0`: every float field is refused first.
+    ({"model.attention_softcap": float("nan")}, "model.attention_softcap=nan must be a finite"),
+    ({"model.local_rope_theta": float("inf")}, "model.local_rope_theta=inf must be a finite"),
+    ({"model.rope_scaling.factor": float("nan")}, "model.rope_scaling.factor=nan must be a"),
+    ({"train.lr": float("inf")}, "train.lr=inf must be a finite number"),
+    ({"train.grad_clip": -float("inf")}, "train.grad_clip=-inf must be a finite number"),
+    ({"peak_flops_per_device": float("nan")}, "peak_flops_per_device=nan must be a finite"),
 ])
 def test_impossible_values_name_the_field(overrides, field):
   config = _load("tiny_cpu")
   for path, value in overrides.items():
     *groups, key = path.split(".")
-    (config[groups[0]] if groups else config)[key] = value
+    group = config
+    for name in groups:
+      group = group[name]
+    group[key] = value
   with pytest.raises(ConfigError) as error:
     check_config(config, num_devices=8)
   message = str(error.value)

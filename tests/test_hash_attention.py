@@ -201,6 +201,10 @@ def test_only_xla_applies_buckets():
     ({"model.sparse": "lsh"}, "model.sparse='lsh' must be one of"),
     ({"model.sparse": "hash"}, "model.hash_buckets=0 must be even and >= 2"),
     ({"model.sparse": "hash", "model.hash_buckets": 3}, "model.hash_buckets=3 must be even"),
+    # At most twice the head size (32): the 2^40 failed allocating 512 TiB of them.
+    ({"model.sparse": "hash", "model.hash_buckets": 66},
+     "model.hash_buckets=66 must be at most twice the head size, 64"),
+    ({"model.sparse": "hash", "model.hash_buckets": 1 << 40}, "model.hash_buckets=1099511627776"),
     ({"model.hash_buckets": 4}, "but model.sparse='none'"),
     ({"model.sparse": "hash", "model.hash_buckets": 4, "model.window": 16,
       "model.sink_tokens": 2}, "model.sink_tokens=2 does not combine"),

@@ -134,11 +134,17 @@ def test_a_span_plan_resolves_at_the_row_length_and_a_bad_one_is_one_line(tmp_pa
   cfg = ModelConfig(**fields, head_spans=plan)
   assert cfg.spans == ((3, 24), (64, 64)) and cfg.layer_kinds == "LG"
   assert (cfg.window_of("L"), cfg.narrowest_span, cfg.window_of("G")) == (24, 3, None)
+  # JSON's Infinity (and an integer no float holds) is a span of the row or more: causal.
+  endless = _plan(tmp_path, [[1, float("inf")], [10 ** 400, 64]], [[1 / 32, 0], [0, 0]])
+  assert ModelConfig(**fields, head_spans=endless).spans == ((3, 64), (64, 64))
   for alpha, beta, match in (
       ([[1, 8]], [[0, 0]], "'alpha' must have one row per layer, 2 .* it has 1"),
       ([[1, 8], [1, 8]], [[0, 0], [0]], "'beta' row 1 must have one entry per query head, 2"),
       ([[1, 8], [0, 8]], [[0, 0], [0, 0]], "layer 1 head 0 has span 0 at length 64"),
-      ([[1, 8], [1, "x"]], [[0, 0], [0, 0]], "'alpha' row 1 must hold numbers")):
+      ([[1, 8], [1, "x"]], [[0, 0], [0, 0]], "'alpha' row 1 must hold numbers"),
+      ([[1, 8], [1, float("nan")]], [[0, 0], [0, 0]], "layer 1 head 1 has alpha nan and beta 0"),
+      ([[1, 8], [1, 8]], [[0, 0], [float("nan"), 0]], "layer 1 head 0 has alpha 1 and beta nan"),
+      ([[1, 8], [-float("inf"), 8]], [[0, 0], [0, 0]], "layer 1 head 0 has span -inf")):
     problem = ModelConfig(**fields, head_spans=_plan(tmp_path, alpha, beta)).pattern_problem()
     assert re.search(match, problem) and "\n" not in problem, problem
   missing = ModelConfig(**fields, head_spans=str(tmp_path / "none.json")).pattern_problem()

@@ -15,8 +15,8 @@ import pytest
 from parallelism import tiles
 from parallelism.layouts import LAYOUTS, permutation
 from parallelism.masks import Mask, visible
-from parallelism.schedule import (critical_path, held_block, ring_schedule, schedule_of_order,
-                                  MASK_SHAPES)
+from parallelism.schedule import (critical_path, held_block, main, ring_schedule,
+                                  schedule_of_order, MASK_SHAPES)
 
 
 def _visible_from_lists(plan, lists, pair, outer_tile, inner_tile, block_len, transposed):
@@ -128,7 +128,7 @@ def test_any_order_and_errors():
                                 permutation("striped", 64, 4))
 
 
-def test_command_line_prints_the_schedule():
+def test_command_line_prints_the_schedule(monkeypatch):
   out = subprocess.run([sys.executable, "-m", "parallelism", "--layout", "striped",
                         "--seq_len", "4096", "--shards", "4", "--tile", "256"],
                        capture_output=True, text=True, check=True).stdout
@@ -138,3 +138,10 @@ def test_command_line_prints_the_schedule():
                         "--seq_len", "100", "--shards", "8"], capture_output=True, text=True)
   assert bad.returncode != 0 and bad.stderr.strip() == (
       "error: seq_len=100 must be divisible by 16 (sequence shards=8 x 2 for zigzag)")
+  # A length of 0 once made a tile of 0 and blamed it; each size is named (in-process: cheap).
+  for flag, value in (("seq_len", "0"), ("seq_len", "-256"), ("shards", "0"), ("tile", "0"),
+                      ("window", "-1")):
+    monkeypatch.setattr(sys, "argv", ["parallelism", "--layout", "zigzag", "--shards", "4",
+                                      f"--{flag}", value])
+    with pytest.raises(SystemExit, match=f"^error: --{flag} must be positive \\(got {value}\\)$"):
+      main()

@@ -29,10 +29,14 @@ K, WINDOW = 4, 3  # keys kept per query, keys always seen (itself and the two be
 
 def brute_threshold(z, k):
   """SparseK's threshold of z (float64): the root of sum clip(z - t, 0, 1) = k found on the
-  breakpoints of that piecewise-linear sum; -inf with k entries or fewer."""
+  breakpoints of that piecewise-linear sum; the middle of a flat stretch (the k largest 1 or
+  more above the rest: the sum is k all along it); -inf with k entries or fewer."""
   z = np.asarray(z, np.float64)
   if z.size <= k:
     return -np.inf
+  top = np.sort(z)[::-1]
+  if top[k - 1] - 1.0 >= top[k]:
+    return 0.5 * (top[k] + top[k - 1] - 1.0)
   mass = lambda t: np.clip(z - t, 0.0, 1.0).sum()
   points = np.unique(np.concatenate([z, z - 1.0]))
   for a, b in zip(points[:-1], points[1:]):
@@ -68,6 +72,38 @@ def test_the_operator_is_the_capped_simplex_projection_with_its_gradient():
     np.testing.assert_allclose(np.sum(got), 3.0, rtol=1e-6)
     np.testing.assert_allclose(got_jac, jac, atol=1e-6)
   np.testing.assert_array_equal(jax.jit(sk.sparsek, static_argnums=1)(cases[0, :3], 3), 1.0)
+
+
+def test_flat_stretches_take_the_middle_with_gradient_0():
+  """Where the k largest scores stand 1 or more above the rest, tau is the stretch's middle
+  and its gradient 0; float32 rounding once left it at the upper edge, the edge key's gap
+  just below 1 and the gradient 1 there (issue #57's row, the last). Per-query thresholds as
+  the model solves them, against the float64 solve on random rows of coarse scores (many
+  flat), one row per batch entry."""
+  rng = np.random.default_rng(57)
+  rows = (np.round(rng.standard_normal((512, 23)) * 8 / 0.7) * 0.7).astype(np.float32)
+  issue = (np.random.default_rng(0).standard_normal((2, 512, 2)) * 2).astype(np.float32)
+  rows = np.concatenate([rows, issue[None, 1, 150:173, 1]])
+
+  @jax.jit
+  def solve(u_BS):  # Each row's one query, at its last position, sees the whole row.
+    tau_B1, vjp = jax.vjp(lambda u: sk.decode_thresholds(
+        u[..., None], jnp.full(len(rows), 22), 8, 0), u_BS)
+    return tau_B1[:, 0], vjp(jnp.ones_like(tau_B1))[0]
+
+  tau, grad = (np.asarray(x) for x in solve(rows))
+  flat = 0
+  for z, got_tau, got_grad in zip(rows, tau, grad):
+    want = brute_threshold(z, 8)
+    gap = z.astype(np.float64) - want
+    np.testing.assert_allclose(got_tau, want, atol=2e-6)
+    if np.min(np.abs(np.concatenate([gap, gap - 1.0]))) < 1e-5:
+      continue  # A kink: the gradient is undefined there.
+    support = (gap > 0) & (gap < 1)
+    flat += not support.any()
+    np.testing.assert_allclose(got_grad, support / max(support.sum(), 1), atol=1e-6)
+  assert flat > 150
+  assert abs(tau[-1] - 0.96254) < 1e-4 and not grad[-1].any()  # Was 0.97549, 1 on one key.
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))

@@ -4,6 +4,7 @@ metrics.jsonl after a crash or a full disk, and the one-line errors around them.
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -26,6 +27,8 @@ from trainer.core.training import data_config
 from trainer.run import loop
 from trainer.run.loop import train
 from trainer.run.stop_signals import StoppedBeforeTraining
+from trainer.tools.export import ExportError, export
+from trainer.tools.run_flags import run_config
 from trainer.track import console, tracking
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -95,6 +98,57 @@ def test_another_tokenizer_file_is_refused(run, tiny_config, tmp_path):
                               meta["corpus"], [])
   with pytest.raises(ConfigError, match="tokenizer file .* SHA-256 differs"):
     check(4, meta)
+
+
+def test_a_span_plan_travels_with_its_run(tiny_config, tmp_path, capsys):
+  """A run keeps its span plan's bytes in its workdir and their SHA-256 in each checkpoint
+  (issue #57: only the path was kept, so a plan edited between runs was trained on, sampled
+  and exported silently). Edited, it is refused on resume in one line; deleted, the copy
+  resumes, and the tools read the copy. Every span Infinity is causal: the plain tiny
+  model's program, which the persistent cache holds."""
+  plan, run = tmp_path / "plan.json", str(tmp_path / "run")
+  causal = {"alpha": [[math.inf] * 4] * 2, "beta": [[0] * 4] * 2}
+  plan.write_text(json.dumps(causal))
+  config = lambda steps: _config(tiny_config, **{"train.steps": steps,
+                                                 "model.head_spans": str(plan)})
+  first = config(2)
+  train(first, run)
+  copy = os.path.join(run, "head_spans.json")
+  assert os.path.isfile(copy) and open(copy).read() == plan.read_text()
+  assert first.model.head_spans == copy  # What the run built from then on (the needle eval).
+  plan.write_text(json.dumps({"alpha": [[8, 16, 256, 256]] * 2, "beta": [[0] * 4] * 2}))
+  before = _state_of(run)
+  with pytest.raises(ConfigError, match=rf"cannot resume with model.head_spans='{plan}': the "
+                                        rf"checkpoint of step 2 was trained with another plan"
+                                        ) as error:
+    train(config(4), run)
+  assert "\n" not in str(error.value) and _state_of(run) == before
+  assert json.loads(open(copy).read()) == causal
+  plan.unlink()  # The original gone: the run's copy resumes (as `python -m trainer` says).
+  from trainer.config import span_plan  # pylint: disable=g-import-not-at-top
+  resumed = config(2)
+  assert span_plan.prefer_copy(resumed, run).endswith(f"reading the run's copy, {copy}")
+  capsys.readouterr()
+  train(resumed, run)
+  assert "resuming from step 2" in capsys.readouterr().out
+  assert run_config(run).model.head_spans == copy  # Sampling and the needle eval read it.
+  with pytest.raises(ExportError, match=f"^model.head_spans='{copy}': per-head spans have no"):
+    export(run, str(tmp_path / "out"), log=lambda line: None)
+
+
+@pytest.mark.parametrize("recorded,stored,named,expected", [
+    ("", "", "plan.json", "trained with no span plan; resume with model.head_spans=''"),
+    ("abc", "plan.json", "", "trained with another plan (other bytes), kept in run/"),
+    (None, "old.json", "plan.json", "trained with 'old.json'; resume with model.head_spans="),
+    (None, "plan.json", "plan.json", None),  # Before plans were hashed: the path alone.
+])
+def test_a_span_plan_added_removed_or_of_an_older_checkpoint(recorded, stored, named,
+                                                             expected, tiny_config):
+  from trainer.config import span_plan  # pylint: disable=g-import-not-at-top
+  config = tiny_config(**{"model.head_spans": named})
+  problem = span_plan.resume_problem(config, "def" if named else "", recorded, stored, "run",
+                                     "the checkpoint of step 4")
+  assert problem == expected or expected in problem and "\n" not in problem
 
 
 def test_a_corpus_whose_files_changed_is_refused(tiny_config, tmp_path):

@@ -98,7 +98,7 @@ def main(argv: list[str]) -> None:
   from model.hf_format import HFFormatError
   from trainer.ckpt import hf_import
   from trainer.ckpt.checkpointing import CheckpointError
-  from trainer.config import stages
+  from trainer.config import span_plan, stages
   from trainer.config.config_check import ConfigError, check_config
   from trainer.config.workdir import WorkdirError
   from trainer.run import distributed
@@ -139,6 +139,9 @@ def main(argv: list[str]) -> None:
     if watch:  # Named in the line said when another process dies.
       watch.checkpoints = os.path.join(os.path.abspath(workdir), "checkpoints")
     distributed.same_settings({**_shared_fields(config), "--workdir": os.path.abspath(workdir)})
+    note = span_plan.prefer_copy(config, workdir)  # A deleted plan file: the run's copy.
+    if note:
+      print(note, flush=True)
     check_config(config, jax.device_count())
     # WANDB_MODE too, which the config check does not read: before the workdir exists. Each
     # host has its own environment, and a process that stopped alone would leave the others

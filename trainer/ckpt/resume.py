@@ -1,9 +1,10 @@
 """What a resumed run may change: compute, schedule and logging yes; anything else no.
 
 Every checkpoint stores the resolved config it was trained with and the SHA-256 of its
-tokenizer file (`checkpoint_meta`). A resumed run compares its own config with that one, by
-an allow-list: a field that is not listed in `MAY_CHANGE` must be equal, so a field added
-later is guarded from the day it exists. Changed allowed fields are reported.
+tokenizer file and of its span plan (`checkpoint_meta`; trainer/config/span_plan.py). A
+resumed run compares its own config with that one, by an allow-list: a field that is not
+listed in `MAY_CHANGE` must be equal, so a field added later is guarded from the day it
+exists. Changed allowed fields are reported.
 `<workdir>/config.json` is for people to read; only checkpoints written before configs were
 stored in them are compared against it.
 """
@@ -18,7 +19,7 @@ from typing import Any, Callable
 
 import ml_collections
 
-from trainer.config import fields
+from trainer.config import fields, span_plan
 from trainer.config.config_check import ConfigError
 from trainer.config.stored import config_of, config_path
 from trainer.track.tracking import last_logged_step, scrub
@@ -39,6 +40,8 @@ MAY_CHANGE = (
     "train.schedule_steps", "train.min_lr_ratio", "train.warmup_steps", "train.weight_decay",
     "train.b1", "train.b2", "train.grad_clip",
     "data.data_dir", "data.tokenizer", "data.prefetch", "data.eval_split",
+    # Where the span plan is read from: its bytes' hash is compared instead (span_plan.py).
+    "model.head_spans",
     # Where step 0's weights came from: a resumed run starts from its checkpoint instead.
     "init.")
 
@@ -68,10 +71,11 @@ def tokenizer_problem(path: str, recorded_sha256: str | None) -> str | None:
 
 
 def checkpoint_meta(config: ml_collections.ConfigDict, tokenizer_sha256: str,
-                    corpus: str) -> dict[str, Any]:
+                    corpus: str, head_spans_sha256: str = "") -> dict[str, Any]:
   """What each checkpoint records about the run besides its arrays."""
   return {"seed": config.seed, "config": config_dict(config),
-          "tokenizer_sha256": tokenizer_sha256, "corpus": corpus}
+          "tokenizer_sha256": tokenizer_sha256, "corpus": corpus,
+          "head_spans_sha256": head_spans_sha256}
 
 
 _STAGE_FIELD = re.compile(r"stages\[(\d+)\]\.(.+)")
@@ -120,8 +124,8 @@ def compare(stored: dict[str, Any], config: ml_collections.ConfigDict,
 
 
 def compatibility_check(config: ml_collections.ConfigDict, workdir: str, tokenizer_file: str,
-                        tokenizer_sha256: str, corpus: str,
-                        report: list[str]) -> Callable[[int, dict], None]:
+                        tokenizer_sha256: str, corpus: str, report: list[str],
+                        head_spans_sha256: str = "") -> Callable[[int, dict], None]:
   """The `check_compatible(step, meta)` a restore calls; appends allowed changes to `report`."""
 
   def check(step: int, meta: dict) -> None:
@@ -137,6 +141,12 @@ def compatibility_check(config: ml_collections.ConfigDict, workdir: str, tokeniz
     if stored is not None:
       stage = meta.get("stage")  # Staged runs: stages after the checkpoint's may change.
       report[:] = compare(stored, config, where, stage["stage"] if stage else None)
+    stored_plan = None if stored is None else stored.get("model", {}).get("head_spans", "")
+    problem = span_plan.resume_problem(config, head_spans_sha256,
+                                       meta.get("head_spans_sha256"), stored_plan, workdir,
+                                       where)
+    if problem:
+      raise ConfigError(problem)
     # Before the tokenizer: a corpus that changed explains a tokenizer trained on it anew.
     recorded_corpus = meta.get("corpus")
     if not recorded_corpus:

@@ -1,3 +1,3 @@
 """The config as the trainer reads it: field checks and their errors, stages, hardware figures
 (peak FLOPs, memory), the needle grid's syntax, the run directory (lock, atomic writes) and
-the config it stores there (`config.json`)."""
+what it keeps there: the config (`config.json`) and the span plan (`head_spans.json`)."""

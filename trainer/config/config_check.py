@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import data
 import parallelism
 from data.config import RESERVED_PIECES
-from trainer.config import flops, needle_grid, stages
+from trainer.config import fields, flops, needle_grid, stages
 from model import ATTENTIONS, KERNELS, REMAT_POLICIES
 from model.config import ModelConfig, layout_of
 from model.rope import RopeScaling
@@ -43,6 +43,10 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
 
 def _check_one(config: ml_collections.ConfigDict, num_devices: int) -> None:
   m, t, d = config.model, config.train, config.data
+  # First: NaN fails every comparison, so `x < 0` lets it through to the first step's loss.
+  for field, value in fields.flatten(config.to_dict()).items():
+    _require(not isinstance(value, float) or math.isfinite(value),
+             f"{field}={value} must be a finite number")
   for field in ("num_layers", "d_model", "num_heads", "num_kv_heads", "d_ff", "vocab_size",
                 "attention_tile"):
     _require(m[field] > 0, f"model.{field}={m[field]} must be positive")

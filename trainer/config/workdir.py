@@ -86,11 +86,13 @@ def release(workdir: str) -> None:
     os.close(fd)
 
 
-def write_atomically(path: str, text: str) -> None:
-  """Writes `text` to `path` whole or not at all (temporary file, fsync, rename)."""
+def write_atomically(path: str, text: str | bytes) -> None:
+  """Writes `text` (or bytes, as they are) to `path` whole or not at all (temporary file,
+  fsync, rename)."""
   temporary = f"{path}.tmp-{os.getpid()}"
+  binary = isinstance(text, bytes)
   try:
-    with open(temporary, "w", encoding="utf-8") as f:
+    with open(temporary, "wb" if binary else "w", encoding=None if binary else "utf-8") as f:
       f.write(text)
       f.flush()
       os.fsync(f.fileno())

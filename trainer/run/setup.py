@@ -20,7 +20,7 @@ from model.config import LOCAL
 from trainer.ckpt.checkpointing import Checkpointer
 from trainer.ckpt.resume import (checkpoint_meta, compatibility_check, config_dict, config_path,
                                  file_sha256, start_warning)
-from trainer.config import stages
+from trainer.config import span_plan, stages
 from trainer.config import workdir as workdir_lock
 from trainer.config.config_check import ConfigError, block_kernels
 from trainer.core.state import TrainState
@@ -40,6 +40,7 @@ class Setup:
   stages: list[stages.Stage]
   data_cfg: data.DataConfig
   tokenizer_file: str
+  plan: bytes  # The span plan's bytes (model.head_spans; b"": none), copied once accepted.
   meta: dict[str, Any]  # What every checkpoint records of the run (resume checks read it).
   records: dict[str, Any] | None  # provenance and resolved settings; process 0 only
   log: Callable[[str], None]  # Prints on process 0, nothing elsewhere.
@@ -65,6 +66,8 @@ def prepare(config: ml_collections.ConfigDict, workdir: str, is_writer: bool) ->
   corpus = data.corpus_id(data_cfg)  # The same: its data position indexes these documents.
   distributed.same_everywhere(corpus, "prepared corpus")  # Else a check stops some of them.
   distributed.same_everywhere(tokenizer_sha256, "tokenizer file")
+  plan = span_plan.read(config)  # Read once, like the tokenizer: checked on restore, kept.
+  distributed.same_everywhere(span_plan.sha256(plan), "span plan (model.head_spans)")
   log = (lambda line: print(line, flush=True)) if is_writer else (lambda line: None)
   if jax.default_backend() == "cpu" and any(s.config.train.remat == "offload" for s in all_stages):
     log("train.remat='offload' on the CPU: there is no device memory apart from the host's "
@@ -73,8 +76,8 @@ def prepare(config: ml_collections.ConfigDict, workdir: str, is_writer: bool) ->
   # by an early error prints background-thread tracebacks at interpreter exit.
   checkpointer = Checkpointer(workdir, config.checkpoint.every_steps, config.checkpoint.keep,
                               config.checkpoint.async_save)
-  return Setup(config, workdir, mesh, all_stages, data_cfg, tokenizer_file,
-               checkpoint_meta(config, tokenizer_sha256, corpus),
+  return Setup(config, workdir, mesh, all_stages, data_cfg, tokenizer_file, plan,
+               checkpoint_meta(config, tokenizer_sha256, corpus, span_plan.sha256(plan)),
                run_records(config) if is_writer else None, log, checkpointer)
 
 
@@ -85,7 +88,8 @@ def restore(setup: Setup, start_over: bool) -> tuple[int, TrainState | None, dic
   config, workdir, all_stages = setup.config, setup.workdir, setup.stages
   changes: list[str] = []
   check = compatibility_check(config, workdir, setup.tokenizer_file,
-                              setup.meta["tokenizer_sha256"], setup.meta["corpus"], changes)
+                              setup.meta["tokenizer_sha256"], setup.meta["corpus"], changes,
+                              setup.meta["head_spans_sha256"])
 
   def check_with_stage(step: int, meta: dict) -> None:
     # The stage first: it names the change (stages added or removed, a begun stage's steps
@@ -103,6 +107,8 @@ def restore(setup: Setup, start_over: bool) -> tuple[int, TrainState | None, dic
     written = {**config_dict(config), **setup.records}
     workdir_lock.write_atomically(config_path(workdir),
                                   json.dumps(written, indent=2, sort_keys=True))
+    # The writer alone: other hosts keep reading their own file of the same hash.
+    span_plan.keep(setup.plan, [config, *(stage.config for stage in all_stages)], workdir)
   step, state, data_state = restored[:3] if restored else (0, None, None)
   if restored:
     setup.log(f"resuming from step {step} ({setup.checkpointer.directory}/{step})"

@@ -43,7 +43,7 @@ from model.hf_format import export_problem, hf_config_of, hf_shapes, tensor_name
 from trainer.ckpt.checkpointing import CheckpointError
 from trainer.ckpt.tool_reads import read_step
 from trainer.ckpt.resume import tokenizer_problem
-from trainer.config import stages
+from trainer.config import span_plan, stages
 from trainer.core.optimizer import make_optimizer
 from trainer.core.state import abstract_state
 from trainer.core.training import data_config, model_config
@@ -89,6 +89,7 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str = "bfloat
     def abstract_state_of(meta):
       # A staged run's step exports with its stage's RoPE and length.
       config = stages.holding(stages.resolve(ml_collections.ConfigDict(meta["config"])), step).config
+      span_plan.for_tools(config, workdir)  # The plan the run trained with, not its path's.
       rules = tuple((name, tuple(axes) if isinstance(axes, list) else axes)
                     for name, axes in config.mesh.rules)
       # The tokenizer is checked before the arrays are read: minutes for a large model.

@@ -13,7 +13,7 @@ from typing import Callable
 
 import ml_collections
 
-from trainer.config import cli
+from trainer.config import cli, span_plan
 from trainer.config.stored import config_of, config_path
 
 
@@ -51,6 +51,7 @@ def run_config(workdir: str) -> ml_collections.ConfigDict:
   # JSON has no tuples; the rules table is pairs of (logical name, mesh axes).
   config.mesh.rules = tuple((name, tuple(axes) if isinstance(axes, list) else axes)
                             for name, axes in config.mesh.rules)
+  span_plan.for_tools(config, workdir)  # The plan the run trained with, not its path's file.
   return config
 
 
