@@ -40,19 +40,29 @@ from parallelism.tile_math import bwd_update, fwd_result, fwd_update
 _F32 = jnp.float32
 
 
-def _span(lo_RT, hi_RT, row, i, tile: int):
-  """(first, stop) of the tiles the ranges of tile i of row `row` reach (lo and hi rise
-  along a sorted row: its first entry's lo, its last's hi); first == stop where every range
-  of the tile is empty."""
-  first = lo_RT[row, i * tile]
-  last = hi_RT[row, i * tile + tile - 1]
-  stop = jnp.where(last > first, (last + tile - 1) // tile, first // tile)
-  return first // tile, stop
+def tiles(tile: int) -> tuple[int, int]:
+  """(query tile, key tile): half the ring's tile each way. Sorted, a (code, document)
+  group's queries and keys start and end inside tiles, and a tile that straddles two
+  groups computes each group's queries on the other's keys; finer tiles waste less of
+  that, and on a CPU their smaller matmuls cost less than the pairs they save
+  (`scripts/bench_sparse.py`)."""
+  half = tile // 2 if tile % 2 == 0 else tile
+  return half, half
 
 
-def _within(lo_t, hi_t, j, tile: int):
-  """[t, tk]: which positions of tile j lie in each range [lo, hi)."""
-  at = j * tile + jnp.arange(tile, dtype=jnp.int32)
+def _span(lo_RT, hi_RT, row, i, outer: int, inner: int):
+  """(first, stop) of the inner tiles the ranges of outer tile i of row `row` reach (lo and
+  hi rise along a sorted row: its first entry's lo, its last's hi); first == stop where
+  every range of the tile is empty."""
+  first = lo_RT[row, i * outer]
+  last = hi_RT[row, i * outer + outer - 1]
+  stop = jnp.where(last > first, (last + inner - 1) // inner, first // inner)
+  return first // inner, stop
+
+
+def _within(lo_t, hi_t, j, size: int):
+  """[t, size]: which positions of tile j (of `size`) lie in each range [lo, hi)."""
+  at = j * size + jnp.arange(size, dtype=jnp.int32)
   return (at[None, :] >= lo_t[:, None]) & (at[None, :] < hi_t[:, None])
 
 
@@ -84,19 +94,21 @@ def _over_tiles(one_tile, lengths_U, tile: int):
   return jax.tree.map(lambda x: x[jnp.argsort(order_U)], by_length)
 
 
-def _walk_lengths(lo_RT, hi_RT, tile: int):
-  """[R * n]: how many tiles each tile's ranges reach."""
-  first = lo_RT[:, ::tile]
-  last = hi_RT[:, tile - 1::tile]
-  return jnp.where(last > first, (last + tile - 1) // tile - first // tile, 0).reshape(-1)
+def _walk_lengths(lo_RT, hi_RT, outer: int, inner: int):
+  """[R * n]: how many inner tiles each outer tile's ranges reach."""
+  first = lo_RT[:, ::outer]
+  last = hi_RT[:, outer - 1::outer]
+  return jnp.where(last > first, (last + inner - 1) // inner - first // inner, 0).reshape(-1)
 
 
 def computed_tiles(mask: Mask, tile: int, q_index_T=None, k_index_T=None) -> jax.Array:
-  """How many (query head, query tile, key tile) pairs the kernel computes on this block
-  pair (sorted here when given unsorted, with its blocks' original positions)."""
+  """How much the kernel computes on this block pair, in (query head, tile x tile) pairs
+  (its own tiles are `tiles(tile)`; sorted here when given unsorted, with its blocks'
+  original positions)."""
   _, _, _, mask, _, _ = _sorted(None, None, None, mask, q_index_T, k_index_T)
   (lo, hi), _ = sorting.ranges(mask)
-  return _walk_lengths(lo, hi, tile).sum(dtype=jnp.int32)
+  tq, tk = tiles(tile)
+  return _walk_lengths(lo, hi, tq, tk).sum() * (tq * tk / tile ** 2)
 
 
 def _sorted(q_BTHD, k_BTKD, v_BTKD, mask: Mask, q_index_T, k_index_T):
@@ -126,31 +138,32 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, mask: Mask, *, tile: int, q_index_T=None,
   q_BTHD, k_BTKD, v_BTKD, mask, q_order, _ = _sorted(q_BTHD, k_BTKD, v_BTKD, mask, q_index_T,
                                                      k_index_T)
   spec = mask.spec
+  tq, tk = tiles(tile)
   (lo_RT, hi_RT), _ = sorting.ranges(mask)
   q_RTD, k_RTD, v_RTD = rows(q_BTHD), rows(k_BTKD), rows(v_BTKD)
   heads, num_kv = q_BTHD.shape[2], k_BTKD.shape[2]
-  group, nq = heads // num_kv, q_RTD.shape[1] // tile
+  group, nq = heads // num_kv, q_RTD.shape[1] // tq
   scale = q_BTHD.shape[3] ** -0.5
 
   def one_query_tile(u):
     row, i = u // nq, u % nq
     k_row = (row // heads) * num_kv + (row % heads) // group
-    q_tD = tile_of(q_RTD, row, i, tile)[None, None, None]  # [1, 1, 1, t, D]
-    lo_t, hi_t = tile_of(lo_RT, row, i, tile), tile_of(hi_RT, row, i, tile)
+    q_tD = tile_of(q_RTD, row, i, tq)[None, None, None]  # [1, 1, 1, t, D]
+    lo_t, hi_t = tile_of(lo_RT, row, i, tq), tile_of(hi_RT, row, i, tq)
 
     def visit(j, carry):
-      k_tD, v_tD = (tile_of(x, k_row, j, tile)[None, None] for x in (k_RTD, v_RTD))
-      seen = _within(lo_t, hi_t, j, tile)[None, None, None]
+      k_tD, v_tD = (tile_of(x, k_row, j, tk)[None, None] for x in (k_RTD, v_RTD))
+      seen = _within(lo_t, hi_t, j, tk)[None, None, None]
       return fwd_update(carry, q_tD, k_tD, v_tD, seen, spec=spec, scale=scale)
 
     shape = q_tD.shape[:-1]
     init = (jnp.full(shape, -jnp.inf, _F32), jnp.zeros(shape, _F32), jnp.zeros(q_tD.shape, _F32))
-    first, stop = _span(lo_RT, hi_RT, row, i, tile)
+    first, stop = _span(lo_RT, hi_RT, row, i, tq, tk)
     out_tD, lse_t = fwd_result(*lax.fori_loop(first, stop, visit, init), spec=spec,
                                scale=scale)
     return out_tD[0, 0, 0], lse_t[0, 0, 0]
 
-  out_UtD, lse_Ut = _over_tiles(one_query_tile, _walk_lengths(lo_RT, hi_RT, tile), tile)
+  out_UtD, lse_Ut = _over_tiles(one_query_tile, _walk_lengths(lo_RT, hi_RT, tq, tk), tile)
   batch = q_BTHD.shape[0]
   out_BTHD = unrows(out_UtD.reshape(q_RTD.shape), batch)
   lse_BTH = unrows(lse_Ut.reshape(q_RTD.shape[:2]), batch)
@@ -171,30 +184,31 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, mask: Mask,
     dout_BTHD, lse_BTH, delta_BTH = (sorting.gather(x, q_order)
                                      for x in (dout_BTHD, lse_BTH, delta_BTH))
   spec = mask.spec
+  tq, tk = tiles(tile)
   (lo_RT, hi_RT), (k_lo_RGT, k_hi_RGT) = sorting.ranges(mask)
   # lse -inf (a query that sees nothing) -> +inf so exp(s - lse) is 0 rather than NaN.
   lse_safe = jnp.where(jnp.isfinite(lse_BTH), lse_BTH, jnp.inf).astype(_F32)
   q_side = tuple(rows(x) for x in (q_BTHD, dout_BTHD, lse_safe, delta_BTH.astype(_F32)))
   k_RTD, v_RTD = rows(k_BTKD), rows(v_BTKD)
   heads, num_kv = q_BTHD.shape[2], k_BTKD.shape[2]
-  group, nq, nk = heads // num_kv, q_side[0].shape[1] // tile, k_RTD.shape[1] // tile
+  group, nq, nk = heads // num_kv, q_side[0].shape[1] // tq, k_RTD.shape[1] // tk
   scale, head_dim = q_BTHD.shape[3] ** -0.5, q_BTHD.shape[3]
 
   def pair(row, i, k_row, j, carry):
     """bwd_update of one tile pair (carry: dk, dv, dq^T), masked by the queries' ranges."""
-    q_xs = tuple(tile_of(x, row, i, tile)[None, None, None] for x in q_side)
-    k_tD, v_tD = (tile_of(x, k_row, j, tile)[None, None] for x in (k_RTD, v_RTD))
-    seen_T = _within(tile_of(lo_RT, row, i, tile), tile_of(hi_RT, row, i, tile), j, tile).T
+    q_xs = tuple(tile_of(x, row, i, tq)[None, None, None] for x in q_side)
+    k_tD, v_tD = (tile_of(x, k_row, j, tk)[None, None] for x in (k_RTD, v_RTD))
+    seen_T = _within(tile_of(lo_RT, row, i, tq), tile_of(hi_RT, row, i, tq), j, tk).T
     return bwd_update(carry, q_xs, (k_tD, v_tD, jnp.swapaxes(k_tD, 2, 3)),
                       seen_T[None, None, :, None], spec=spec, scale=scale)
 
-  no_kv = jnp.zeros((1, 1, tile, head_dim), _F32)
-  no_dq = jnp.zeros((1, 1, head_dim, 1, tile), _F32)  # dq^T of one query tile
+  no_kv = jnp.zeros((1, 1, tk, head_dim), _F32)
+  no_dq = jnp.zeros((1, 1, head_dim, 1, tq), _F32)  # dq^T of one query tile
   k_row_of = lambda row: (row // heads) * num_kv + (row % heads) // group
 
   def one_query_tile(u):  # its dq, over its ranges' key tiles (the forward's)
     row, i = u // nq, u % nq
-    first, stop = _span(lo_RT, hi_RT, row, i, tile)
+    first, stop = _span(lo_RT, hi_RT, row, i, tq, tk)
     visit = lambda j, dq_DGt: pair(row, i, k_row_of(row), j, (no_kv, no_kv, dq_DGt))[2]
     return lax.fori_loop(first, stop, visit, no_dq)[0, 0, :, 0].T
 
@@ -203,15 +217,15 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, mask: Mask,
     row_of = lambda g: (k_row // num_kv) * heads + (k_row % num_kv) * group + g
 
     def head(g, dkv):
-      first, stop = _span(k_lo_RGT[:, g], k_hi_RGT[:, g], k_row, j, tile)
+      first, stop = _span(k_lo_RGT[:, g], k_hi_RGT[:, g], k_row, j, tk, tq)
       visit = lambda i, dkv: pair(row_of(g), i, k_row, j, (*dkv, no_dq))[:2]
       return lax.fori_loop(first, stop, visit, dkv)
 
     dk_tD, dv_tD = lax.fori_loop(0, group, head, (no_kv, no_kv))
     return dk_tD[0, 0], dv_tD[0, 0]
 
-  dq_UtD = _over_tiles(one_query_tile, _walk_lengths(lo_RT, hi_RT, tile), tile)
-  k_lengths = sum(_walk_lengths(k_lo_RGT[:, g], k_hi_RGT[:, g], tile) for g in range(group))
+  dq_UtD = _over_tiles(one_query_tile, _walk_lengths(lo_RT, hi_RT, tq, tk), tile)
+  k_lengths = sum(_walk_lengths(k_lo_RGT[:, g], k_hi_RGT[:, g], tk, tq) for g in range(group))
   dk_UtD, dv_UtD = _over_tiles(one_key_tile, k_lengths, tile)
   batch = q_BTHD.shape[0]
   grads = Grads(unrows(dq_UtD.reshape(q_side[0].shape), batch),

@@ -25,11 +25,12 @@ Appends JSON lines to results/bench_sparse.jsonl (and $OUT/bench_sparse.jsonl wh
   0 alone prints and records (rows with `processes`), its clock covering both devices
   through the ring's collectives. Needs 2 cores and `taskset`.
 - tiles: (query head, query tile, key tile) pairs computed, summed over devices and ring
-  steps: causal from the static schedule, hash from the kernel's own run-time rule
-  (`kernel_hash.computed_tiles`). Ideal ratio about 1/buckets; the rule also computes each
-  bucket's ragged edge tiles, which weigh more as buckets get fewer tiles each.
+  steps: causal from the static schedule, hash from the kernel's own ranges
+  (`kernel_hash.computed_tiles`, sorted as the ring sorts). Ideal: the visible pairs over
+  causal's (`visible_fraction`, about 1/buckets); sorted, each bucket also computes its
+  ragged edge tiles, which weigh more as buckets get fewer tiles each.
 - drop-r: QK-dropping at rate r through the same codes (`model.dropping`: kept 0, dropped
-  queries 1, dropped keys 2), so the same walk; ideal ratio (1 - r)^2.
+  queries 1, dropped keys 2), so the same kernel; ideal about (1 - r)^2.
 - sparsek-k: SparseK (`model.sparsek`) keeping k keys per query beside a window of one tile,
   each query's exact prefix threshold over scores u per key and kv head: `--sparsek_scores
   iid`, u ~ N(0, 4^2) independent of position (the worst case: nearly every key tile holds a
@@ -137,29 +138,29 @@ def mask_of(variant) -> Mask:
 
 
 def block_step(schedule, tile: int):
-  """Forward, and forward+backward, of one block pair (ring_attention's custom_vjp order)."""
+  """Forward, and forward+backward, of one block pair (ring_attention's custom_vjp order),
+  each (q, k, v, dout, mask)."""
   at = dict(schedule=schedule, pair=jnp.int32(0), tile=tile)
 
-  def fwd(q, k, v, dout, variant):
-    return kernel_xla.block_fwd(q, k, v, mask_of(variant), **at)
+  def fwd(q, k, v, dout, mask):
+    return kernel_xla.block_fwd(q, k, v, mask, **at)
 
-  def fwd_bwd(q, k, v, dout, variant):
-    out, lse = fwd(q, k, v, dout, variant)
+  def fwd_bwd(q, k, v, dout, mask):
+    out, lse = fwd(q, k, v, dout, mask)
     delta = jnp.sum(out * dout.astype(jnp.float32), axis=-1)
-    grads = kernel_xla.block_bwd(q, k, v, dout, lse, delta, mask_of(variant), out_BTHD=out,
-                                 **at)
+    grads = kernel_xla.block_bwd(q, k, v, dout, lse, delta, mask, out_BTHD=out, **at)
     return grads.dq, grads.dk, grads.dv
   return jax.jit(fwd), jax.jit(fwd_bwd)
 
 
 def ring_step(mesh, layout: str, tile: int):
   """Forward, and forward+backward, of ring_attention on `mesh` (inputs already permuted)."""
-  def fwd(q, k, v, dout, variant):
-    return ring_attention(q, k, v, mask_of(variant), layout=layout, mesh=mesh, kernel="xla",
+  def fwd(q, k, v, dout, mask):
+    return ring_attention(q, k, v, mask, layout=layout, mesh=mesh, kernel="xla",
                           tile_size=tile)
 
-  def fwd_bwd(q, k, v, dout, variant):
-    out, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, dout, variant), q, k, v)
+  def fwd_bwd(q, k, v, dout, mask):
+    out, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, dout, mask), q, k, v)
     return vjp(dout)
   return jax.jit(fwd), jax.jit(fwd_bwd)
 
@@ -167,31 +168,43 @@ def ring_step(mesh, layout: str, tile: int):
 def tile_counts(schedule, tile: int, variant, batch: int) -> tuple[int, int]:
   """(causal, the variant's) tile pairs computed over every device and ring step; its
   operands in the layout's order. Per (query head, tile pair), the unit of the run-time
-  walk."""
-  spec, q_side, k_side = variant
-  heads = q_side.shape[2]
+  walk (codes: `kernel_hash.computed_tiles`, the pair sorted as the ring sorts it)."""
+  heads = variant[1].shape[2]
   causal = int(schedule.computed_tiles(tile).sum()) * batch * heads
   block, total = schedule.block_len, 0
-  count = jax.jit(lambda qc, kc, qi, ki, qr, kr: kernel_hash.computed_tiles(
-      qc, kc, None, None, qi, ki, tile=tile, window=schedule.window, q_run_T=qr, k_run_T=kr))
-  if spec.selects:  # SparseK: the devices' own indices (its window reads distances)
-    count = jax.jit(lambda qc, kc, qi, ki, qr, kr: kernel_sparsek.computed_tiles(
-        qc, kc, None, None, qi, ki, tile=tile, window=spec.sparsek_window))
-  (q_index_PT, k_index_PT), (q_run_PT, k_run_PT) = (schedule.pair_index,
-                                                    kernel_hash.pair_runs(schedule))
+  if variant[0].selects:  # SparseK: the devices' own indices (its window reads distances)
+    count = jax.jit(lambda mask, qi, ki: kernel_sparsek.computed_tiles(
+        mask.q.scores, mask.k.scores, None, None, qi, ki, tile=tile,
+        window=mask.spec.sparsek_window))
+  else:
+    count = jax.jit(lambda mask, qi, ki: kernel_hash.computed_tiles(mask, tile, qi, ki))
   for device in range(schedule.num_shards):
     for step in range(schedule.num_shards):
-      p = schedule.pair[device, step]
-      if schedule.shapes[p] == "empty":
+      if schedule.shapes[schedule.pair[device, step]] == "empty":
         continue  # the ring skips the kernel
       kb = held_block(device, step, schedule.num_shards)
-      q_index, k_index = q_index_PT[p], k_index_PT[p]
-      if spec.selects:
-        q_index, k_index = schedule.order[device], schedule.order[kb]
-      total += int(count(q_side[:, device * block:(device + 1) * block],
-                         k_side[:, kb * block:(kb + 1) * block], q_index, k_index,
-                         q_run_PT[p], k_run_PT[p]))
+      spec, q_side, k_side = variant
+      pair = (spec, q_side[:, device * block:(device + 1) * block],
+              k_side[:, kb * block:(kb + 1) * block])
+      total += int(count(mask_of(pair), schedule.order[device], schedule.order[kb]))
   return causal, total
+
+
+def visible_fraction(variant) -> float:
+  """The visible (query head, key) pairs of a coded variant over causal attention's: each
+  query's keys with its code at or before it (one row, no documents, in original order)."""
+  _, q_codes, k_codes = (np.asarray(x) for x in variant)
+  batch, seq_len, heads = q_codes.shape
+  group = heads // k_codes.shape[2]
+  seen = 0
+  for b in range(batch):
+    for h in range(heads):
+      q_S, k_S = q_codes[b, :, h], k_codes[b, :, h // group]
+      values = np.unique(np.concatenate([q_S, k_S]))
+      # Keys of each code at or before each position, read at each query's own code.
+      before_SV = np.cumsum(k_S[:, None] == values[None, :], axis=0)
+      seen += int(before_SV[np.arange(seq_len), np.searchsorted(values, q_S)].sum())
+  return seen / (batch * heads * seq_len * (seq_len + 1) / 2)
 
 
 def measure(steps, args, variants: dict, repeats: int) -> dict:
@@ -200,13 +213,13 @@ def measure(steps, args, variants: dict, repeats: int) -> dict:
   times = {}
   for name, codes in variants.items():
     for kind, fn in zip(("fwd", "fwd_bwd"), steps):
-      jax.block_until_ready(fn(*args, codes))
+      jax.block_until_ready(fn(*args, mask_of(codes)))
       times[name, kind] = []
   for _ in range(repeats):
     for name, codes in variants.items():
       for kind, fn in zip(("fwd", "fwd_bwd"), steps):
         start = time.perf_counter()
-        jax.block_until_ready(fn(*args, codes))
+        jax.block_until_ready(fn(*args, mask_of(codes)))
         times[name, kind].append(time.perf_counter() - start)
   return times
 
@@ -227,6 +240,9 @@ def run_part(part: str, seq_len: int, args, schedule, steps, bucket_list, drop_r
                                          jnp.int32(0), "ring")) for r in drop_rates}
   variants |= {f"sparsek-{n}": (MaskSpec(sparse="sparsek", sparsek_k=n, sparsek_window=tile),
                                 *sparsek_codes(q, k, n, tile, scores)) for n in keeps}
+  # The visible pairs of coded variants, in the original order (before the layout's).
+  ideals = {name: visible_fraction(c) for name, c in variants.items()
+            if c is not None and c[0].coded}
   variants = {name: None if c is None else (c[0], *map(perm, c[1:]))
               for name, c in variants.items()}
   args = [place(perm(x)) for x in args]
@@ -242,8 +258,8 @@ def run_part(part: str, seq_len: int, args, schedule, steps, bucket_list, drop_r
       kind, value = name.split("-")
       # Lambdas: only this kind's value parses (int('0.5') would fail).
       option, ideal = {
-          "hash": lambda: ({"buckets": int(value)}, 1 / int(value)),
-          "drop": lambda: ({"drop_rate": float(value)}, (1 - float(value)) ** 2),
+          "hash": lambda: ({"buckets": int(value)}, ideals[name]),
+          "drop": lambda: ({"drop_rate": float(value)}, ideals[name]),
           "sparsek": lambda: ({"sparsek_k": int(value), "sparsek_window": tile,
                                "sparsek_scores": scores},
                               min(1.0, (int(value) + tile) / ((seq_len + 1) / 2)))}[kind]()

@@ -306,7 +306,8 @@ def _sparse_exact(record, bench_sparse, smoke: bool) -> None:
     return dense_attention(q, k, v, Mask.of(bench_sparse.hash_spec(4), segments, codes=codes))
 
   with jax.default_matmul_precision("highest"):  # float32 matmuls, not TF32, on both sides
-    got = (fwd(q, k, v, dout, variant)[0], *fwd_bwd(q, k, v, dout, variant))
+    mask = bench_sparse.mask_of(variant)
+    got = (fwd(q, k, v, dout, mask)[0], *fwd_bwd(q, k, v, dout, mask))
     out, vjp = jax.vjp(dense, q, k, v)
     want = (out, *vjp(dout))
   errors = _errors(got, want)
