@@ -164,20 +164,22 @@ def test_block_kernel_lse_and_gradients_with_buckets(side_by_side, monkeypatch):
 
 
 def test_the_kernel_skips_tiles_by_bucket_at_run_time():
-  """One causal block of 256 tokens in tiles of 8, per (query head, tile pair). With one
-  bucket the ranges are the static schedule's causal rule; with 8 buckets of the model's
-  hash the kernel computes under 0.25 of those (ideal 1/8: sorted, a bucket's 32 queries
-  and keys are 4 tiles, each bucket's first and last partly its neighbours')."""
+  """One causal block of 256 tokens, a ring tile of 8, per (query head, 8 x 8 pair). With
+  one bucket the ranges are the static schedule's causal rule at the kernel's own tiles
+  (`kernel_hash.tiles`: 4 x 4); with 8 buckets of the model's hash the kernel computes
+  under 0.25 of causal's (ideal 1/8: sorted, a bucket's 32 queries and keys are 8 tiles,
+  its first and last partly its neighbours')."""
   from parallelism import kernel_hash  # pylint: disable=g-import-not-at-top
   inputs = make_inputs(batch=2, seq_len=256, num_heads=4, num_kv=2, seed=13)
   schedule = ring_schedule("ring", 256, 1)
   index = schedule.pair_index[0][0]
   causal = int(schedule.computed_tiles(8)[0, 0]) * 2 * 4
   spec = MaskSpec(sparse="hash", hash_buckets=8)
-  count = lambda q_codes, k_codes: int(kernel_hash.computed_tiles(
+  count = lambda q_codes, k_codes: float(kernel_hash.computed_tiles(
       Mask.of(spec, codes=(q_codes, k_codes)), 8, index, index))
   codes = _codes(inputs, 8)
-  assert count(np.zeros_like(codes[0]), np.zeros_like(codes[1])) == causal
+  own = int(schedule.computed_tiles(4)[0, 0]) * 2 * 4 / 4  # in 8 x 8 pairs
+  assert count(np.zeros_like(codes[0]), np.zeros_like(codes[1])) == own < causal
   assert count(*codes) < 0.25 * causal
 
 
