@@ -80,7 +80,8 @@ def test_save_attention_runs_the_ring_forward_once():
   """`full` recomputes the layer in the backward, ring forward included; `save_attention`
   keeps the ring's out and lse, so the backward recomputes only the cheap rest: half the
   ring forwards of `full` (a policy that recomputed the ring too would give as many), counted
-  as the ring forward's collective-permutes in the compiled gradient of a 1-layer model.
+  as the ring forward's collective-permutes in the compiled gradient of a local:global model
+  (its layers choose their attention in a `lax.cond`, which the saved names pass through).
   Both give the same gradients. (No remat at all is every training test's default.)"""
   mesh = jax.make_mesh((1, 1, 4, 1, 2), parallelism.MESH_AXES,
                        axis_types=(AxisType.Auto,) * 5)
@@ -89,9 +90,9 @@ def test_save_attention_runs_the_ring_forward_once():
   segments = (index >= 50).astype(jnp.int32)  # two documents per row
   forwards, grads, params = {}, {}, None
   for remat in ("save_attention", "full"):
-    model = Decoder(ModelConfig(num_layers=1, d_model=64, num_heads=4, num_kv_heads=2, d_ff=96,
+    model = Decoder(ModelConfig(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=96,
                                 vocab_size=64, attention="striped", attention_tile=8,
-                                dtype="float32", remat=remat))
+                                window=24, layer_pattern="LG", dtype="float32", remat=remat))
     with jax.set_mesh(mesh), nn.logical_axis_rules(_DEFAULT_RULES):
       if params is None:  # the policy does not change the parameters
         params = jax.jit(model.init)(jax.random.key(0), tokens, index, segments)
