@@ -11,8 +11,10 @@ small all-gather of int32s): sink j is needed iff its segment has a token at j +
 later, `reach` being the layer's narrowest window. The needed sinks are numbered in layout
 order; a round takes `capacity` of them, fetches their K/V from the devices that hold them
 (one psum of a buffer that is zero but for the owners' rows, exact in any dtype) and attends
-every local query to that table densely. The backward runs the same rounds and sends each
-table row's dK/dV home by a psum of the table, added into the owner's block.
+every local query to that table densely, a chunk of queries at a time so that the float32
+score table stays a small multiple of a block (`query_chunk`). The backward runs the same
+rounds and sends each table row's dK/dV home by a psum of the table, added into the owner's
+block.
 
 Capacity rule: `count * (S // (reach + 1))`. A row packed as the data pipeline packs it
 (segments are contiguous runs whose positions count 0, 1, ...) needs no more: a segment
@@ -107,22 +109,31 @@ class _Rounds:
     return lax.psum(rows, self.axes) if self.axes else rows
 
 
-def _scores(q_BTHD, k_BCKD, mask: Mask, table, q_index_T):
-  """(logits [B,K,G,T,C] f32, their slope by q.k, visible) of the queries on a table: the
-  sinks the rule (`parallelism.masks.beyond_ring`) adds beyond the ring's window."""
+def query_chunk(length: int, capacity: int, head_dim: int) -> int:
+  """Queries a round's float32 score table [B, H, c, C] holds at once: at most the size of
+  the block's queries in float32 ([B, T, H, D]), so the table stays a small multiple of a
+  block however many sinks a round takes (a divisor of the block)."""
+  most = max(1, length * head_dim // max(capacity, 1))
+  return next(c for c in range(min(most, length), 0, -1) if length % c == 0)
+
+
+def _scores(q_BcHD, k_BCKD, mask: Mask, table, q_index_c):
+  """(logits [B,K,G,c,C] f32, their slope by q.k, visible) of a chunk of queries on a
+  table: the sinks the rule (`parallelism.masks.beyond_ring`) adds beyond the ring's
+  window; `mask`'s query side is the chunk's."""
   valid_BC, _, keys, index_BC = table
-  batch, length, heads, head_dim = q_BTHD.shape
+  batch, length, heads, head_dim = q_BcHD.shape
   num_kv = k_BCKD.shape[2]
-  q_BTKGD = q_BTHD.reshape(batch, length, num_kv, heads // num_kv, head_dim)
-  s = jnp.einsum("btkgd,bckd->bkgtc", q_BTKGD, k_BCKD, preferred_element_type=jnp.float32,
+  q_BcKGD = q_BcHD.reshape(batch, length, num_kv, heads // num_kv, head_dim)
+  s = jnp.einsum("btkgd,bckd->bkgtc", q_BcKGD, k_BCKD, preferred_element_type=jnp.float32,
                  precision=lax.Precision.HIGHEST)
   s, slope = logits(mask.spec, s, head_dim ** -0.5)
-  behind_B11TC = (q_index_T[:, None] - index_BC[:, None, :])[:, None, None]
+  behind_B11cC = (q_index_c[:, None] - index_BC[:, None, :])[:, None, None]
   span = None if mask.q.spans is None else mask.q.spans.reshape(num_kv, -1)[:, :, None, None]
   queries = Side(mask.q.segment_ids[:, None, None, :, None], spans=span)
   keys = Side(*(x_BC[:, None, None, None, :] for x_BC in (keys.segment_ids, keys.positions)))
   visible = valid_BC[:, None, None, None, :] & beyond_ring(Mask(mask.spec, queries, keys),
-                                                           behind_B11TC)
+                                                           behind_B11cC)
   return s, slope, visible
 
 
@@ -135,28 +146,51 @@ def _segments(mask: Mask) -> Mask:
               dataclasses.replace(mask.k, segment_ids=zeros))
 
 
+def _chunks(rounds: "_Rounds", q_BTHD, mask: Mask, table):
+  """(chunk size, count, `chunk(c)` -> (its start, queries, query-side mask, original
+  positions)) of the block's queries on a round's table (`query_chunk`)."""
+  size = query_chunk(q_BTHD.shape[1], rounds.capacity, q_BTHD.shape[3])
+
+  def chunk(c):
+    start = c * size
+    cut = lambda x, axis=1: lax.dynamic_slice_in_dim(x, start, size, axis)
+    queries = dataclasses.replace(mask.q, segment_ids=cut(mask.q.segment_ids))
+    return start, cut(q_BTHD), Mask(mask.spec, queries, mask.k), cut(rounds.q_index_T, 0)
+
+  return size, q_BTHD.shape[1] // size, chunk
+
+
 def forward(plan: SinkPlan, order_S, axes, q_BTHD, k_BTKD, v_BTKD, mask: Mask, out_BTHD,
             lse_BTH):
   """The ring's (out, lse) with every round's sinks merged in (float32)."""
   mask = _segments(mask)
   rounds = _Rounds(plan, order_S, mask.q.segment_ids, mask.q.positions, axes)
-  batch, length, heads, head_dim = q_BTHD.shape
+  batch, _, heads, head_dim = q_BTHD.shape
 
   def one(r, out_lse):
     table = rounds.table(r)
     k_BCKD, v_BCKD = (rounds.fetch(x, table[1]) for x in (k_BTKD, v_BTKD))
-    s, _, visible = _scores(q_BTHD, k_BCKD, mask, table, rounds.q_index_T)
-    s = jnp.where(visible, s, -jnp.inf)
-    top = jnp.max(s, axis=-1, keepdims=True)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    p = jnp.exp(s - top)
-    total = jnp.sum(p, axis=-1)
-    lse = jnp.where(total > 0, top[..., 0] + jnp.log(jnp.where(total > 0, total, 1.0)),
-                    -jnp.inf)
-    out = jnp.einsum("bkgtc,bckd->btkgd", p / jnp.where(total > 0, total, 1.0)[..., None],
-                     v_BCKD.astype(jnp.float32), precision=lax.Precision.HIGHEST)
-    lse_BTH = jnp.moveaxis(lse.reshape(batch, heads, length), 1, 2)
-    return merge(*out_lse, out.reshape(batch, length, heads, head_dim), lse_BTH)
+    size, count, chunk = _chunks(rounds, q_BTHD, mask, table)
+
+    def part(c, out_lse):
+      start, q_c, mask_c, index_c = chunk(c)
+      s, _, visible = _scores(q_c, k_BCKD, mask_c, table, index_c)
+      s = jnp.where(visible, s, -jnp.inf)
+      top = jnp.max(s, axis=-1, keepdims=True)
+      top = jnp.where(jnp.isfinite(top), top, 0.0)
+      p = jnp.exp(s - top)
+      total = jnp.sum(p, axis=-1)
+      lse = jnp.where(total > 0, top[..., 0] + jnp.log(jnp.where(total > 0, total, 1.0)),
+                      -jnp.inf)
+      out = jnp.einsum("bkgtc,bckd->btkgd", p / jnp.where(total > 0, total, 1.0)[..., None],
+                       v_BCKD.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+      cut = lambda x: lax.dynamic_slice_in_dim(x, start, size, 1)
+      merged = merge(*map(cut, out_lse), out.reshape(batch, size, heads, head_dim),
+                     jnp.moveaxis(lse.reshape(batch, heads, size), 1, 2))
+      return tuple(lax.dynamic_update_slice_in_dim(x, m, start, 1)
+                   for x, m in zip(out_lse, merged))
+
+    return lax.fori_loop(0, count, part, out_lse)
 
   return lax.fori_loop(0, rounds.count, one, (out_BTHD, lse_BTH))
 
@@ -168,11 +202,11 @@ def backward(plan: SinkPlan, order_S, axes, q_BTHD, k_BTKD, v_BTKD, mask: Mask, 
   rounds = _Rounds(plan, order_S, mask.q.segment_ids, mask.q.positions, axes)
   batch, length, heads, head_dim = q_BTHD.shape
   num_kv = k_BTKD.shape[2]
-  split = lambda x: jnp.moveaxis(x.reshape(batch, length, num_kv, heads // num_kv), 1, 3)
-  lse, delta = split(lse_BTH), split(softmax_delta(dout_BTHD, out_BTHD))
-  lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)  # a query that sees nothing: p = 0
-  do_BTKGD = dout_BTHD.astype(jnp.float32).reshape(batch, length, num_kv, heads // num_kv, head_dim)
-  q_BTKGD = q_BTHD.reshape(do_BTKGD.shape).astype(jnp.float32)
+  split = lambda x: jnp.moveaxis(x.reshape(batch, x.shape[1], num_kv, heads // num_kv), 1, 3)
+  lse = jnp.where(lse_BTH == -jnp.inf, jnp.inf, lse_BTH)  # a query that sees nothing: p = 0
+  delta_BTH = softmax_delta(dout_BTHD, out_BTHD)
+  do_BTKGD = dout_BTHD.astype(jnp.float32).reshape(batch, length, num_kv, heads // num_kv,
+                                                    head_dim)
   rows_B1 = jnp.arange(batch)[:, None]
   hi = lax.Precision.HIGHEST
 
@@ -180,13 +214,24 @@ def backward(plan: SinkPlan, order_S, axes, q_BTHD, k_BTKD, v_BTKD, mask: Mask, 
     dq, dk, dv = grads
     table = rounds.table(r)
     k_BCKD, v_BCKD = (rounds.fetch(x, table[1]).astype(jnp.float32) for x in (k_BTKD, v_BTKD))
-    s, slope, visible = _scores(q_BTHD, k_BCKD, mask, table, rounds.q_index_T)
-    p = jnp.where(visible, jnp.exp(s - lse[..., None]), 0.0)
-    dp = jnp.einsum("btkgd,bckd->bkgtc", do_BTKGD, v_BCKD, precision=hi)
-    ds = p * (dp - delta[..., None]) * slope
-    dq = dq + jnp.einsum("bkgtc,bckd->btkgd", ds, k_BCKD, precision=hi).reshape(dq.shape)
-    dk_t = jnp.einsum("bkgtc,btkgd->bckd", ds, q_BTKGD, precision=hi)
-    dv_t = jnp.einsum("bkgtc,btkgd->bckd", p, do_BTKGD, precision=hi)
+    size, count, chunk = _chunks(rounds, q_BTHD, mask, table)
+
+    def part(c, carry):
+      dq, dk_t, dv_t = carry
+      start, q_c, mask_c, index_c = chunk(c)
+      cut = lambda x: lax.dynamic_slice_in_dim(x, start, size, 1)
+      s, slope, visible = _scores(q_c, k_BCKD, mask_c, table, index_c)
+      p = jnp.where(visible, jnp.exp(s - split(cut(lse))[..., None]), 0.0)
+      do_c, q_cKGD = cut(do_BTKGD), q_c.reshape(do_BTKGD[:, :size].shape).astype(jnp.float32)
+      dp = jnp.einsum("btkgd,bckd->bkgtc", do_c, v_BCKD, precision=hi)
+      ds = p * (dp - split(cut(delta_BTH))[..., None]) * slope
+      dq_c = jnp.einsum("bkgtc,bckd->btkgd", ds, k_BCKD, precision=hi).reshape(q_c.shape)
+      dq = lax.dynamic_update_slice_in_dim(dq, cut(dq) + dq_c, start, 1)
+      return (dq, dk_t + jnp.einsum("bkgtc,btkgd->bckd", ds, q_cKGD, precision=hi),
+              dv_t + jnp.einsum("bkgtc,btkgd->bckd", p, do_c, precision=hi))
+
+    dq, dk_t, dv_t = lax.fori_loop(0, count, part, (dq, jnp.zeros_like(k_BCKD),
+                                                    jnp.zeros_like(v_BCKD)))
     if axes:
       dk_t, dv_t = lax.psum((dk_t, dv_t), axes)
     local_BC = table[1]

@@ -94,7 +94,10 @@ def test_ring_with_sinks_matches_dense_over_several_rounds():
   Positions that restart every 5 tokens inside one segment (as with cross-document
   attention) make 77 sinks in row 1, over the capacity 3 * (128 // 10) = 36: three rounds,
   exact; row 0 needs one round (the rounds are one loop, its count the row's), in the ring
-  layout cut short by the window."""
+  layout cut short by the window. Each round's score table takes the 32 queries of a block
+  8 at a time (at most the block's q in size: 8 x 36 <= 32 x 16)."""
+  from parallelism import sinks  # pylint: disable=g-import-not-at-top
+  assert sinks.query_chunk(32, 36, 16) == 8 and sinks.query_chunk(32768, 256, 128) == 16384
   inputs, positions = _inputs()
   positions = positions.copy()
   positions[1] = np.arange(128) % 5
