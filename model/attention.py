@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -161,15 +162,27 @@ def _decode_step(cfg: ModelConfig, q_B1HD, k_B1KD, v_B1KD, cache: dict, position
   return out_B1HD, dict(zip(names, kept))
 
 
+class LayerInputs(NamedTuple):
+  """What the decoder's scan hands each layer's attention beside its input (each None where
+  the model has none): whether it is local (a traced bool; ignored when the layers are all
+  of one kind), its per-head spans [Hq], its hash projections [Hkv, D, b/2], its index (the
+  seed of QK-dropping's pattern)."""
+  local: jax.Array | None = None
+  spans_H: jax.Array | None = None
+  hash_KDR: jax.Array | None = None
+  index: jax.Array | None = None
+
+
 class Attention(nn.Module):
   """Self-attention of a whole row (training, eval, a sampler's prefill) or, with `decode`,
   of one new token per row over the `cache` collection a prefill left (for sampling).
 
-  `local` (a traced bool, one per layer of the decoder's scan) says whether this layer is
-  local; when the model's layers are all of one kind it is ignored and nothing branches.
-  A local layer sees `cfg.window` keys (with a span plan, each query head its own span:
-  `spans_H`, this layer's row of the scanned plan) and, with `cfg.local_rope_theta`,
-  rotates by its own RoPE base (unscaled, as Gemma 3's local layers).
+  `layer.local` (a traced bool, one per layer of the decoder's scan) says whether this
+  layer is local; when the model's layers are all of one kind it is ignored and nothing
+  branches. A local layer sees `cfg.window` keys (with a span plan, each query head its own
+  span: `layer.spans_H`, this layer's row of the scanned plan) and, with
+  `cfg.local_rope_theta`, rotates by its own RoPE base (unscaled, as Gemma 3's local layers).
+  Each layer kind's mask is `cfg.mask_spec(kind)` (`parallelism.masks`).
 
   A prefill (an apply, not an init) with the `cache` collection mutable stores each layer's
   roped keys and values there, in the row's layout order; a decode step writes the new
@@ -178,10 +191,10 @@ class Attention(nn.Module):
   or SparseK score (`cache_names`) and a step masks as the whole row's forward does; for
   QK-dropping that row is the cache's capacity (`_position_drop_codes`).
 
-  With hash attention, `hash_KDR` is this layer's projection ([Hkv, D, b/2], scanned with
-  the blocks): the roped q and k are hashed by it into bucket codes (model/hashing.py).
-  With QK-dropping, `layer` is this layer's index (scanned), the seed of its drop pattern
-  (model/dropping.py), whose kept/dropped codes mask attention the same way. With SparseK a
+  With hash attention, `layer.hash_KDR` is this layer's projection ([Hkv, D, b/2], scanned
+  with the blocks): the roped q and k are hashed by it into bucket codes (model/hashing.py).
+  With QK-dropping, `layer.index` is this layer's index (scanned), the seed of its drop
+  pattern (model/dropping.py), whose kept/dropped codes mask attention the same way. With SparseK a
   scorer (`sparsek_score`, [d_model, Hkv]) scores each token from the layer's input, and each
   query's threshold over its prefix follows (model/sparsek.py).
   """
@@ -191,8 +204,7 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x_BSE: jax.Array, positions_BS: jax.Array, segment_ids_BS: jax.Array,
-               local: jax.Array | None = None, spans_H: jax.Array | None = None,
-               hash_KDR: jax.Array | None = None, layer: jax.Array | None = None) -> jax.Array:
+               layer: LayerInputs = LayerInputs()) -> jax.Array:
     cfg = self.cfg
 
     def project(heads, names, name):
@@ -221,18 +233,19 @@ class Attention(nn.Module):
                          ("activation_batch", "activation_seq", "activation_kv_heads", None))
       spec = cfg.mask_spec(kind)
       codes = (None, None)
-      if hash_KDR is not None:
-        codes = bucket_codes(q_BSHD, hash_KDR), bucket_codes(k_BSKD, hash_KDR)
-      if layer is not None and self.decode:  # The token's own, in a row of the capacity.
-        codes = _position_drop_codes(cfg, positions_BS, cache["key"].shape[1], layer)
-      elif layer is not None:  # Pinned like q and k: each device computes its own tokens'.
+      if layer.hash_KDR is not None:
+        codes = bucket_codes(q_BSHD, layer.hash_KDR), bucket_codes(k_BSKD, layer.hash_KDR)
+      if layer.index is not None and self.decode:  # The token's own, in a row of the capacity.
+        codes = _position_drop_codes(cfg, positions_BS, cache["key"].shape[1], layer.index)
+      elif layer.index is not None:  # Pinned like q and k: each device computes its own.
         q_codes, k_codes = drop_codes(q_BSHD.shape[0], q_BSHD.shape[1], cfg.num_heads,
-                                      cfg.num_kv_heads, cfg.qk_drop_rate, layer, cfg.layout)
+                                      cfg.num_kv_heads, cfg.qk_drop_rate, layer.index,
+                                      cfg.layout)
         codes = (constrain(q_codes, ("activation_batch", "activation_seq", "activation_heads")),
                  constrain(k_codes, ("activation_batch", "activation_seq",
                                      "activation_kv_heads")))
       # Per-head spans narrow a local layer's window per head (the widest is the spec's).
-      spans = spans_H if spec.head_spans else None
+      spans = layer.spans_H if spec.head_spans else None
       if self.decode:  # one document per row: no segment ids, positions are its own
         mask = parallelism.Mask(spec, parallelism.Side(codes=codes[0], spans=spans),
                                 parallelism.Side(codes=codes[1], scores=scores[1]))
@@ -261,7 +274,8 @@ class Attention(nn.Module):
       out_BSHD, kept = attend(kinds.pop(), *operands)
     else:  # Both branches are traced once; each layer runs one.
       out_BSHD, kept = jax.lax.cond(
-          local, functools.partial(attend, LOCAL), functools.partial(attend, GLOBAL), *operands)
+          layer.local, functools.partial(attend, LOCAL), functools.partial(attend, GLOBAL),
+          *operands)
     if self.is_mutable_collection("cache") and not self.is_initializing():
       for name, value in kept.items():
         self.put_variable("cache", name, value)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 import parallelism
-from model.attention import Attention
+from model.attention import Attention, LayerInputs
 from model.config import LOCAL, ModelConfig
 from model.hashing import projections
 from model.layers import RMSNorm, SwiGLU, constrain, projection_kernel
@@ -25,16 +25,29 @@ class Block(nn.Module):
   decode: bool = False
 
   @nn.compact
-  def __call__(self, x_BSE, positions_BS, segment_ids_BS, local=None, spans_H=None,
-               hash_KDR=None, layer=None):
+  def __call__(self, x_BSE, positions_BS, segment_ids_BS, layer: LayerInputs = LayerInputs()):
     cfg = self.cfg
     x_BSE = checkpoint_name(x_BSE, BLOCK_INPUT)  # What remat 'offload' keeps in host memory.
     h_BSE = RMSNorm(cfg, name="attention_norm")(x_BSE)
     x_BSE = x_BSE + Attention(cfg, self.decode, name="attention")(
-        h_BSE, positions_BS, segment_ids_BS, local, spans_H, hash_KDR, layer)
+        h_BSE, positions_BS, segment_ids_BS, layer)
     h_BSE = RMSNorm(cfg, name="mlp_norm")(x_BSE)
     x_BSE = constrain(x_BSE + SwiGLU(cfg, name="mlp")(h_BSE), _ACTIVATION_BSE)
     return x_BSE, None
+
+
+def _layer_inputs(cfg: ModelConfig) -> LayerInputs:
+  """Every layer's `LayerInputs`, stacked for the scan, so the stack stays one scan whatever
+  the pattern: which layers are local (`ModelConfig.layer_pattern`) and, with a span plan
+  whose spans differ, each layer's per-head spans; with hash attention each layer's fixed
+  projections (model/hashing.py), with QK-dropping its index (its drop pattern's seed,
+  model/dropping.py); None where the model has none."""
+  return LayerInputs(
+      local=jnp.asarray([kind == LOCAL for kind in cfg.layer_kinds]),
+      spans_H=None if cfg.narrowest_span is None else jnp.asarray(cfg.spans, jnp.int32),
+      hash_KDR=None if not cfg.hashed else jnp.asarray(projections(
+          cfg.num_layers, cfg.num_kv_heads, cfg.head_size, cfg.hash_buckets)),
+      index=jnp.arange(cfg.num_layers, dtype=jnp.int32) if cfg.dropped else None)
 
 
 def _remat_policy(name: str):
@@ -101,27 +114,12 @@ class Decoder(nn.Module):
     block = Block
     if cfg.remat != "none":
       block = nn.remat(Block, policy=_remat_policy(cfg.remat), prevent_cse=False)
-    # Which layers are local (`ModelConfig.layer_pattern`) and, with a span plan whose spans
-    # differ, each layer's per-head spans: scanned with the blocks, so the stack stays one
-    # scan whatever the pattern.
-    # With hash attention, each layer's fixed projections (model/hashing.py) likewise; with
-    # QK-dropping, each layer's index (its drop pattern's seed, model/dropping.py); an
-    # operand a model lacks is a broadcast None.
-    scanned = [jnp.asarray([kind == LOCAL for kind in cfg.layer_kinds]), None, None, None]
-    if cfg.narrowest_span is not None:
-      scanned[1] = jnp.asarray(cfg.spans, jnp.int32)  # [L, Hq]
-    if cfg.hashed:  # [L, Hkv, D, b/2]
-      scanned[2] = jnp.asarray(projections(cfg.num_layers, cfg.num_kv_heads, cfg.head_size,
-                                           cfg.hash_buckets))
-    if cfg.dropped:  # [L]
-      scanned[3] = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     blocks = nn.scan(
         block, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True},
-        in_axes=(nn.broadcast, nn.broadcast,
-                 *[nn.broadcast if x is None else 0 for x in scanned]), length=cfg.num_layers,
+        in_axes=(nn.broadcast, nn.broadcast, 0), length=cfg.num_layers,
         metadata_params={nn.PARTITION_NAME: "layers"})
     x_BSE, _ = blocks(cfg, self.decode, name="blocks")(
-        x_BSE, positions_BS, segment_ids_BS, *scanned)
+        x_BSE, positions_BS, segment_ids_BS, _layer_inputs(cfg))
     x_BSE = RMSNorm(cfg, name="final_norm")(x_BSE)
 
     if cfg.tie_embeddings:
