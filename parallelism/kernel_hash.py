@@ -17,7 +17,7 @@ the ranges is visited, with the loop's bounds read at run time.
   head of its group, the query tiles from its first key's lowest query to its last key's
   highest (the keys' ranges); key tiles side by side cannot all add into one dq.
 - The tiles walk one at a time on a CPU; on a GPU side by side in batches of like lengths
-  (`_over_tiles`; one at a time, a GPU ran B x H x T/t tiny steps).
+  (`row_tiles.walk`; one at a time, a GPU ran B x H x T/t tiny steps).
 - Outputs stay in the sorted order (the ring merges them so and unsorts once); a pair given
   unsorted (a block alone, e.g. `dense` or a test) is sorted here and its results unsorted.
 
@@ -31,10 +31,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from parallelism import sorting, target
+from parallelism import sorting
 from parallelism.kernel_grads import Grads
 from parallelism.masks import Mask
-from parallelism.row_tiles import rows, tile as tile_of, unrows
+from parallelism.row_tiles import rows, tile as tile_of, unrows, walk
 from parallelism.tile_math import bwd_update, fwd_result, fwd_update
 
 _F32 = jnp.float32
@@ -64,34 +64,6 @@ def _within(lo_t, hi_t, j, size: int):
   """[t, size]: which positions of tile j (of `size`) lie in each range [lo, hi)."""
   at = j * size + jnp.arange(size, dtype=jnp.int32)
   return (at[None, :] >= lo_t[:, None]) & (at[None, :] < hi_t[:, None])
-
-
-# The score tiles one batch of `_over_tiles` holds at once on a GPU (a few float32 [t, t]
-# arrays per tile; its q, k, v tiles and carries add about a fifth at D = 64): what the walk
-# needs beyond its operands, whatever the block's length.
-_SCORE_BYTES = 1 << 28
-
-
-def tiles_side_by_side(count: int, tile: int) -> int:
-  """How many of `count` tiles `_over_tiles` walks at once: one on a CPU, which runs a walk
-  fastest without the masked steps of a batch's shorter ranges; on a GPU as many as
-  _SCORE_BYTES holds, since one at a time is a tiny step each."""
-  if target.backend() == "cpu":
-    return 1
-  return max(1, min(count, _SCORE_BYTES // (4 * 4 * tile * tile)))
-
-
-def _over_tiles(one_tile, lengths_U, tile: int):
-  """`one_tile(u)` for every tile u (its walk `lengths_U[u]` long), stacked: batches of tiles
-  walked side by side, one after another. A batch's loop runs to its longest walk (the
-  shorter ones masked), so a batch takes tiles of like lengths (the order is undone after)."""
-  count = lengths_U.shape[0]
-  size = tiles_side_by_side(count, tile)
-  if size == 1:  # a plain loop, no vmap
-    return lax.map(one_tile, jnp.arange(count, dtype=jnp.int32))
-  order_U = jnp.argsort(lengths_U).astype(jnp.int32)
-  by_length = lax.map(one_tile, order_U, batch_size=size)
-  return jax.tree.map(lambda x: x[jnp.argsort(order_U)], by_length)
 
 
 def _walk_lengths(lo_RT, hi_RT, outer: int, inner: int):
@@ -163,7 +135,7 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, mask: Mask, *, tile: int, q_index_T=None,
                                scale=scale)
     return out_tD[0, 0, 0], lse_t[0, 0, 0]
 
-  out_UtD, lse_Ut = _over_tiles(one_query_tile, _walk_lengths(lo_RT, hi_RT, tq, tk), tile)
+  out_UtD, lse_Ut = walk(one_query_tile, _walk_lengths(lo_RT, hi_RT, tq, tk), tile)
   batch = q_BTHD.shape[0]
   out_BTHD = unrows(out_UtD.reshape(q_RTD.shape), batch)
   lse_BTH = unrows(lse_Ut.reshape(q_RTD.shape[:2]), batch)
@@ -224,9 +196,9 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, mask: Mask,
     dk_tD, dv_tD = lax.fori_loop(0, group, head, (no_kv, no_kv))
     return dk_tD[0, 0], dv_tD[0, 0]
 
-  dq_UtD = _over_tiles(one_query_tile, _walk_lengths(lo_RT, hi_RT, tq, tk), tile)
+  dq_UtD = walk(one_query_tile, _walk_lengths(lo_RT, hi_RT, tq, tk), tile)
   k_lengths = sum(_walk_lengths(k_lo_RGT[:, g], k_hi_RGT[:, g], tk, tq) for g in range(group))
-  dk_UtD, dv_UtD = _over_tiles(one_key_tile, k_lengths, tile)
+  dk_UtD, dv_UtD = walk(one_key_tile, k_lengths, tile)
   batch = q_BTHD.shape[0]
   grads = Grads(unrows(dq_UtD.reshape(q_side[0].shape), batch),
                 unrows(dk_UtD.reshape(k_RTD.shape), batch),

@@ -1,27 +1,33 @@
-"""SparseK's block kernel (issue #38, model/sparsek.py): a soft mask decided at run time,
-tiles skipped by the thresholds.
+"""SparseK's block kernel (issue #38, model/sparsek.py): a soft mask decided at run time, its
+selected keys a prefix of the keys sorted by score.
 
-The `xla` kernel hands a block pair here when it has SparseK's float codes
-(`parallelism.kernels`): per query head a threshold tau_i (with the queries), per kv head a
-score u_j (travelling with K/V). Query head h weighs key j by
+The `xla` kernel hands a block pair here when its mask selects (`MaskSpec.selects`): per
+query head a threshold tau_i (with the queries), per kv head a score u_j (travelling with
+K/V). Query head h weighs a key it sees (`parallelism.masks.visible`: causal by ORIGINAL
+position, same document, and fewer than `window` positions back or above the threshold) by
 
-    m_ij = 1 if i - j < window, else clip(u_j - tau_i, 0, 1)
+    m_ij = 1 if i - j < window, else clip(u_j - tau_i, 0, 1)   (`masks.sparsek_weight`)
 
-where j is causal by ORIGINAL token index and in the same document, else 0; the weights are
-m_ij exp(q_i.k_j) (log m added to the logits), so a key with m = 0 is not seen at all.
+and the weights are m_ij exp(q_i.k_j) (log m added to the logits). Two passes share one
+online softmax per query tile:
 
-- Rows: each (batch row, head) is one row, in the block's order (no sort: one "bucket").
-- SKIP a tile pair when `max(u of the key tile) <= min(tau of the query tile)` and no pair
-  of it is within the window (`min(q_index) - max(k_index) >= window`), or by the causal and
-  segment ranges as hash attention; walk the met tiles from static-capacity lists
-  (`tile_lists`), so a skipped tile costs nothing.
-- Backward: besides dq, dk, dv, the gradient of the logits' log m: on the support
-  (0 < u_j - tau_i < 1, outside the window) d logit / d u_j = 1 / m_ij = -d logit / d tau_i,
-  so du_j = sum_i p0_ij (dp_ij - delta_i) and dtau_i = -sum_j of the same, p0 the
-  probability without the mask (no division by m). Where m is 0 or 1 the gradient is 0.
+- the window: the key tiles, in the block's order, whose positions come within `window` of
+  the query tile's (from the pair's token indices), each key of weight 1;
+- the selection: the keys sorted per kv head by score, highest first. A query's keys above
+  its threshold are a prefix of them, so a query tile walks only the tiles of its lowest
+  threshold's prefix (a count of the scores above it), each key masked by the rule outside
+  the window. With scores independent of position, query i's prefix holds about S k / i of
+  the block's S keys: about k S (1 + ln(S / k)) pairs in all, not S^2 / 2.
 
-Memory: the tile lists ([B*Hq, nq, nk] int32 each way) and the operands as rows; nothing is
-kept for the backward beyond the contract's. A query that sees nothing gives 0, lse -inf.
+Backward: dq and dtau per query tile over the same tiles; dK, dV and du per key tile over
+the query tiles that reach it, the window's keys in the block's order and the selected ones
+in the sorted order, unsorted after. On SparseK's support (0 < u_j - tau_i < 1, outside the
+window) d logit / d u_j = 1 / m_ij = -d logit / d tau_i, so du_j = sum_i p0_ij (dp_ij -
+delta_i) and dtau_i = -sum_j of the same, p0 the probability without the mask (no division
+by m). Where m is 0 or 1 the gradient is 0.
+
+A query that sees nothing gives 0, lse -inf. The tiles walk one at a time on a CPU, side by
+side on a GPU (`row_tiles.walk`).
 """
 
 from __future__ import annotations
@@ -33,108 +39,178 @@ import jax.numpy as jnp
 from jax import lax
 
 from parallelism.kernel_grads import Grads
-from parallelism.row_tiles import put as _put, rows as _rows, tile as _tile, unrows as _unrows
-from parallelism.masks import Mask, MaskSpec, Side, sparsek_weight, visible
+from parallelism.masks import Mask, Side, sparsek_weight, visible
+from parallelism.row_tiles import put, rows, tile as tile_of, unrows, walk
 from parallelism.tile_math import fwd_result
 
 _F32 = jnp.float32
 
 
-def _ranges(x_RT, tile: int):
-  """(min, max) of each tile of each row."""
-  chunks = x_RT.reshape(x_RT.shape[0], -1, tile)
+def _ranges(x_T, size: int):
+  """(min, max) of each tile of a [T] vector."""
+  chunks = x_T.reshape(-1, size)
   return chunks.min(axis=-1), chunks.max(axis=-1)
 
 
-def tile_lists(meet_RON):
-  """Per row and outer tile, the met inner tiles in ascending order, padded to a static
-  capacity (at least 2: with 1, XLA would hoist a loop body that reads a constant index;
-  see `parallelism.schedule`), and their count."""
-  capacity = max(meet_RON.shape[-1], 2)
-  padded = jnp.pad(meet_RON, [(0, 0), (0, 0), (0, capacity - meet_RON.shape[-1])])
+def tile_lists(meet_ON):
+  """Per outer tile (leading axes), the met inner tiles in ascending order, padded to a
+  static capacity (at least 2: with 1, XLA would hoist a loop body that reads a constant
+  index; see `parallelism.schedule`), and their count."""
+  capacity = max(meet_ON.shape[-1], 2)
+  pad = [(0, 0)] * (meet_ON.ndim - 1) + [(0, capacity - meet_ON.shape[-1])]
+  padded = jnp.pad(meet_ON, pad)
   return (jnp.argsort(~padded, axis=-1, stable=True).astype(jnp.int32),
-          meet_RON.sum(axis=-1, dtype=jnp.int32))
+          meet_ON.sum(axis=-1, dtype=jnp.int32))
+
+
+class _Keys(NamedTuple):
+  """One kv head's keys per row ([Rk, T, ...]) in some order, with what the rule reads."""
+  k: jax.Array
+  v: jax.Array
+  u: jax.Array  # scores
+  index: jax.Array  # original positions
+  seg: jax.Array | None
+
+
+# The parts of a query's keys a walk computes (`_pair`): those within the window, those
+# beyond it, or all.
+NEAR, FAR, ALL = 0, 1, 2
 
 
 class _Setup(NamedTuple):
-  tau_RT: jax.Array  # per query row
-  u_RT: jax.Array  # per key row
-  q_seg_RT: jax.Array | None
-  k_seg_RT: jax.Array | None
-  group: int
-  meet: jax.Array  # [Rk, G, nq, nk]
+  """A block pair as rows: the queries, their keys in the block's order and sorted by score,
+  and which tiles each query tile walks."""
+  q: jax.Array  # [Rq, T, D]
+  tau: jax.Array  # [Rq, T]
+  q_seg: jax.Array | None
+  q_index: jax.Array  # [T]
+  block: _Keys  # the block's order
+  ranked: _Keys  # sorted by score, highest first, per row
+  walks: "_Walks"
+  heads: int
+  num_kv: int
 
 
-def _setup(q_tau_BTH, k_score_BTK, q_seg_BT, k_seg_BT, q_index_T, k_index_T, tile: int,
-           window: int) -> _Setup:
-  for name, length in (("query", q_tau_BTH.shape[1]), ("key", k_score_BTK.shape[1])):
+class _Walks(NamedTuple):
+  """Per query tile either the window's key tiles (in the block's order) and its prefix of
+  ranked tiles, or, where that prefix is longer than the causal tiles, the causal tiles in
+  the block's order, every key by the whole rule (early queries, whose thresholds are low)."""
+  near_QK: jax.Array  # [nq, nk] bool: the window's key tiles, the same for every row
+  causal_QK: jax.Array  # [nq, nk] bool: the key tiles not after the query tile
+  near: tuple  # (lists [nq, nk], counts [nq]) of near_QK
+  causal: tuple  # and of causal_QK
+  prefix: jax.Array  # [Rq, nq]: the ranked tiles its lowest threshold's prefix reaches
+  ranked: jax.Array  # [Rq, nq] bool: whether it walks the window and its prefix
+  order: jax.Array  # [Rk, T]: each ranked key's place in the block
+
+  def counts(self):
+    """(window tiles, causal tiles, ranked tiles) [Rq, nq] each query tile walks."""
+    near = jnp.where(self.ranked, self.near[1][None, :], 0)
+    causal = jnp.where(self.ranked, 0, self.causal[1][None, :])
+    return near, causal, jnp.where(self.ranked, self.prefix, 0)
+
+  def lengths(self):
+    """[Rq * nq]: the tiles each query tile walks."""
+    return sum(self.counts()).reshape(-1)
+
+
+def _k_row(at: _Setup, row):
+  return (row // at.heads) * at.num_kv + (row % at.heads) // (at.heads // at.num_kv)
+
+
+def _walks(mask: Mask, q_index_T, k_index_T, tile: int) -> _Walks:
+  """What each query tile walks (`_Walks`), from the blocks' positions and the mask's
+  thresholds and scores."""
+  for name, length in (("query", mask.q.scores.shape[1]), ("key", mask.k.scores.shape[1])):
     if length % tile:
       raise ValueError(f"{name} block length {length} is not divisible by tile size {tile}")
-  heads, num_kv = q_tau_BTH.shape[2], k_score_BTK.shape[2]
-  group = heads // num_kv
-  tau_RT, u_RT = _rows(q_tau_BTH.astype(_F32)), _rows(k_score_BTK.astype(_F32))
+  heads, num_kv = mask.q.scores.shape[2], mask.k.scores.shape[2]
+  qi_lo, qi_hi = _ranges(q_index_T, tile)
+  ki_lo, ki_hi = _ranges(k_index_T, tile)
+  causal_QK = ki_lo[None, :] <= qi_hi[:, None]
+  near_QK = causal_QK & (qi_lo[:, None] - ki_hi[None, :] < mask.spec.sparsek_window)
+  u_RT, tau_RT = (rows(x.astype(_F32)) for x in (mask.k.scores, mask.q.scores))
+  order = jnp.argsort(-u_RT, axis=1, stable=True).astype(jnp.int32)
+  lowest_Rn = tau_RT.reshape(tau_RT.shape[0], -1, tile).min(axis=-1)
+  q_rows = jnp.arange(tau_RT.shape[0])
+  k_of_q = (q_rows // heads) * num_kv + (q_rows % heads) // (heads // num_kv)
+  ranked_u = jnp.take_along_axis(u_RT, order, axis=1)[k_of_q]
+  above_Rn = jax.vmap(lambda u_T, t_n: jnp.searchsorted(-u_T, -t_n, side="left"))(
+      ranked_u, lowest_Rn)
+  prefix_Rn = (above_Rn + tile - 1) // tile
+  near, causal = tile_lists(near_QK), tile_lists(causal_QK)
+  ranked = near[1][None, :] + prefix_Rn <= causal[1][None, :]
+  return _Walks(near_QK, causal_QK, near, causal, prefix_Rn, ranked, order)
+
+
+def _setup(q_BTHD, k_BTKD, v_BTKD, mask: Mask, q_index_T, k_index_T, tile: int) -> _Setup:
+  q_index_T, k_index_T = (x.astype(jnp.int32) for x in (q_index_T, k_index_T))
+  walks = _walks(mask, q_index_T, k_index_T, tile)
+  heads, num_kv = q_BTHD.shape[2], k_BTKD.shape[2]
   seg = lambda s, h: None if s is None else jnp.repeat(s, h, axis=0)
-  q_seg_RT, k_seg_RT = seg(q_seg_BT, heads), seg(k_seg_BT, num_kv)
-  q_shape, k_shape = (u_RT.shape[0], group, -1, 1), (u_RT.shape[0], 1, 1, -1)
-  qi_lo, qi_hi = _ranges(q_index_T[None].astype(jnp.int32), tile)
-  ki_lo, ki_hi = _ranges(k_index_T[None].astype(jnp.int32), tile)
-  qi_lo, qi_hi, ki_lo, ki_hi = (x[0] for x in (qi_lo, qi_hi, ki_lo, ki_hi))
-  tau_lo = _ranges(tau_RT, tile)[0].reshape(q_shape)
-  u_hi = _ranges(u_RT, tile)[1].reshape(k_shape)
-  near = (qi_lo[:, None] - ki_hi[None, :]) < window
-  meet = (ki_lo[None, :] <= qi_hi[:, None]) & (near | (u_hi > tau_lo))
-  if q_seg_RT is not None:
-    qs_lo, qs_hi = (r.reshape(q_shape) for r in _ranges(q_seg_RT, tile))
-    ks_lo, ks_hi = (r.reshape(k_shape) for r in _ranges(k_seg_RT, tile))
-    meet &= (qs_lo <= ks_hi) & (ks_lo <= qs_hi)
-  return _Setup(tau_RT, u_RT, q_seg_RT, k_seg_RT, group, meet)
+  u_RT = rows(mask.k.scores.astype(_F32))
+  block = _Keys(rows(k_BTKD), rows(v_BTKD), u_RT,
+                jnp.broadcast_to(k_index_T, u_RT.shape), seg(mask.k.segment_ids, num_kv))
+  order = walks.order
+  take = lambda x: None if x is None else jnp.take_along_axis(
+      x, order.reshape(order.shape + (1,) * (x.ndim - 2)), axis=1)
+  return _Setup(rows(q_BTHD), rows(mask.q.scores.astype(_F32)),
+                seg(mask.q.segment_ids, heads), q_index_T, block,
+                _Keys(*(take(x) for x in block)), walks, heads, num_kv)
 
 
-def _weights(spec: MaskSpec, at: _Setup, q_index_T, k_index_T, q_row, i, k_row, j, tile: int):
-  """([tq, tk] mask weights m, [tq, tk] whether on SparseK's support) of one tile pair: 0
-  where the rule (`parallelism.masks.visible`) hides the key."""
-  q_at = lambda x, row: None if x is None else _tile(x, row, i, tile)[:, None]
-  k_at = lambda x, row: None if x is None else _tile(x, row, j, tile)[None, :]
-  behind = (lax.dynamic_slice_in_dim(q_index_T, i * tile, tile)[:, None]
-            - lax.dynamic_slice_in_dim(k_index_T, j * tile, tile)[None, :])
-  tile_mask = Mask(spec, Side(q_at(at.q_seg_RT, q_row), scores=q_at(at.tau_RT, q_row)),
-                   Side(k_at(at.k_seg_RT, k_row), scores=k_at(at.u_RT, k_row)))
+def _pair(mask: Mask, at: _Setup, keys: _Keys, row, i, j, tile: int, part: int):
+  """([tq, tk] weights m, [tq, tk] whether on SparseK's support) of query tile i of `row`
+  on key tile j of `keys`: 0 where the rule hides the key or it is not of `part` (NEAR,
+  FAR or ALL; may be traced)."""
+  k_row = _k_row(at, row)
+  q_at = lambda x: None if x is None else tile_of(x, row, i, tile)[:, None]
+  k_at = lambda x: None if x is None else tile_of(x, k_row, j, tile)[None, :]
+  behind = (lax.dynamic_slice_in_dim(at.q_index, i * tile, tile)[:, None]
+            - k_at(keys.index))
+  tile_mask = Mask(mask.spec, Side(q_at(at.q_seg), scores=q_at(at.tau)),
+                   Side(k_at(keys.seg), scores=k_at(keys.u)))
   weight, support = sparsek_weight(tile_mask, behind)
-  seen = visible(tile_mask, behind)
+  near = behind < mask.spec.sparsek_window
+  seen = visible(tile_mask, behind) & jnp.where(part == ALL, True, near == (part == NEAR))
   return jnp.where(seen, weight, 0.0), seen & support
 
 
-def computed_tiles(q_tau_BTH, k_score_BTK, q_seg_BT, k_seg_BT, q_index_T, k_index_T, *,
-                   tile: int, window: int) -> jax.Array:
-  """How many (query head, query tile, key tile) pairs the kernel computes on this block."""
-  return _setup(q_tau_BTH, k_score_BTK, q_seg_BT, k_seg_BT, q_index_T, k_index_T, tile,
-                window).meet.sum(dtype=jnp.int32)
+def _over_query_tile(at: _Setup, row, i, visit, carry):
+  """`visit(keys, j, part, carry)` over the key tiles query tile i of `row` walks: the
+  window's, then its prefix of ranked tiles; or the causal ones (`_Walks`)."""
+  near, causal, prefix = (x[row, i] for x in at.walks.counts())
+  for (lists, _), count, part in ((at.walks.near, near, NEAR),
+                                  (at.walks.causal, causal, ALL)):
+    carry = lax.fori_loop(0, count, lambda n, c, lists=lists, part=part: visit(
+        at.block, lists[i, n], part, c), carry)
+  return lax.fori_loop(0, prefix, lambda j, c: visit(at.ranked, j, FAR, c), carry)
 
 
-def _setup_of(mask: Mask, q_index_T, k_index_T, tile: int) -> _Setup:
-  return _setup(mask.q.scores, mask.k.scores, mask.q.segment_ids, mask.k.segment_ids,
-                q_index_T, k_index_T, tile, mask.spec.sparsek_window)
+def computed_tiles(mask: Mask, q_index_T, k_index_T, tile: int) -> jax.Array:
+  """How many (query head, query tile, key tile) pairs the kernel computes on this block
+  pair (every walk)."""
+  return _walks(mask, q_index_T.astype(jnp.int32), k_index_T.astype(jnp.int32),
+                tile).lengths().sum(dtype=jnp.int32)
 
 
 def block_fwd(q_BTHD, k_BTKD, v_BTKD, mask: Mask, *, q_index_T, k_index_T,
               tile: int) -> tuple[jax.Array, jax.Array]:
-  """(out [B,Tq,Hq,D] f32, lse [B,Tq,Hq] f32) of the block pair, walking the met tiles."""
-  at = _setup_of(mask, q_index_T, k_index_T, tile)
-  q_RTD, k_RTD, v_RTD = _rows(q_BTHD), _rows(k_BTKD), _rows(v_BTKD)
-  nq = q_RTD.shape[1] // tile
-  lists, counts = tile_lists(at.meet.reshape(q_RTD.shape[0], nq, -1))
+  """(out [B,Tq,Hq,D] f32, lse [B,Tq,Hq] f32) of the block pair, over the key tiles each
+  query tile walks (`_Walks`)."""
+  at = _setup(q_BTHD, k_BTKD, v_BTKD, mask, q_index_T, k_index_T, tile)
+  nq = at.q.shape[1] // tile
   scale = q_BTHD.shape[3] ** -0.5
 
-  def body(u, results):
-    q_row, i = u // nq, u % nq
-    k_row = q_row // at.group
-    q_tD = _tile(q_RTD, q_row, i, tile)
+  def one_query_tile(u):
+    row, i = u // nq, u % nq
+    k_row = _k_row(at, row)
+    q_tD = tile_of(at.q, row, i, tile)
 
-    def visit(n, carry):
+    def visit(keys, j, part, carry):
       m_t, l_t, acc_tD = carry
-      j = lists[q_row, i, n]
-      k_tD, v_tD = (_tile(x, k_row, j, tile) for x in (k_RTD, v_RTD))
-      weight, _ = _weights(mask.spec, at, q_index_T, k_index_T, q_row, i, k_row, j, tile)
+      k_tD, v_tD = (tile_of(x, k_row, j, tile) for x in (keys.k, keys.v))
+      weight, _ = _pair(mask, at, keys, row, i, j, tile, part)
       s = jnp.einsum("qd,kd->qk", q_tD, k_tD, preferred_element_type=_F32) * scale
       s = jnp.where(weight > 0, s, -jnp.inf)
       m_new = jnp.maximum(m_t, s.max(axis=-1))
@@ -145,71 +221,102 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, mask: Mask, *, q_index_T, k_index_T,
       return m_new, alpha * l_t + p.sum(-1), alpha[:, None] * acc_tD + pv
 
     init = (jnp.full((tile,), -jnp.inf, _F32), jnp.zeros((tile,), _F32),
-            jnp.zeros((tile, q_tD.shape[-1]), _F32))
-    out_tD, lse_t = fwd_result(*lax.fori_loop(0, counts[q_row, i], visit, init),
-                               spec=mask.spec, scale=1.0)
-    out_RTD, lse_RT = results
-    return _put(out_RTD, q_row, i, out_tD), _put(lse_RT, q_row, i, lse_t)
+            jnp.zeros(q_tD.shape, _F32))
+    return fwd_result(*_over_query_tile(at, row, i, visit, init), spec=mask.spec, scale=1.0)
 
-  results = (jnp.zeros(q_RTD.shape, _F32), jnp.zeros(q_RTD.shape[:2], _F32))
-  out_RTD, lse_RT = lax.fori_loop(0, q_RTD.shape[0] * nq, body, results)
+  out_UtD, lse_Ut = walk(one_query_tile, at.walks.lengths(), tile)
   batch = q_BTHD.shape[0]
-  return _unrows(out_RTD, batch), _unrows(lse_RT, batch)
+  return (unrows(out_UtD.reshape(at.q.shape), batch),
+          unrows(lse_Ut.reshape(at.q.shape[:2]), batch))
+
+
+def _scores(q_side, keys: _Keys, k_row, j, tile: int, scale: float, weight):
+  """(p, p0, centred) of a tile pair from the GLOBAL lse and delta (`q_side`: the query
+  tile's q, dout, lse, delta), p0 the probabilities without the mask's weights."""
+  q_tD, do_tD, lse_t, delta_t = q_side
+  k_tD, v_tD = (tile_of(x, k_row, j, tile) for x in (keys.k, keys.v))
+  s = jnp.einsum("qd,kd->qk", q_tD, k_tD, preferred_element_type=_F32) * scale
+  p0 = jnp.where(weight > 0, jnp.exp(s - lse_t[:, None]), 0.0)
+  dp = jnp.einsum("qd,kd->qk", do_tD, v_tD, preferred_element_type=_F32)
+  return p0 * weight, p0, dp - delta_t[:, None]
 
 
 def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, mask: Mask, *, q_index_T,
               k_index_T, tile: int) -> Grads:
   """Float32 gradients of the block pair, with the thresholds' (dtau [B,Tq,Hq]) and scores'
-  (du [B,Tk,Hkv]), from the GLOBAL lse and delta (the contract), per key tile over the query
-  tiles that meet it."""
-  at = _setup_of(mask, q_index_T, k_index_T, tile)
+  (du [B,Tk,Hkv]), from the GLOBAL lse and delta (the contract): dq and dtau per query tile,
+  dK, dV and du per key tile of each pass."""
+  at = _setup(q_BTHD, k_BTKD, v_BTKD, mask, q_index_T, k_index_T, tile)
   # lse -inf (a query that sees nothing) -> +inf so exp(s - lse) is 0 rather than NaN.
   lse_safe = jnp.where(jnp.isfinite(lse_BTH), lse_BTH, jnp.inf).astype(_F32)
-  q_RTD, do_RTD = _rows(q_BTHD), _rows(dout_BTHD)
-  lse_RT, delta_RT = _rows(lse_safe), _rows(delta_BTH.astype(_F32))
-  k_RTD, v_RTD = _rows(k_BTKD), _rows(v_BTKD)
-  nq, nk = q_RTD.shape[1] // tile, k_RTD.shape[1] // tile
-  meet_RKGQ = jnp.moveaxis(at.meet, 3, 1)  # [Rk, nk, G, nq]
-  lists, counts = tile_lists(meet_RKGQ.reshape(*meet_RKGQ.shape[:2], -1))
-  scale = q_BTHD.shape[3] ** -0.5
+  q_rows = (at.q, rows(dout_BTHD), rows(lse_safe), rows(delta_BTH.astype(_F32)))
+  nq, nk = at.q.shape[1] // tile, at.block.k.shape[1] // tile
+  group = at.heads // at.num_kv
+  scale, head_dim = q_BTHD.shape[3] ** -0.5, q_BTHD.shape[3]
+  q_tile = lambda row, i: tuple(tile_of(x, row, i, tile) for x in q_rows)
 
-  def body(u, grads):
-    k_row, j = u // nk, u % nk
-    k_tD, v_tD = (_tile(x, k_row, j, tile) for x in (k_RTD, v_RTD))
+  def one_query_tile(u):  # dq and dtau, over the forward's tiles
+    row, i = u // nq, u % nq
+    q_side = q_tile(row, i)
 
-    def visit(n, carry):
-      dk_tD, dv_tD, du_t, dq_RTD, dtau_RT = carry
-      g, i = lists[k_row, j, n] // nq, lists[k_row, j, n] % nq
-      q_row = k_row * at.group + g
-      q_tD, do_tD, lse_t, delta_t = (_tile(x, q_row, i, tile)
-                                     for x in (q_RTD, do_RTD, lse_RT, delta_RT))
-      weight, support = _weights(mask.spec, at, q_index_T, k_index_T, q_row, i, k_row, j,
-                                 tile)
-      s = jnp.einsum("qd,kd->qk", q_tD, k_tD, preferred_element_type=_F32) * scale
-      p0 = jnp.where(weight > 0, jnp.exp(s - lse_t[:, None]), 0.0)  # without the mask
-      p = p0 * weight
-      dp = jnp.einsum("qd,kd->qk", do_tD, v_tD, preferred_element_type=_F32)
-      centred = dp - delta_t[:, None]
-      ds = (p * centred).astype(q_tD.dtype)
-      dlog_m = jnp.where(support, p0 * centred, 0.0)  # d loss / d log m_ij
-      dv_tD += jnp.einsum("qk,qd->kd", p.astype(do_tD.dtype), do_tD, preferred_element_type=_F32)
-      dk_tD += jnp.einsum("qk,qd->kd", ds, q_tD, preferred_element_type=_F32) * scale
-      dq_tD = jnp.einsum("qk,kd->qd", ds, k_tD, preferred_element_type=_F32) * scale
-      dq_RTD = _put(dq_RTD, q_row, i, _tile(dq_RTD, q_row, i, tile) + dq_tD)
-      dtau_RT = _put(dtau_RT, q_row, i, _tile(dtau_RT, q_row, i, tile) - dlog_m.sum(-1))
-      return dk_tD, dv_tD, du_t + dlog_m.sum(0), dq_RTD, dtau_RT
+    def visit(keys, j, part, carry):
+      dq_tD, dtau_t = carry
+      weight, support = _pair(mask, at, keys, row, i, j, tile, part)
+      p, p0, centred = _scores(q_side, keys, _k_row(at, row), j, tile, scale, weight)
+      k_tD = tile_of(keys.k, _k_row(at, row), j, tile)
+      dq_tD += jnp.einsum("qk,kd->qd", (p * centred).astype(k_tD.dtype), k_tD,
+                          preferred_element_type=_F32) * scale
+      return dq_tD, dtau_t - jnp.where(support, p0 * centred, 0.0).sum(-1)
 
-    dq_RTD, dtau_RT, dk_RTD, dv_RTD, du_RT = grads
-    init = (jnp.zeros(k_tD.shape, _F32), jnp.zeros(v_tD.shape, _F32), jnp.zeros((tile,), _F32),
-            dq_RTD, dtau_RT)
-    dk_tD, dv_tD, du_t, dq_RTD, dtau_RT = lax.fori_loop(0, counts[k_row, j], visit, init)
-    return (dq_RTD, dtau_RT, _put(dk_RTD, k_row, j, dk_tD), _put(dv_RTD, k_row, j, dv_tD),
-            _put(du_RT, k_row, j, du_t))
+    init = (jnp.zeros((tile, head_dim), _F32), jnp.zeros((tile,), _F32))
+    return _over_query_tile(at, row, i, visit, init)
 
-  grads = (jnp.zeros(q_RTD.shape, _F32), jnp.zeros(q_RTD.shape[:2], _F32),
-           jnp.zeros(k_RTD.shape, _F32), jnp.zeros(v_RTD.shape, _F32),
-           jnp.zeros(k_RTD.shape[:2], _F32))
-  dq_RTD, dtau_RT, dk_RTD, dv_RTD, du_RT = lax.fori_loop(0, k_RTD.shape[0] * nk, body, grads)
+  def key_tiles(keys: _Keys, ranked: bool):
+    """dK, dV and du [Rk, T, ...] of `keys`' order, per key tile over the (query head of
+    its group, query tile) pairs that walk it: the ranked tiles of the query tiles' prefixes
+    (FAR), or the block's tiles of the windows (NEAR) and of the causal walks (ALL)."""
+    walks, num_q_rows = at.walks, at.q.shape[0]
+    by_kv = lambda x_Rn: x_Rn.reshape(num_q_rows // group, group, nq)  # [Rk, G, nq]
+    ranked_RGn = by_kv(walks.ranked)
+    if ranked:
+      meet_RGnK = ranked_RGn[..., None] & (by_kv(walks.prefix)[..., None] > jnp.arange(nk))
+    else:
+      meet_RGnK = jnp.where(ranked_RGn[..., None], walks.near_QK, walks.causal_QK)
+    lists_RKm, counts_RK = tile_lists(jnp.moveaxis(meet_RGnK, 3, 1).reshape(
+        meet_RGnK.shape[0], nk, -1))
+
+    def one_key_tile(u):
+      k_row, j = u // nk, u % nk
+      k_tD = tile_of(keys.k, k_row, j, tile)
+
+      def visit(n, carry):
+        dk_tD, dv_tD, du_t = carry
+        g, i = divmod(lists_RKm[k_row, j, n], nq)
+        row = (k_row // at.num_kv) * at.heads + (k_row % at.num_kv) * group + g
+        part = FAR if ranked else jnp.where(walks.ranked[row, i], NEAR, ALL)
+        weight, support = _pair(mask, at, keys, row, i, j, tile, part)
+        q_side = q_tile(row, i)
+        p, p0, centred = _scores(q_side, keys, k_row, j, tile, scale, weight)
+        q_tD, do_tD = q_side[:2]
+        dv_tD += jnp.einsum("qk,qd->kd", p.astype(do_tD.dtype), do_tD,
+                            preferred_element_type=_F32)
+        dk_tD += jnp.einsum("qk,qd->kd", (p * centred).astype(q_tD.dtype), q_tD,
+                            preferred_element_type=_F32) * scale
+        return dk_tD, dv_tD, du_t + jnp.where(support, p0 * centred, 0.0).sum(0)
+
+      zeros = jnp.zeros(k_tD.shape, _F32)
+      return lax.fori_loop(0, counts_RK[k_row, j], visit,
+                           (zeros, zeros, jnp.zeros((tile,), _F32)))
+
+    grads = walk(one_key_tile, counts_RK.reshape(-1), tile)
+    return tuple(x.reshape(keys.k.shape[0], -1, *x.shape[2:]) for x in grads)
+
+  dq_UtD, dtau_Ut = walk(one_query_tile, at.walks.lengths(), tile)
+  dk_w, dv_w, du_w = key_tiles(at.block, False)
+  dk_r, dv_r, du_r = key_tiles(at.ranked, True)
+  home = lambda x_ranked: jax.vmap(lambda x, order: jnp.zeros_like(x).at[order].set(x))(
+      x_ranked, at.walks.order)  # the ranked keys' gradients back in the block's order
   batch = q_BTHD.shape[0]
-  return Grads(_unrows(dq_RTD, batch), _unrows(dk_RTD, batch), _unrows(dv_RTD, batch),
-               _unrows(dtau_RT, batch), _unrows(du_RT, batch))
+  return Grads(unrows(dq_UtD.reshape(at.q.shape), batch),
+               unrows(dk_w + home(dk_r), batch), unrows(dv_w + home(dv_r), batch),
+               unrows(dtau_Ut.reshape(at.q.shape[:2]), batch), unrows(du_w + home(du_r), batch))

@@ -173,9 +173,7 @@ def tile_counts(schedule, tile: int, variant, batch: int) -> tuple[int, int]:
   causal = int(schedule.computed_tiles(tile).sum()) * batch * heads
   block, total = schedule.block_len, 0
   if variant[0].selects:  # SparseK: the devices' own indices (its window reads distances)
-    count = jax.jit(lambda mask, qi, ki: kernel_sparsek.computed_tiles(
-        mask.q.scores, mask.k.scores, None, None, qi, ki, tile=tile,
-        window=mask.spec.sparsek_window))
+    count = jax.jit(lambda mask, qi, ki: kernel_sparsek.computed_tiles(mask, qi, ki, tile))
   else:
     count = jax.jit(lambda mask, qi, ki: kernel_hash.computed_tiles(mask, tile, qi, ki))
   for device in range(schedule.num_shards):

@@ -31,6 +31,7 @@ import model.attention as attention_module  # noqa: E402
 from model import Decoder  # noqa: E402
 from model.sparsek import prefix_thresholds  # noqa: E402
 from parallelism import kernel_sparsek  # noqa: E402
+from parallelism.masks import Mask  # noqa: E402
 from trainer.core.training import data_config, model_config  # noqa: E402
 
 
@@ -79,7 +80,7 @@ def main() -> None:
     tau = prefix_thresholds(jnp.asarray(u), seg, cfg.sparsek_k, cfg.sparsek_window)
     tau = jnp.repeat(tau, cfg.num_heads // cfg.num_kv_heads, axis=2)
     count = lambda tau, u=u: int(kernel_sparsek.computed_tiles(
-        tau, u, seg, seg, index, index, tile=args.tile, window=cfg.sparsek_window))
+        Mask.of(cfg.mask_spec("G"), seg, scores=(tau, u)), index, index, args.tile))
     computed, every = count(tau), count(jnp.full_like(tau, -jnp.inf))
     print(f"layer {layer}: {computed} of {every} tiles ({computed / every:.3f}) of causal "
           f"attention within documents; scores' std {float(np.std(u)):.2f}")

@@ -143,10 +143,10 @@ def test_block_kernel_lse_and_gradients_with_buckets(side_by_side, monkeypatch):
   """One whole block (its lse is the global one): out, lse (-inf where empty) and the
   backward from that lse, against dense; walking the tiles one at a time (a CPU's way) and
   3 side by side (a GPU's, in batches whose shorter lists are masked; 3 leaves a remainder)."""
-  from parallelism import kernel_hash  # pylint: disable=g-import-not-at-top
+  from parallelism import row_tiles  # pylint: disable=g-import-not-at-top
   walks = []  # The kernel runs eagerly here, so each walk asks (a jit's cache would not).
   if side_by_side:
-    monkeypatch.setattr(kernel_hash, "tiles_side_by_side",
+    monkeypatch.setattr(row_tiles, "tiles_side_by_side",
                         lambda count, tile: walks.append(count) or min(count, side_by_side))
   (q, k, v, dout, index, seg), codes = _packed_inputs(seq_len=32)
   schedule = ring_schedule("ring", 32, 1)

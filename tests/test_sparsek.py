@@ -253,7 +253,7 @@ def test_block_kernel_lse_and_tile_skipping():
   assert lse[0, 5, 0] == -np.inf
   index_T = schedule.pair_index[0][0]
   count = lambda tau, u, w: int(kernel_sparsek.computed_tiles(
-      tau, u, None, None, index_T, index_T, tile=8, window=w))
+      Mask.of(_spec(w), scores=(tau, u)), index_T, index_T, 8))
   causal = int(schedule.computed_tiles(8)[0, 0]) * 2 * 4
   assert count(np.full_like(tau, -np.inf), u, 0) == causal
   # Thresholds of 0 over scores below 0 in the first half: that half is skipped past the window.
