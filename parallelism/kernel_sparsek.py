@@ -40,7 +40,7 @@ from jax import lax
 
 from parallelism.kernel_grads import Grads
 from parallelism.masks import Mask, Side, sparsek_weight, visible
-from parallelism.row_tiles import put, rows, tile as tile_of, unrows, walk
+from parallelism.row_tiles import rows, tile as tile_of, unrows, walk
 from parallelism.tile_math import fwd_result
 
 _F32 = jnp.float32

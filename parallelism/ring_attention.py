@@ -24,7 +24,6 @@ import math
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P

@@ -13,11 +13,9 @@ import pytest
 
 from model.hashing import bucket_codes, projections
 from parallelism import kernel_xla, kernels
-from parallelism.layouts import permute
 from parallelism.masks import Mask, MaskSpec
 from parallelism.schedule import ring_schedule
-from tests.test_ring_attention import (_F32_TOL, assert_close, make_inputs, ring_in_layout,
-                                       seq_mesh)
+from tests.test_ring_attention import (_F32_TOL, assert_close, make_inputs)
 
 BUCKETS = 4
 
@@ -75,13 +73,6 @@ def _empty_rows(index, seg, q_codes, k_codes):
   return ~_visible(index, seg, q_codes, k_codes).any(-1).transpose(0, 2, 1)
 
 
-def _ring(layout, mesh, inputs, codes, window=None, sparse="hash", **kwargs):
-  spec = MaskSpec(window=window, sparse=sparse,
-                  **({"hash_buckets": BUCKETS} if sparse == "hash" else {"qk_drop_rate": 0.5}))
-  got = ring_in_layout(layout, mesh, *inputs, tile_size=8, spec=spec, codes=codes, **kwargs)
-  assert all(np.isfinite(x).all() for x in got)
-  return got
-
 
 def test_the_hash_is_argmax_over_plus_and_minus_projections():
   rng = np.random.default_rng(0)
@@ -97,45 +88,6 @@ def test_the_hash_is_argmax_over_plus_and_minus_projections():
   # A positive scale (the paper's normalization) leaves every bucket where it was.
   np.testing.assert_array_equal(bucket_codes(jnp.asarray(3.5 * x), jnp.asarray(proj[0])), codes)
 
-
-@pytest.mark.parametrize("layout,n", [("ring", 4), ("striped", 8), ("zigzag", 4)])
-def test_ring_with_buckets_matches_dense(layout, n):
-  """Packed documents, GQA 4:2, 4 buckets on n devices; some rows see nothing (a document's
-  first query whose bucket is not its own key's): they give 0, and no NaN anywhere. The
-  kernel sorts each head's block by bucket and skips tile pairs at run time
-  (`parallelism.kernel_hash`): what it leaves out must be what nobody sees."""
-  inputs, codes = _packed_inputs()
-  want, _ = hash_reference(*inputs, *codes)
-  got = _ring(layout, seq_mesh(n), inputs, codes)
-  assert_close(got, want, **_F32_TOL)
-  empty = _empty_rows(*inputs[4:], *codes)
-  assert empty.any() and not empty.all()
-  np.testing.assert_array_equal(got[0][empty], 0.0)
-  # The buckets are not ignored: plain causal attention differs.
-  plain = hash_reference(*inputs, np.zeros_like(codes[0]), np.zeros_like(codes[1]))[0]
-  assert np.abs(np.asarray(plain[0]) - np.asarray(want[0])).max() > 1e-2
-
-
-def test_one_kv_head_for_four_query_heads_in_a_window():
-  """GQA 4:1 (each query head sorted by its own codes against the kv head's sorted keys), 8
-  buckets, one document per row, a local layer's window of 24 keys, on 2 devices in zigzag."""
-  inputs = make_inputs(batch=1, seq_len=64, num_heads=4, num_kv=1, seed=12)
-  codes = _codes(inputs, 8)
-  got = _ring("zigzag", seq_mesh(2), inputs, codes, packed=False, window=24)
-  assert_close(got, hash_reference(*inputs, *codes, window=24)[0], **_F32_TOL)
-
-
-@pytest.mark.parametrize("strategy,ring,ulysses,num_kv", [
-    ("allgather", 4, 1, 2), ("hybrid", 2, 2, 1)])
-def test_other_strategies_carry_the_codes(strategy, ring, ulysses, num_kv):
-  """All-gather gathers the key codes with K/V; hybrid moves them by heads (one kv head over
-  Ulysses 2: repeated, so the copies' codes travel too)."""
-  inputs, codes = _packed_inputs(num_kv=num_kv)
-  mesh = jax.make_mesh((ring, ulysses), ("sequence", "ulysses"),
-                       devices=jax.devices()[:ring * ulysses])
-  got = _ring("striped", mesh, inputs, codes, strategy=strategy,
-              rules=(("activation_seq", ("sequence", "ulysses")),))
-  assert_close(got, hash_reference(*inputs, *codes)[0], **_F32_TOL)
 
 
 @pytest.mark.parametrize("side_by_side", [None, 3])

@@ -19,8 +19,7 @@ from parallelism import tiles
 from parallelism.layouts import LAYOUTS
 from parallelism.masks import Mask, MaskSpec, Side, visible
 from parallelism.schedule import held_block, ring_schedule
-from tests.test_ring_attention import (_F32_TOL, assert_close, dense_attention, ring_in_layout,
-                                       seq_mesh)
+from tests.test_ring_attention import (_F32_TOL, dense_attention)
 from tests.test_schedule import _visible_from_lists
 from tests.test_windows import (DECODER, _packed_inputs, decoder_batch, decoder_params,
                                 under_zigzag)
@@ -69,23 +68,6 @@ def test_a_band_schedule_rebuilds_every_span_between_its_bounds(layout, num_shar
           want = visible(Mask(MaskSpec(window=span)), q_index[:, None] - k_index[None, :])
           np.testing.assert_array_equal(got, want, err_msg=f"s={span} d={device} t={step}")
 
-
-# What differs by layout is the host-side band schedule (checked above for every layout);
-# the kernels' span test is one code path. Zigzag with the xla kernel on 4 devices runs with
-# sinks beside it in tests/test_sinks.py::test_ring_with_sinks_and_per_head_spans_matches_dense.
-@pytest.mark.parametrize("layout,num_shards,kernel", [
-    ("ring", 4, "xla"), ("striped", 4, "xla"), ("zigzag", 2, "pallas")])
-def test_ring_with_per_head_spans_matches_each_head_alone(layout, num_shards, kernel):
-  """Forward and gradients with GQA and packed rows: each query head its own span (spans of
-  one kv head differ), the ring cut short where the widest allows; the Pallas kernel too."""
-  inputs = _packed_inputs(128)
-  want = per_head_reference(*inputs, SPANS)
-  got = ring_in_layout(layout, seq_mesh(num_shards), *inputs, tile_size=8, kernel=kernel,
-                       spec=SPEC, spans=jnp.asarray(SPANS))
-  assert_close(got, want, **_F32_TOL)
-  # The spans are not ignored: every head at the widest gives another output.
-  widest = per_head_reference(*inputs, (max(SPANS),) * len(SPANS))
-  assert np.abs(np.asarray(widest[0]) - np.asarray(want[0])).max() > 1e-2
 
 
 def test_spans_need_their_bounds_and_one_per_query_head():

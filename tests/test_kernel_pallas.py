@@ -14,7 +14,6 @@ accumulation. `_F32_TOL` (1e-5 absolute and relative) allows that and nothing co
 in test_ring_attention.
 """
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -23,9 +22,8 @@ import pytest
 from jax import export
 
 from parallelism import kernel_pallas, tiles
-from parallelism.layouts import LAYOUTS, permute, unpermute
+from parallelism.layouts import LAYOUTS
 from parallelism.masks import Mask, MaskSpec, Side
-from parallelism.ring_attention import ring_attention
 from parallelism.schedule import ring_schedule, schedule_of_order
 from tests.test_ring_attention import dense_attention
 
@@ -209,39 +207,6 @@ def _dense(q, k, v, index, seg, window=None, softcap=0.0):
   p = jnp.where(visible[:, None], jax.nn.softmax(jnp.where(visible[:, None], s, -jnp.inf)), 0)
   return jnp.einsum("bhqk,bkhd->bqhd", p, v, precision="highest")
 
-
-# Jitted: one compile, where op-by-op dispatch compiled each of its ops.
-@functools.partial(jax.jit, static_argnums=(6, 7))
-def _dense_fwd_bwd(q, k, v, dout, index, seg, window, softcap):
-  out, vjp = jax.vjp(lambda q, k, v: _dense(q, k, v, index, seg, window, softcap), q, k, v)
-  return (out, *vjp(dout))
-
-
-@pytest.mark.parametrize("layout,window,softcap", [("striped", None, 0.0), ("zigzag", 12, 2.0)])
-def test_ring_attention_pallas_matches_dense(layout, window, softcap):
-  """kernel='pallas' inside the ring on 4 of the 8 fake devices: forward and gradients;
-  with a window, zigzag's ring is cut short to steps 0, 1 and 3, logits soft-capped."""
-  seq_len, n = 128, 4
-  rng = np.random.default_rng(8)
-  q, dout = (rng.standard_normal((2, seq_len, 4, HEAD_DIM), np.float32) for _ in range(2))
-  k, v = (rng.standard_normal((2, seq_len, 2, HEAD_DIM), np.float32) for _ in range(2))
-  index = np.tile(np.arange(seq_len, dtype=np.int32), (2, 1))
-  seg = _segments(index)
-  mesh = jax.make_mesh((n,), ("sequence",), devices=jax.devices()[:n])
-  perm = functools.partial(permute, layout=layout, num_shards=n)
-
-  @jax.jit
-  def run(q, k, v, dout):
-    mask = Mask.of(MaskSpec(window=window, softcap=softcap), perm(seg))
-    attend = lambda q, k, v: ring_attention(q, k, v, mask, layout=layout, mesh=mesh,
-                                            kernel="pallas", tile_size=8)
-    out, vjp = jax.vjp(attend, q, k, v)
-    return (out, *vjp(dout))
-
-  got = [unpermute(np.asarray(x), layout, n) for x in run(perm(q), perm(k), perm(v), perm(dout))]
-  want = _dense_fwd_bwd(q, k, v, dout, index, seg, window, softcap)
-  for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
-    np.testing.assert_allclose(g, np.asarray(w), err_msg=name, **_F32_TOL)
 
 
 @pytest.mark.parametrize("q_len, heads, head_dim, tile", [

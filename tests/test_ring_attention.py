@@ -19,7 +19,7 @@ from jax.sharding import AxisType
 
 from configs import base as base_config
 from parallelism import kernel_xla
-from parallelism.layouts import LAYOUTS, permute, unpermute
+from parallelism.layouts import permute, unpermute
 from parallelism.masks import Mask, MaskSpec, Side
 from parallelism.ring import merge, pack, unpack
 from parallelism.ring_attention import ring_attention
@@ -128,27 +128,6 @@ def packed_inputs(seq_len=128, seed=1):
   seg[0, 90:] = 2
   return make_inputs(batch=2, seq_len=seq_len, segments=seg, seed=seed)
 
-
-# Every layout on 8 devices, with packed rows; zigzag on 4 (its 2N chunks) and one device
-# (where every layout is the same) with packed rows in test_tile_sizes; ring sizes 2 and 3 in
-# test_three_devices, tests/test_windows.py and test_strategies.py; rows without segment ids
-# in test_gqa_ratios_on_a_data_and_sequence_mesh.
-@pytest.mark.parametrize("layout, n", [("ring", 8), ("striped", 8), ("zigzag", 8)])
-def test_matches_dense(layout, n):
-  inputs = packed_inputs()
-  got = ring_in_layout(layout, seq_mesh(n, "data"), *inputs, tile_size=8)
-  assert_close(got, reference(*inputs), **_F32_TOL)
-
-
-def test_three_devices():
-  """An odd ring size: one step between the first and the last in the ring schedule. What
-  differs by layout is the host-side schedule (its tables at 3 devices are checked for every
-  layout in tests/test_schedule.py and tests/test_windows.py); the device code is the same
-  loop, so one layout runs here, the ring (the one with empty pairs, skipped by a cond), and
-  zigzag on 3 in tests/test_windows.py."""
-  inputs = make_inputs(seq_len=96, seed=8)
-  got = ring_in_layout("ring", seq_mesh(3), *inputs, tile_size=8)
-  assert_close(got, reference(*inputs), **_F32_TOL)
 
 
 # 2 is the default of make_inputs and the tiny config. Each ratio runs on a data x sequence

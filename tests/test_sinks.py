@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from parallelism.layouts import permute
 from parallelism.masks import Mask, MaskSpec
 from tests.test_ring_attention import (_F32_TOL, assert_close, make_inputs, ring_in_layout,
                                        seq_mesh)
@@ -61,32 +60,10 @@ def _ring(layout, num_shards, inputs, positions, window, narrowest=None, **kwarg
 
 
 # The sinks' own code (`parallelism.sinks`) is the same in every layout but for the host-side
-# order it is handed; the ring beside it is the windowed ring of tests/test_windows.py. So
-# each layout runs once: ring (cut short) in test_ring_with_sinks_matches_dense_over_several_rounds,
-# zigzag with spans below and, with w = 1, in the hybrid strategy; striped in allgather.
+# order it is handed; the ring beside it is the windowed ring. So each layout runs once: ring
+# (cut short) in test_ring_with_sinks_matches_dense_over_several_rounds; zigzag with spans,
+# zigzag with w = 1 in the hybrid strategy and striped in allgather in tests/test_masks.py.
 
-
-def test_ring_with_sinks_and_per_head_spans_matches_dense():
-  """Each query head adds the sinks beyond its own span (the ring gives those inside)."""
-  inputs, positions = _inputs()
-  want = sink_reference(*inputs, positions, SPANS)
-  got = _ring("zigzag", 4, inputs, positions, window=max(SPANS), narrowest=min(SPANS),
-              spans=jnp.asarray(SPANS))
-  assert_close(got, want, **_F32_TOL)
-
-
-@pytest.mark.parametrize("strategy,ring,ulysses,layout,window", [
-    ("allgather", 4, 1, "striped", 9), ("hybrid", 2, 2, "zigzag", 1)])
-def test_other_strategies_take_sinks(strategy, ring, ulysses, layout, window):
-  """Also the other strategies' window (the reference has it), in two layouts; w = 1 sees
-  only itself and its document's sinks."""
-  inputs, positions = _inputs()
-  mesh = jax.make_mesh((ring, ulysses), ("sequence", "ulysses"),
-                       devices=jax.devices()[:ring * ulysses])
-  got = ring_in_layout(layout, mesh, *inputs, tile_size=8, strategy=strategy,
-                       rules=(("activation_seq", ("sequence", "ulysses")),),
-                       positions=positions, spec=MaskSpec(window=window, sink_tokens=SINKS))
-  assert_close(got, sink_reference(*inputs, positions, (window,) * 4), **_F32_TOL)
 
 
 def test_ring_with_sinks_matches_dense_over_several_rounds():
@@ -124,7 +101,6 @@ def test_a_decode_step_reads_the_sinks_beyond_the_window(capacity):
   """Decoding a local layer reads the window's slots and the sinks' (capacity 64: gathered,
   16 per device; 16: 4 per device, every slot masked), each once, on 4 devices in zigzag."""
   from parallelism.layouts import permutation  # pylint: disable=g-import-not-at-top
-  from parallelism import decoding  # pylint: disable=g-import-not-at-top
   from tests.test_windows import _cache_sharding, _decode_step  # pylint: disable=g-import-not-at-top
   window, heads, kv, dim = 5, 4, 2, 8
   rng = np.random.default_rng(3)

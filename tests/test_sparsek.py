@@ -19,7 +19,6 @@ from model import sparsek as sk
 from parallelism import kernel_sparsek, kernel_xla
 from parallelism.layouts import permute, unpermute
 from parallelism.masks import Mask, MaskSpec
-from parallelism.ring_attention import ring_attention
 from parallelism.schedule import ring_schedule
 from tests.test_hash_attention import assert_one_line_config_error
 from tests.test_ring_attention import _F32_TOL, make_inputs, seq_mesh
@@ -200,43 +199,6 @@ def _inputs(num_kv=2, seq_len=64, seed=3, empty=True):
 def _spec(window=WINDOW):
   return MaskSpec(sparse="sparsek", sparsek_k=K, sparsek_window=window)
 
-
-def _ring(layout, n, inputs, tau, u, window=WINDOW):
-  """ring_attention on n devices in `layout` with its VJP; results in the original order."""
-  q, k, v, dout, _, seg = inputs
-  mesh = seq_mesh(n)
-  perm = functools.partial(permute, layout=layout, num_shards=n)
-
-  @jax.jit
-  def run(*args):
-    out, vjp = jax.vjp(lambda q, k, v, tau, u: ring_attention(
-        q, k, v, Mask.of(_spec(window), perm(seg), scores=(tau, u)), layout=layout, mesh=mesh,
-        tile_size=8), *args[:5])
-    return (out, *vjp(args[5]))
-
-  got = run(*(perm(x) for x in (q, k, v, tau, u, dout)))
-  return [unpermute(np.asarray(x), layout, n) for x in got]
-
-
-def _assert_close(got, want):
-  for name, g, w in zip(("out", "dq", "dk", "dv", "dtau", "du"), got, want):
-    np.testing.assert_allclose(g, np.asarray(w), err_msg=name, **_F32_TOL)
-
-
-@pytest.mark.parametrize("layout,n,num_kv", [("ring", 2, 2), ("striped", 8, 1)])
-def test_ring_matches_the_dense_soft_mask(layout, n, num_kv):
-  """Out and the gradients of q, k, v, the thresholds and the scores (GQA 4:2 with a window
-  of 3 on 2 devices, 4:1 without a window on 8, where a query sees nothing: it gives 0);
-  nothing is NaN. (Zigzag on 4 devices: the model test below.)"""
-  inputs, tau, u = _inputs(num_kv)
-  window = 0 if layout == "striped" else WINDOW
-  want, _ = sparsek_reference(*inputs, tau, u, window=window)
-  got = _ring(layout, n, inputs, tau, u, window)
-  assert all(np.isfinite(x).all() for x in got)
-  _assert_close(got, want)
-  if not window:
-    np.testing.assert_array_equal(got[0][0, 5, 0], 0.0)
-  assert np.abs(got[5]).max() > 1e-2 and np.abs(got[4]).max() > 1e-2
 
 
 def test_block_kernel_lse_and_tile_skipping():

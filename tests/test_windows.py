@@ -8,7 +8,6 @@ each truncation (`ring`: steps 0 and 1; `zigzag`: 0, 1 and N-1) and the whole ri
 wide windows) runs forward and backward. Tolerances as in tests/test_ring_attention.py.
 """
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +19,7 @@ from parallelism import tiles, traffic
 from parallelism.layouts import LAYOUTS
 from parallelism.masks import Mask, MaskSpec, Side, visible
 from parallelism.schedule import compare_layouts, held_block, ring_schedule
-from tests.test_ring_attention import (_F32_TOL, assert_close, make_inputs, reference,
-                                       ring_in_layout, seq_mesh)
+from tests.test_ring_attention import (_F32_TOL, make_inputs)
 from tests.test_schedule import _shape_of, _visible_from_lists
 
 
@@ -82,28 +80,8 @@ def _packed_inputs(seq_len):
   seg[0, 90:] = 2
   return make_inputs(batch=2, seq_len=seq_len, num_heads=4, num_kv=2, segments=seg, seed=11)
 
-
-# The device code a window changes is the ring cut short (a static list of steps, each block
-# sent straight) and the mask in MASKED tiles; which steps and tiles is the host-side
-# schedule, checked above over every window edge, layout and ring size. So each layout runs
-# once, the ring cut short in both ways it is (ring, zigzag) and whole (striped, zigzag on 3
-# devices, an odd ring), with the soft cap beside a window; the cap without one runs in the
-# global layers of test_local_and_global_layers_in_one_scan_match_dense_in_a_ring_cut_short.
-@pytest.mark.parametrize("layout,num_shards,window,softcap", [
-    ("ring", 4, 1, 0.0), ("zigzag", 4, 9, 2.0), ("zigzag", 3, 17, 0.0), ("striped", 4, 7, 2.0)])
-def test_ring_with_a_window_matches_dense(layout, num_shards, window, softcap):
-  """Forward and gradients, GQA, packed rows: the truncated rings (ring w <= S/N: steps
-  0-1; zigzag w <= S/2N: 0, 1, N-1) and whole ones, windows of 1, below a tile, past a tile
-  and past a zigzag chunk, and Gemma 2's logit soft cap (it changes the output by ~1)."""
-  seq_len = 96 if num_shards == 3 else 128
-  inputs = _packed_inputs(seq_len)
-  got = ring_in_layout(layout, seq_mesh(num_shards), *inputs, tile_size=8,
-                       spec=MaskSpec(window=window, softcap=softcap))
-  assert_close(got, reference(*inputs, window=window, softcap=softcap), **_F32_TOL)
-
-
-# The other strategies (allgather, hybrid) with a window run in
-# tests/test_sinks.py::test_other_strategies_take_sinks, whose reference has the window too.
+# Windows against dense attention, in every layout, with the other strategies and the fused
+# kernel: the contract table of tests/test_masks.py.
 
 
 @pytest.mark.parametrize("layout,window,steps", [("zigzag", 8, 3)])
