@@ -70,6 +70,16 @@ def check_name(name: str) -> None:
     raise ValueError(f"unknown attention kernel '{name}'; choose one of {(AUTO, *KERNELS)}")
 
 
+def check_spec(name: str, spec: MaskSpec, field: str = "kernel") -> None:
+  """A kernel named by the user (not `auto`) that cannot apply the spec is a ValueError
+  naming `field`: a named kernel runs as named or not at all."""
+  check_name(name)
+  reason = None if name == AUTO else KERNELS[name].unsupported(spec)
+  if reason:
+    raise ValueError(f"{field}='{name}' cannot run this attention: {reason}; 'auto' picks a "
+                     f"kernel that can")
+
+
 def describe(name: str, backend: str | None = None) -> str:
   """`name` as the run states it: 'xla', or 'auto on cpu: xla'."""
   backend = backend or target.backend()
@@ -83,9 +93,10 @@ def choose(name: str, spec: MaskSpec, q_shape, k_shape, tile: int, dtype,
   `MaskSpec.on_ring`), and why it is not the one `name` resolves to (None when it is): the
   one decision, made once per attention setup (`parallelism.split`), never per call.
 
-  A kernel that cannot apply the spec (`BlockKernel.unsupported`: run-time masks are the
-  `xla` kernel's alone; cuDNN has no soft cap or per-head spans) hands it to the next, as
-  `cudnn` does operands cuDNN cannot take. `auto` on GPUs goes on from there: `pallas` also
+  Under `auto`, a kernel that cannot apply the spec (`BlockKernel.unsupported`: run-time
+  masks are the `xla` kernel's alone; cuDNN has no soft cap or per-head spans) hands it to
+  the next, as `cudnn` does operands cuDNN cannot take (a named kernel that cannot is an
+  error first: `check_spec`). `auto` on GPUs goes on from there: `pallas` also
   where cuDNN cannot run here (a plan's described GPUs, another JAX) and for schedules with
   `general` blocks (windows, zigzag), which the cudnn kernel hands to pallas anyway (and
   was measured slower doing so); then `xla` where Triton cannot take the blocks, which the

@@ -29,6 +29,7 @@ class Names:
   callers by its arguments and mesh axes (these defaults), the trainer by config fields."""
   seq_len: str = "sequence length"
   tile: str = "tile_size"
+  kernel: str = "kernel"
   strategy: str = "strategy"
   heads: str = "query heads"
   rules: str = "rules"
@@ -67,7 +68,7 @@ def split_attention(strategy: str, layout: str, seq_len: int, tile_size: int, ke
   if strategy not in STRATEGIES:
     raise ValueError(f"unknown sequence-parallel strategy '{strategy}' ({names.strategy}); "
                      f"choose one of {STRATEGIES}")
-  kernels.check_name(kernel)
+  kernels.check_spec(kernel, spec.on_ring, names.kernel)
   axis, ulysses_axis = _sequence_axes(mesh, rules, strategy, names)
   num_shards = mesh.shape[axis]
   if spec.selects and (ulysses_axis or (strategy == "allgather" and num_shards > 1)):
@@ -113,6 +114,7 @@ def split_attention(strategy: str, layout: str, seq_len: int, tile_size: int, ke
 def local_strategy(layout: str, seq_len: int, tile_size: int, kernel: str, q_shape, k_shape,
                    dtype, spec: MaskSpec = MaskSpec()) -> Strategy:
   """Without a mesh: the whole row as one block, in its original order (a ring of one)."""
+  kernels.check_spec(kernel, spec.on_ring)
   check_seq_len(seq_len, layout, 1)
   tile = block_tile(seq_len, 1, tile_size)
   if seq_len % tile:

@@ -145,10 +145,15 @@ def test_the_model_dense_path_applies_the_buckets():
 
 
 def test_only_xla_applies_buckets():
+  """`auto` goes on to xla; a named kernel that cannot is one line naming the field."""
   shape, spec = (1, 64, 4, 16), MaskSpec(sparse="hash", hash_buckets=4)
   assert kernels.choose("xla", spec, shape, shape, 16, jnp.float32) == ("xla", None)
-  chosen, reason = kernels.choose("pallas", spec, shape, shape, 16, jnp.float32)
+  with kernels.target.compiling_for("gpu"):
+    chosen, reason = kernels.choose("auto", spec, shape, shape, 16, jnp.float32)
   assert chosen == "xla" and "no run-time mask" in reason
+  with pytest.raises(ValueError, match=r"model.kernel='pallas' cannot run this attention: "
+                                       r"the pallas kernel has no run-time mask"):
+    kernels.check_spec("pallas", spec, "model.kernel")
 
 
 @pytest.mark.parametrize("overrides,field", [
@@ -162,6 +167,8 @@ def test_only_xla_applies_buckets():
     ({"model.hash_buckets": 4}, "but model.sparse='none'"),
     ({"model.sparse": "hash", "model.hash_buckets": 4, "model.window": 16,
       "model.sink_tokens": 2}, "model.sink_tokens=2 does not combine"),
+    ({"model.sparse": "hash", "model.hash_buckets": 4, "model.kernel": "pallas"},
+     "model.kernel='pallas' cannot run this attention: the pallas kernel has no run-time"),
 ])
 def test_config_errors_are_one_line(overrides, field):
   assert_one_line_config_error(overrides, field)

@@ -195,6 +195,7 @@ def _check_mesh(config: ml_collections.ConfigDict, num_devices: int) -> None:
 
 # How the trainer's users know what `parallelism.split_attention` names: config fields.
 CONFIG_NAMES = parallelism.Names(seq_len="data.seq_len", tile="model.attention_tile",
+                                 kernel="model.kernel",
                                  strategy="model.sequence_parallel", heads="model.num_heads",
                                  rules="mesh.rules", axis="mesh.{}")
 
