@@ -1,11 +1,13 @@
 """One device's passes of ring attention: its K/V block goes around a ring of devices.
 
-Each device keeps its query block and passes its K/V block (and the keys' segment ids when
-documents are packed, in one buffer) around the ring with `lax.ppermute`; after N steps
-every query block has met every key block. With hash attention the keys' bucket codes travel
-in the same buffer, with SparseK the keys' scores (and their gradient with dK/dV). The next
-transfer is issued before the current block is computed so communication can overlap compute.
-Partial (out, lse) pairs merge by the stable log-sum-exp rule.
+Each device keeps its query block and passes its K/V block, with the mask's key side (its
+run-time operands: segment ids when documents are packed, run-time codes, SparseK's scores;
+`parallelism.masks`), as one buffer around the ring with `lax.ppermute`; after N steps every
+query block has met every key block, and SparseK's scores' gradient travels with dK/dV. With
+run-time codes the queries and keys are sorted first, the keys travel sorted, and the
+results are unsorted at the end (`parallelism.sorting`). The next transfer is issued before
+the current block is computed so communication can overlap compute. Partial (out, lse) pairs
+merge by the stable log-sum-exp rule.
 
 What each device computes at each step is the layout's static schedule
 (`parallelism.schedule`): the ring looks up its block pair in a small table by device and

@@ -3,7 +3,9 @@
 `ring_attention` runs one strategy (`parallelism.strategies`: ring by default, allgather,
 ulysses or hybrid) for a sequence in any layout (`parallelism.layouts`). What each device
 computes is the layout's static schedule (`parallelism.schedule`), built on the host once
-per compile; no token index is traced, travels or is compared at run time.
+per compile; no token index is traced, travels or is compared at run time, but for run-time
+codes, whose keys travel sorted with their original positions (`parallelism.sorting`).
+What a query may see is the call's mask (`parallelism.masks`), one value.
 
 The shard_map's specs come from the same rules table as the activations around the call
 (logical names `activation_batch`, `activation_seq`, `activation_heads`,
@@ -40,7 +42,6 @@ DEFAULT_RULES = (("activation_seq", ("sequence", "ulysses")),)
 # What the backward needs from the forward; a remat policy that saves these by name keeps
 # the backward from running the ring forward again.
 SAVED_NAMES = ("attention_out", "attention_lse")
-
 
 
 @dataclasses.dataclass(frozen=True)
