@@ -8,9 +8,10 @@ tiles are never visited and nothing is classified at run time (the loop bounds r
 pair's row of the schedule's tables). A MASKED tile on a causal diagonal
 (`TileTables.upper_right_empty`) is computed in two parts that leave out the quarter no
 query sees (four quarters were no faster). Segment ids, a run-time mask, apply in every
-computed tile; bucket codes (hash attention) take another walk, sorted by bucket and skipped
-at run time (`parallelism.kernel_hash`). Per-head spans narrow MASKED tiles only, by the
-distances of the pair's token indices (`RingSchedule.pair_index`).
+computed tile (the rule, `parallelism.masks.visible`); run-time codes take sorted ranges
+(`parallelism.kernel_hash`), SparseK its ranked keys (`parallelism.kernel_sparsek`).
+Per-head spans narrow MASKED tiles only, by the distances of the pair's token indices
+(`RingSchedule.pair_index`).
 
 Matmuls work on head-major tiles (`parallelism.tile_math`), each a plain batched one; the
 arrays the inner loop walks are made head-major once per call and sliced per tile, which
