@@ -176,15 +176,17 @@ def _index_specs(block_q: int, len_k: int, num_q: int):
           pl.BlockSpec((len_k,), lambda i, b, h: (0,)))
 
 
-def _segments_and_tables(seg_args, seg_specs, tables, span_args=None, span_specs=()):
-  """Operands and specs after the dense ones: segment ids when given, then the tables, then
-  (per-head spans) the pair's query and key indices and the spans."""
-  args = [*seg_args, *tables] if seg_args[0] is not None else list(tables)
-  specs = [*seg_specs] if seg_args[0] is not None else []
-  specs += [_whole(t) for t in tables]
-  if span_args is not None:
-    args += span_args
-    specs += [*span_specs, _whole(span_args[2])]
+def _after_dense(*groups):
+  """The operands after the dense ones and their specs, from (arrays, specs) groups in the
+  programs' order (`kernel_pallas_programs._split_refs`): a group whose arrays are None is
+  left out (segment ids without documents, spans without per-head spans); a spec of None is
+  the whole array."""
+  args, specs = [], []
+  for arrays, group_specs in groups:
+    if arrays is None or arrays[0] is None:
+      continue
+    args += arrays
+    specs += [_whole(x) if spec is None else spec for x, spec in zip(arrays, group_specs)]
   return args, specs
 
 
@@ -229,15 +231,14 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, mask: Mask, *, schedule: RingSchedule, pai
   q_spec, stat_spec, seg_spec = _q_grid_specs(num_q, block_q, head_dim)
   kv_spec = pl.BlockSpec((None, len_k, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
   k_row_spec = pl.BlockSpec((None, len_k), lambda i, b, h: (b, 0))
-  rest, rest_specs = _segments_and_tables(
-      (q_seg_BT, k_seg_BT), (seg_spec, k_row_spec),
-      _pair_tables(tables.by_query, tables.masks, pair), _span_args(schedule, pair, spans_H),
-      _index_specs(block_q, len_k, num_q))
+  table_args = _pair_tables(tables.by_query, tables.masks, pair)
+  rest, rest_specs = _after_dense(
+      ((q_seg_BT, k_seg_BT), (seg_spec, k_row_spec)), (table_args, [None] * len(table_args)),
+      (_span_args(schedule, pair, spans_H), (*_index_specs(block_q, len_k, num_q), None)))
   out_shape = [jax.ShapeDtypeStruct(q_BTHD.shape, _F32),
                jax.ShapeDtypeStruct((batch, len_q, num_heads), _F32)]
   kernel = functools.partial(fwd_program, spec=mask.spec, scale=head_dim ** -0.5,
-                             block_k=block_k, has_seg=q_seg_BT is not None,
-                             has_spans=spans_H is not None)
+                             block_k=block_k, has_seg=q_seg_BT is not None)
   return _call(kernel, (num_q, batch, num_heads), [q_spec, kv_spec, kv_spec, *rest_specs],
                [q_spec, stat_spec], out_shape, config.fwd_warps, config.fwd_stages,
                "block_fwd")(q_BTHD, k_BTKD, v_BTKD, *rest)
@@ -257,7 +258,7 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, mask: Mask,
   len_k, num_kv = k_BTKD.shape[1], k_BTKD.shape[2]
   group = num_heads // num_kv
   scale = head_dim ** -0.5
-  has_seg, has_spans = q_seg_BT is not None, spans_H is not None
+  has_seg = q_seg_BT is not None
   span_args = _span_args(schedule, pair, spans_H)
   args = (q_BTHD, k_BTKD, v_BTKD, dout_BTHD.astype(q_BTHD.dtype), lse_BTH.astype(_F32),
           delta_BTH.astype(_F32))
@@ -269,14 +270,15 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, mask: Mask,
   q_spec = pl.BlockSpec((None, len_q, group, head_dim), lambda j, b, h: (b, 0, h, 0))
   k_spec = pl.BlockSpec((None, block_k, None, head_dim), lambda j, b, h: (b, j, h, 0))
   stat_spec = pl.BlockSpec((None, len_q, group), lambda j, b, h: (b, 0, h))
-  rest, rest_specs = _segments_and_tables(
-      (q_seg_BT, k_seg_BT), (pl.BlockSpec((None, len_q), lambda j, b, h: (b, 0)),
-                             pl.BlockSpec((None, block_k), lambda j, b, h: (b, j))),
-      _pair_tables(tables.by_key, tables.masks, pair), span_args,
-      (pl.BlockSpec((len_q,), lambda j, b, h: (0,)),
-       pl.BlockSpec((block_k,), lambda j, b, h: (j,))))
+  table_args = _pair_tables(tables.by_key, tables.masks, pair)
+  rest, rest_specs = _after_dense(
+      ((q_seg_BT, k_seg_BT), (pl.BlockSpec((None, len_q), lambda j, b, h: (b, 0)),
+                              pl.BlockSpec((None, block_k), lambda j, b, h: (b, j)))),
+      (table_args, [None] * len(table_args)),
+      (span_args, (pl.BlockSpec((len_q,), lambda j, b, h: (0,)),
+                   pl.BlockSpec((block_k,), lambda j, b, h: (j,)), None)))
   kernel = functools.partial(dkv_program, spec=mask.spec, scale=scale, block_q=block_q,
-                             group=group, has_seg=has_seg, has_spans=has_spans)
+                             group=group, has_seg=has_seg)
   dk_BTKD, dv_BTKD = _call(
       kernel, (len_k // block_k, batch, num_kv),
       [q_spec, k_spec, k_spec, q_spec, stat_spec, stat_spec, *rest_specs], [k_spec, k_spec],
@@ -290,12 +292,13 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, mask: Mask,
   num_q = len_q // block_q
   q_spec, stat_spec, seg_spec = _q_grid_specs(num_q, block_q, head_dim)
   kv_spec = pl.BlockSpec((None, len_k, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
-  rest, rest_specs = _segments_and_tables(
-      (q_seg_BT, k_seg_BT), (seg_spec, pl.BlockSpec((None, len_k), lambda i, b, h: (b, 0))),
-      _pair_tables(tables.by_query, tables.masks, pair), span_args,
-      _index_specs(block_q, len_k, num_q))
+  table_args = _pair_tables(tables.by_query, tables.masks, pair)
+  rest, rest_specs = _after_dense(
+      ((q_seg_BT, k_seg_BT), (seg_spec, pl.BlockSpec((None, len_k), lambda i, b, h: (b, 0)))),
+      (table_args, [None] * len(table_args)),
+      (span_args, (*_index_specs(block_q, len_k, num_q), None)))
   kernel = functools.partial(dq_program, spec=mask.spec, scale=scale, block_k=block_k,
-                             has_seg=has_seg, has_spans=has_spans)
+                             has_seg=has_seg)
   dq_BTHD = _call(kernel, (num_q, batch, num_heads),
                   [q_spec, kv_spec, kv_spec, q_spec, stat_spec, stat_spec, *rest_specs], q_spec,
                   jax.ShapeDtypeStruct(q_BTHD.shape, _F32), config.bwd_warps,

@@ -44,16 +44,24 @@ def _dot_tn(a, b):
                          preferred_element_type=_F32)
 
 
-def _visible(spec: MaskSpec, masks_ref, mask_id, q_seg_t, k_seg_t, behind=None, span=None):
+def _rows(x_t):
+  """A tile's query-side operand as rows of its [tq, tk] scores."""
+  return None if x_t is None else x_t[:, None]
+
+
+def _cols(x_t):
+  """A tile's key-side operand as columns of its [tq, tk] scores."""
+  return None if x_t is None else x_t[None, :]
+
+
+def _visible(pair_mask: Mask, masks_ref, mask_id, behind=None):
   """Visibility [tq, tk] of a tile pair, or None when every query sees every key: the rule
-  (`parallelism.masks.visible`) on the run-time operands and, on a MASKED tile, its
-  precomputed mask, or with per-head spans the rule on the tile's distances (`behind()`)."""
-  tile_mask = Mask(spec, Side(segment_ids=None if q_seg_t is None else q_seg_t[:, None],
-                              spans=span),
-                   Side(segment_ids=None if k_seg_t is None else k_seg_t[None, :]))
+  (`parallelism.masks.visible`) on its run-time operands and, on a MASKED tile (`mask_id`),
+  its precomputed mask, or with per-head spans the rule on the tile's distances
+  (`behind()`)."""
   if mask_id is not None and behind is not None:
-    return visible(tile_mask, behind())
-  seen = visible(tile_mask)
+    return visible(pair_mask, behind())
+  seen = visible(pair_mask)
   if mask_id is None:
     return seen
   mask = masks_ref[mask_id] != 0
@@ -65,11 +73,11 @@ def _behind(q_index_t, k_index_t):
   return lambda: q_index_t[:, None] - k_index_t[None, :]
 
 
-def _split_refs(refs, has_seg: bool, has_spans: bool, num_out: int):
+def _split_refs(refs, spec: MaskSpec, has_seg: bool, num_out: int):
   """(segment refs or (None, None), tile lists, masks ref, span refs (query indices, key
   indices, spans) or None, output refs) of a kernel."""
   seg_refs, refs = (refs[:2], refs[2:]) if has_seg else ((None, None), refs)
-  span_refs, rest = (refs[6:9], refs[9:]) if has_spans else (None, refs[6:])
+  span_refs, rest = (refs[6:9], refs[9:]) if spec.head_spans else (None, refs[6:])
   return seg_refs, TileLists(*refs[:5]), refs[5], span_refs, rest[:num_out]
 
 
@@ -79,14 +87,14 @@ def _logits(spec: MaskSpec, q_tD, k_kD, scale: float):
 
 
 def fwd_program(q_ref, k_ref, v_ref, *refs, spec: MaskSpec, scale: float, block_k: int,
-                has_seg: bool, has_spans: bool):
+                has_seg: bool):
   (q_seg_ref, k_seg_ref), lists, masks_ref, span_refs, (o_ref, lse_ref) = _split_refs(
-      refs, has_seg, has_spans, 2)
+      refs, spec, has_seg, 2)
   row = query_tile(pl.program_id(0), pl.num_programs(0))
   q_tD = q_ref[...]
   q_seg_t = q_seg_ref[...] if has_seg else None
   # Read outside the tile loops: interpret mode cannot lower a program id inside them.
-  span = span_refs[2][pl.program_id(2)] if has_spans else None
+  span = span_refs[2][pl.program_id(2)] if spec.head_spans else None
 
   def visit(j, carry, mask_id):
     keys = pl.ds(j * block_k, block_k)
@@ -96,9 +104,10 @@ def fwd_program(q_ref, k_ref, v_ref, *refs, spec: MaskSpec, scale: float, block_
       s_tk = _logits(spec, q_tD, k_kD, scale)[0] * _LOG2E
     else:  # base-2 logits in one multiply: exp2(s * log2 e) == exp(s)
       s_tk = _dot(q_tD, k_kD, 1) * (scale * _LOG2E)
-    behind = _behind(span_refs[0][...], span_refs[1][keys]) if has_spans else None
-    mask = _visible(spec, masks_ref, mask_id, q_seg_t, k_seg_ref[keys] if has_seg else None,
-                    behind, span)
+    behind = _behind(span_refs[0][...], span_refs[1][keys]) if spec.head_spans else None
+    pair_mask = Mask(spec, Side(_rows(q_seg_t), spans=span),
+                     Side(_cols(k_seg_ref[keys] if has_seg else None)))
+    mask = _visible(pair_mask, masks_ref, mask_id, behind)
     if mask is not None:
       s_tk = jnp.where(mask, s_tk, -jnp.inf)
     m_new = jnp.maximum(m_t, jnp.max(s_tk, axis=1))
@@ -135,9 +144,9 @@ def _lse2(lse_t):
 
 
 def dkv_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: MaskSpec,
-                scale: float, block_q: int, group: int, has_seg: bool, has_spans: bool):
+                scale: float, block_q: int, group: int, has_seg: bool):
   (q_seg_ref, k_seg_ref), lists, masks_ref, span_refs, (dk_ref, dv_ref) = _split_refs(
-      refs, has_seg, has_spans, 2)
+      refs, spec, has_seg, 2)
   row, kv_head = pl.program_id(0), pl.program_id(2)
   k_kD, v_kD = k_ref[...], v_ref[...]
   k_seg_t = k_seg_ref[...] if has_seg else None
@@ -147,11 +156,12 @@ def dkv_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: Ma
     dk_kD, dv_kD = carry
     q_tD, do_tD = q_ref[rows, g, :], do_ref[rows, g, :]
     behind, span = None, None
-    if has_spans:  # This program's kv head's query head g.
+    if spec.head_spans:  # This program's kv head's query head g.
       behind = _behind(span_refs[0][rows], span_refs[1][...])
       span = span_refs[2][kv_head * group + g]
-    mask = _visible(spec, masks_ref, mask_id, q_seg_ref[rows] if has_seg else None, k_seg_t,
-                    behind, span)
+    pair_mask = Mask(spec, Side(_rows(q_seg_ref[rows] if has_seg else None), spans=span),
+                     Side(_cols(k_seg_t)))
+    mask = _visible(pair_mask, masks_ref, mask_id, behind)
     p_tk, ds_tk = _bwd_tile(spec, q_tD, k_kD, v_kD, do_tD, _lse2(lse_ref[rows, g]),
                             delta_ref[rows, g], scale, mask)
     dv_kD = dv_kD + _dot_tn(p_tk.astype(do_tD.dtype), do_tD)
@@ -167,21 +177,22 @@ def dkv_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: Ma
 
 
 def dq_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: MaskSpec,
-               scale: float, block_k: int, has_seg: bool, has_spans: bool):
+               scale: float, block_k: int, has_seg: bool):
   (q_seg_ref, k_seg_ref), lists, masks_ref, span_refs, (dq_ref,) = _split_refs(
-      refs, has_seg, has_spans, 1)
+      refs, spec, has_seg, 1)
   row = query_tile(pl.program_id(0), pl.num_programs(0))
   q_tD, do_tD = q_ref[...], do_ref[...]
   lse2_t, delta_t = _lse2(lse_ref[...]), delta_ref[...]
   q_seg_t = q_seg_ref[...] if has_seg else None
-  span = span_refs[2][pl.program_id(2)] if has_spans else None
+  span = span_refs[2][pl.program_id(2)] if spec.head_spans else None
 
   def visit(j, dq_tD, mask_id):
     keys = pl.ds(j * block_k, block_k)
     k_kD = k_ref[keys, :]
-    behind = _behind(span_refs[0][...], span_refs[1][keys]) if has_spans else None
-    mask = _visible(spec, masks_ref, mask_id, q_seg_t, k_seg_ref[keys] if has_seg else None,
-                    behind, span)
+    behind = _behind(span_refs[0][...], span_refs[1][keys]) if spec.head_spans else None
+    pair_mask = Mask(spec, Side(_rows(q_seg_t), spans=span),
+                     Side(_cols(k_seg_ref[keys] if has_seg else None)))
+    mask = _visible(pair_mask, masks_ref, mask_id, behind)
     _, ds_tk = _bwd_tile(spec, q_tD, k_kD, v_ref[keys, :], do_tD, lse2_t, delta_t, scale,
                          mask)
     return dq_tD + _dot(ds_tk.astype(k_kD.dtype), k_kD, 0)

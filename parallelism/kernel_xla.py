@@ -73,20 +73,15 @@ def _spans_KG(spans_H, num_kv: int):
   return None if spans_H is None else spans_H.reshape(num_kv, -1)
 
 
-def visibility(spec: MaskSpec, mask_tt, row_seg, col_seg, behind=None, span=None):
+def visibility(pair_mask: Mask, mask_tt=None, behind=None):
   """What a tile pair's queries see; None when they see every key: the rule
-  (`parallelism.masks.visible`) on the segment ids (rows [B, ..., rows] and columns [B, ...,
-  cols], None without documents), and on a MASKED tile its precomputed mask `mask_tt`, or
-  with per-head spans the rule on the pair's distances `behind` for each head's `span`
-  (shaped by the caller to broadcast against the scores).
-
-  Rows are queries and columns keys (the forward), or the reverse (the backward's key-major
-  scores, with a transposed mask and distances): the segment test is symmetric."""
-  rows = Side(segment_ids=None if row_seg is None else row_seg[..., :, None], spans=span)
-  cols = Side(segment_ids=None if col_seg is None else col_seg[..., None, :])
+  (`parallelism.masks.visible`) on the tile's run-time operands (laid out by the caller to
+  broadcast against its scores: query-major in the forward, key-major in the backward), and
+  on a MASKED tile its precomputed mask `mask_tt` (laid out likewise), or with per-head
+  spans the rule on the pair's distances `behind`."""
   if behind is not None:
-    return visible(Mask(spec, rows, cols), behind)
-  seen = visible(Mask(spec, rows, cols))
+    return visible(pair_mask, behind)
+  seen = visible(pair_mask)
   if mask_tt is None:
     return seen
   return mask_tt[None] if seen is None else seen & mask_tt[None]
@@ -151,14 +146,14 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, mask: Mask, *, schedule: RingSchedule, pai
     def visit(j, carry, mask_id):
       k_BKtD, v_BKtD = (_tile_of(x, j, tile, axis=2) for x in (k_BKTD, v_BKTD))
       k_seg_Bt = _tile_of(k_seg_BT, j, tile) if segments else None
+      at = lambda x, axes: None if x is None else jnp.expand_dims(x, axes)
       if mask_id is not None and spans_KG is not None:  # [B, Hkv, G, tq, tk]
-        behind = _behind(q_index_T, k_index_T, i, j, tile)
-        visible_ = visibility(spec, None, q_seg_Bt[:, None, None] if segments else None,
-                              k_seg_Bt[:, None, None] if segments else None, behind,
-                              spans_KG[:, :, None, None])
-      else:
-        visible_ = visibility(spec, None if mask_id is None else masks[mask_id], q_seg_Bt,
-                              k_seg_Bt)
+        pair_mask = Mask(spec, Side(at(q_seg_Bt, (1, 2, 4)), spans=spans_KG[:, :, None, None]),
+                         Side(at(k_seg_Bt, (1, 2, 3))))
+        visible_ = visibility(pair_mask, behind=_behind(q_index_T, k_index_T, i, j, tile))
+      else:  # [B, tq, tk], then [B, 1, 1, tq, tk]
+        pair_mask = Mask(spec, Side(at(q_seg_Bt, 2)), Side(at(k_seg_Bt, 1)))
+        visible_ = visibility(pair_mask, None if mask_id is None else masks[mask_id])
         visible_ = None if visible_ is None else visible_[:, None, None]
       update = _fwd_update_in_halves if mask_id is not None and halves else fwd_update
       return update(carry, q_BKGtD, k_BKtD, v_BKtD, visible_, spec=spec, scale=scale)
@@ -244,14 +239,15 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, mask: Mask,
       dq_BKDGt = jnp.moveaxis(_q_head_major(_tile_of(dq_BTHD, i, tile), num_kv), 4, 2)
       q_xs = tuple(_tile_of(x, i, tile, axis=_Q_AXIS) for x in per_head)
       q_seg_Bt = _tile_of(q_seg_BT, i, tile) if segments else None
+      at = lambda x, axes: None if x is None else jnp.expand_dims(x, axes)
       if mask_id is not None and spans_KG is not None:  # key-major: [B, Hkv, tk, G, tq]
+        pair_mask = Mask(spec, Side(at(q_seg_Bt, (1, 2, 3)), spans=spans_KG[:, None, :, None]),
+                         Side(at(k_seg_Bt, (1, 3, 4))))
         behind_T = _behind(q_index_T, k_index_T, i, j, tile).T[:, None, :]
-        visible_T = visibility(spec, None, k_seg_Bt[:, None, :, None] if segments else None,
-                               q_seg_Bt[:, None, None] if segments else None, behind_T,
-                               spans_KG[:, None, :, None])
-      else:
-        visible_T = visibility(spec, None if mask_id is None else masks_T[mask_id], k_seg_Bt,
-                               q_seg_Bt)
+        visible_T = visibility(pair_mask, behind=behind_T)
+      else:  # [B, tk, tq], then [B, 1, tk, 1, tq]
+        pair_mask = Mask(spec, Side(at(q_seg_Bt, 1)), Side(at(k_seg_Bt, 2)))
+        visible_T = visibility(pair_mask, None if mask_id is None else masks_T[mask_id])
         visible_T = None if visible_T is None else visible_T[:, None, :, None, :]
       update = _bwd_update_in_halves if mask_id is not None and halves else bwd_update
       dk, dv, dq_BKDGt = update((dk, dv, dq_BKDGt), q_xs, k_xs, visible_T, spec=spec,

@@ -186,6 +186,7 @@ def run(case: Case, q, k, v, dout, seg, positions, codes, scores, spans):
   return [unpermute(np.asarray(x, np.float32), case.layout, case.ring) for x in got]
 
 
+@pytest.mark.slow(6)  # each case compiles a ring; the module goes first (tests/conftest.py)
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_every_mask_matches_its_dense_reference(case):
   q, k, v, dout, seg, positions = _row_inputs(case)
