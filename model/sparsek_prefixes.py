@@ -60,9 +60,13 @@ class Row(NamedTuple):
 
 def _take(x, index):
   """x[..., index] along the last axis, leading axes broadcast, index clipped in range (a
-  gather from the flattened array: the simplest one to compile)."""
+  gather from the flattened array: quicker to compile and to run than take_along_axis's)."""
   shape = jnp.broadcast_shapes(x.shape[:-1], index.shape[:-1])
   size = x.shape[-1]
+  if math.prod(shape) * size >= 2**31:  # past int32's flat indices: per axis
+    return jnp.take_along_axis(jnp.broadcast_to(x, (*shape, size)),
+                               jnp.broadcast_to(index, (*shape, index.shape[-1])), axis=-1,
+                               mode="clip")
   rows = jnp.arange(math.prod(shape), dtype=jnp.int32).reshape(*shape, 1) * size
   flat = jnp.broadcast_to(x, (*shape, size)).reshape(-1)
   return flat.at[rows + jnp.clip(index, 0, size - 1)].get(mode="promise_in_bounds")
