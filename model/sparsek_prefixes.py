@@ -144,16 +144,24 @@ def _cumsum0(x):
   return hi, pad(jnp.cumsum((step - hi[..., 1:]) + rounding, axis=-1))
 
 
-def _passing(row: Row, t, level):
+def _failing_run(row: Row, t, level, start, end):
+  """Per entry, the end of its document's run of lowest scores (score slots [start, end))
+  that fail gap u - t > level: a binary search."""
+  return _first_failing(lambda r: ~(_take(row.scores_BKS, r) - t > level), start, end,
+                        row.u_BKS.shape[-1].bit_length())
+
+
+def _passing(row: Row, t, level, failed_end=None):
   """Per prefix m, its keys with gap u - t_m > level (float32): (count, two-float sum of
-  their scores, the end of the document's score run that fails: a score slot).
+  their scores, the end of the document's score run that fails: a score slot, searched for
+  unless given).
 
   `t` must grow along each document (`_grow`). `t` and `level` broadcast to [..., B, K, S].
   """
   passed = row.u_BKS - t > level  # on arrival
-  start, end = (jnp.broadcast_to(x, passed.shape) for x in (row.start_B1S, row.end_B1S))
-  failed_end = _first_failing(lambda r: ~(_take(row.scores_BKS, r) - t > level), start, end,
-                              row.u_BKS.shape[-1].bit_length())
+  start = jnp.broadcast_to(row.start_B1S, passed.shape)
+  if failed_end is None:
+    failed_end = _failing_run(row, t, level, start, jnp.broadcast_to(row.end_B1S, passed.shape))
   # Prefix m's passing keys: those that passed on arrival, in [start, m], less those of
   # them in the failing run, score slots [start, failed_end). Counts and sums side by side
   # (float32 counts are exact below 2^24), in position and in score order.
@@ -223,13 +231,24 @@ def _root(row: Row, k: int):
   support = jnp.asarray([_ABOVE_0, _ABOVE_1], _F32)[:, None, None, None]
   halves = jnp.asarray([_ABOVE_HALF, _ABOVE_1], _F32)[:, None, None, None]
 
+  # The failing score runs of every breakpoint (breakpoint q's document is sorted index
+  # q // 2's), searched once: the lifting steps' probes are breakpoints.
+  half = jnp.arange(points.shape[-1]) // 2
+  bounds = (jnp.broadcast_to(_take(x, half[None, None]), (2, *points.shape))
+            for x in (row.start_B1S, row.end_B1S))
+  runs = _failing_run(row, points, support, *bounds)
+
   def step(i, state):
     at, t, top, split = state
     lifting, last = i < steps, i == steps + 2
-    trial = at + jnp.left_shift(1, jnp.maximum(steps - 1 - i, 0))
+    trial = jnp.minimum(at + jnp.left_shift(1, jnp.maximum(steps - 1 - i, 0)), stop)
     probe = jnp.where(lifting, _take(points, jnp.minimum(trial, stop - 1)), t)
+    levels = jnp.where(last, halves, support)
+    failed_end = lax.cond(lifting, lambda: _take(runs, jnp.minimum(trial, stop - 1)), lambda: (
+        _failing_run(row, probe, levels, *(jnp.broadcast_to(x, (2, *t.shape))
+                                          for x in (row.start_B1S, row.end_B1S)))))
     # The keys over 0 and over 1 above the probe (which grows along each document).
-    count, total, failed_end = _passing(row, probe, jnp.where(last, halves, support))
+    count, total, failed_end = _passing(row, probe, levels, failed_end)
     ones, size = count[1], count[0] - count[1]
     total = _add((total[0][0], total[1][0]), _neg((total[0][1], total[1][1])))
     excess = _add(total, ((ones - k).astype(_F32), 0.0))  # mass - k + probe |support|
