@@ -1,9 +1,10 @@
 """SparseK attention (issue #38; model/sparsek.py, parallelism/kernel_sparsek.py): the operator
-and its prefix thresholds against a brute-force float64 solve (values and gradients); the
-soft-masked ring against a dense reference given the same thresholds and scores (forward,
-lse, gradients of q, k, v, thresholds and scores) in ring, striped and zigzag on 1-8
-devices, GQA, packed documents, rows that see nothing; tile skipping; the model's dense and
-zigzag paths; config errors are one line.
+and its prefix thresholds, per query and every prefix at once (model/sparsek_prefixes.py),
+against a brute-force float64 solve (values and gradients); the soft-masked ring against a
+dense reference given the same thresholds and scores (forward, lse, gradients of q, k, v,
+thresholds and scores) in ring, striped and zigzag on 1-8 devices, GQA, packed documents,
+rows that see nothing; tile skipping; the model's dense and zigzag paths; config errors are
+one line.
 
 Tolerances as tests/test_ring_attention.py (`_F32_TOL`).
 """
