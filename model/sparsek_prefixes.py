@@ -10,11 +10,13 @@ keys of prefix m that pass a test of the gap u - t_m which a larger t can only f
 gap >= 1, as float32 computes the gap) are those that passed on arrival (u_j against t_j) less
 those that have failed since: a run of the document's lowest scores, as t_m is past them. So a
 count or sum over the passing keys is a prefix of the row in position order less a prefix of
-the document in score order, that run's end found by binary search: O(S log S) per trial.
+the document in score order, that run's end found by binary search: O(S log S) per trial, or
+O(S) where the run ends are known.
 
 - The root: per prefix, a binary search of its document's sorted breakpoints (its scores and
   scores - 1, where the mass's slope changes) for the last with mass >= k, all prefixes in
-  step: binary lifting, so each step's trials grow along a document. Sums are kept in two
+  step: binary lifting, so each step's trials grow along a document. The trials are
+  breakpoints, whose run ends are searched once, so a step is O(S). Sums are kept in two
   float32s (~48 bits) and a score times a count exactly, so a mass is off by far less than a
   score's rounding.
 - Then as `sparsek._solve` does: the solve on the support twice (the first from inside the
@@ -24,8 +26,9 @@ the document in score order, that run's end found by binary search: O(S log S) p
   tau grows along the document (so |S_m| counts the ranges open at m); du_j sums g_m / |S_m|
   over it by a prefix sum.
 
-Per row and kv head: three sorts, then O(log S) rounds of O(S log S) binary searches,
-O(S log^2 S) in all, and O(S log S) memory (the sparse table).
+Per row and kv head: three sorts, O(log S) lifting steps of O(S), and a few passes of binary
+searches (the breakpoints' runs, the solves, the flat-stretch rule, the VJP): O(S log S) in
+all, and O(S log S) memory (tables of log2(S) levels).
 """
 
 from __future__ import annotations
@@ -193,16 +196,9 @@ def _doubling_table(x, combine, fill):
 
 def _grow(row: Row, t):
   """t made to grow along each document: the greatest over [start, m] (only rounding ever
-  undoes the growth), two overlapping runs of 2^l from a table of maxima (unrolled: nested
-  in the root's loop, a loop of its own ran many times slower on the CPU)."""
+  undoes the growth), two overlapping runs of 2^l from a table of maxima."""
   seq = t.shape[-1]
-  levels = [t]
-  for level in range(1, seq.bit_length()):
-    width = 1 << (level - 1)
-    levels.append(jnp.maximum(levels[-1], jnp.pad(levels[-1][..., width:],
-                                                   [(0, 0)] * (t.ndim - 1) + [(0, width)],
-                                                   constant_values=-jnp.inf)))
-  table = jnp.concatenate(levels, axis=-1)  # level l at [l S, (l + 1) S)
+  table = _doubling_table(t, jnp.maximum, -jnp.inf).reshape(*t.shape[:-1], -1)
   index_S = jnp.arange(seq, dtype=jnp.int32)
   level = 31 - lax.clz(index_S - row.start_B1S + 1)  # the longest run within [start, m]
   ends = (jnp.broadcast_to(level * seq + x, t.shape) for x in (row.start_B1S,
@@ -256,9 +252,9 @@ def _root(row: Row, k: int):
     at = jnp.where(lifting & (trial < stop) & (reaches[0] + reaches[1] >= 0.0), trial, at)
     at = lax.cummax(at, axis=at.ndim - 1)  # documents' ranges lie in order
     middle = 0.5 * (_take(points, at) + _take(points, jnp.minimum(at + 1, stop - 1)))
-    solved = _grow(row, jnp.where(size > 0, excess[0] / jnp.maximum(size, 1), probe))
-    t = jnp.where(i == steps - 1, jnp.where(small, -jnp.inf, middle),
-                  jnp.where(lifting | last, t, solved))
+    solved = jnp.where(size > 0, excess[0] / jnp.maximum(size, 1), probe)
+    kept = jnp.where(i == steps - 1, jnp.where(small, -jnp.inf, middle), t)
+    t = lax.cond(lifting | last, lambda: kept, lambda: _grow(row, solved))
     return at, t, jnp.where(last, count[0], top), jnp.where(last, failed_end[0], split)
 
   zeros = jnp.zeros(row.u_BKS.shape, jnp.int32)
