@@ -14,7 +14,7 @@ top-k mask over each query's keys, beside a sliding window.
 
 Thresholds are exact to float32 rounding, found two ways, chosen by the work each takes:
 - many queries (a row's forward, a device's share): every prefix of every document at once,
-  O(S log^2 S) per row and kv head (model/sparsek_prefixes.py: a prefix's threshold grows
+  O(S log S) per row and kv head (model/sparsek_prefixes.py: a prefix's threshold grows
   with it, so searches of all prefixes in step need only prefix sums and binary searches);
 - few queries (decoding): per query a bisection of 30 halvings brackets tau, then tau is
   solved on the bracket's support, (sum_S u + |{u >= tau + 1}| - k) / |S|, twice: O(S) per
@@ -40,6 +40,9 @@ from model.layers import projection_kernel
 _F32 = jnp.float32
 _HALVINGS = 30  # Float32 brackets of scores within ~10^3 of each other stop shrinking by then.
 _CHUNK_ELEMENTS = 1 << 22  # Query chunk x keys per (row, kv head) held at once.
+# From this many queries on, every prefix at once is quicker than each query on its own (on a
+# CPU the break-even moved little from 256 to 16k keys: the per-query passes slow with S).
+_MANY_QUERIES = 256
 
 
 class Scorer(nn.Module):
@@ -160,16 +163,9 @@ def thresholds(u_BSK: jax.Array, seg_BS: jax.Array, index_BQ: jax.Array, seg_BQ:
   """The thresholds [B, Q, Hkv] float32 of queries at original positions `index_BQ` (of
   document `seg_BQ`) over their candidates' scores, `u_BSK` and `seg_BS` the whole row in its
   original order (-inf where a query has k candidates or fewer: every mask is 1)."""
-  if _per_prefix(index_BQ.shape[1], u_BSK.shape[1]):
+  if index_BQ.shape[1] >= _MANY_QUERIES:  # every prefix: O(S log S), else O(S) a query
     return _prefix_thresholds(u_BSK, seg_BS, index_BQ, seg_BQ, k, window)
   return _query_thresholds(u_BSK, seg_BS, index_BQ, seg_BQ, k, window)
-
-
-def _per_prefix(num_queries: int, seq_len: int) -> bool:
-  """Whether solving every prefix of the row is less work than each query on its own: the
-  first takes ~log2(S)^2 passes over the row, the second ~30 per query, but of cheaper
-  ones (on a CPU they break even at one to three times log2(S)^2 queries)."""
-  return num_queries >= 2 * seq_len.bit_length() ** 2
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
