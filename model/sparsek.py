@@ -12,12 +12,16 @@ top-k mask over each query's keys, beside a sliding window.
   its mask m_ij = clip(u_j - tau_i, 0, 1) on them, and the `window` keys up to itself are
   always seen (m = 1). Attention weights are m_ij exp(q_i.k_j) (log m added to the logits).
 
-Thresholds are exact to float32 rounding: per query a bisection of 30 halvings brackets tau,
-then tau is solved on the bracket's support, (sum_S u + |{u >= tau + 1}| - k) / |S|, twice.
-That is O(S^2) elementwise work per layer and kv head (queries in chunks, O(chunk x S)
-memory), not the paper's linear-time claim; on a mesh each device solves its own queries over
-the gathered scores (`parallelism.per_query`: S floats per row and kv head). The gradient is
-a custom VJP from the same support, recomputed.
+Thresholds are exact to float32 rounding, found two ways, chosen by the work each takes:
+- many queries (a row's forward, a device's share): every prefix of every document at once,
+  O(S log S) per row and kv head (model/sparsek_prefixes.py: a prefix's threshold grows
+  with it, so searches of all prefixes in step need only prefix sums and binary searches);
+- few queries (decoding): per query a bisection of 30 halvings brackets tau, then tau is
+  solved on the bracket's support, (sum_S u + |{u >= tau + 1}| - k) / |S|, twice: O(S) per
+  query (`_solve`, queries in chunks, O(chunk x S) memory).
+Both decide flat stretches alike and take the gradient from the support. On a mesh each device
+solves its own queries over the gathered scores (`parallelism.per_query`: S floats per row
+and kv head).
 """
 
 from __future__ import annotations
@@ -29,12 +33,16 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from model import sparsek_prefixes as prefixes
 from model.config import ModelConfig
 from model.layers import projection_kernel
 
 _F32 = jnp.float32
 _HALVINGS = 30  # Float32 brackets of scores within ~10^3 of each other stop shrinking by then.
 _CHUNK_ELEMENTS = 1 << 22  # Query chunk x keys per (row, kv head) held at once.
+# From this many queries on, every prefix at once is quicker than each query on its own (on a
+# CPU the break-even moved little from 256 to 16k keys: the per-query passes slow with S).
+_MANY_QUERIES = 256
 
 
 class Scorer(nn.Module):
@@ -150,12 +158,40 @@ def _query_chunks(fn, seq_len: int, *xs_BQ):
   return jax.lax.map(one, jnp.arange(0, num_queries, chunk))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def thresholds(u_BSK: jax.Array, seg_BS: jax.Array, index_BQ: jax.Array, seg_BQ: jax.Array,
                k: int, window: int) -> jax.Array:
   """The thresholds [B, Q, Hkv] float32 of queries at original positions `index_BQ` (of
   document `seg_BQ`) over their candidates' scores, `u_BSK` and `seg_BS` the whole row in its
   original order (-inf where a query has k candidates or fewer: every mask is 1)."""
+  if index_BQ.shape[1] >= _MANY_QUERIES:  # every prefix: O(S log S), else O(S) a query
+    return _prefix_thresholds(u_BSK, seg_BS, index_BQ, seg_BQ, k, window)
+  return _query_thresholds(u_BSK, seg_BS, index_BQ, seg_BQ, k, window)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _prefix_thresholds(u_BSK, seg_BS, index_BQ, seg_BQ, k: int, window: int):
+  return _prefix_fwd(u_BSK, seg_BS, index_BQ, seg_BQ, k, window)[0]
+
+
+def _prefix_fwd(u_BSK, seg_BS, index_BQ, seg_BQ, k, window):
+  row = prefixes.sorted_row(u_BSK, seg_BS)
+  taus_BKS = prefixes.prefix_taus(row, k)
+  prefix_BQ = prefixes.query_prefixes(row, index_BQ, seg_BQ, window)
+  dtype = jnp.zeros((), u_BSK.dtype)  # the cotangent's
+  return prefixes.query_taus(taus_BKS, prefix_BQ), (row, taus_BKS, prefix_BQ, dtype)
+
+
+def _prefix_bwd(k, window, residuals, g_BQK):
+  row, taus_BKS, prefix_BQ, dtype = residuals
+  du_BSK = prefixes.prefix_vjp(row, taus_BKS, prefix_BQ, g_BQK)
+  return du_BSK.astype(dtype.dtype), None, None, None
+
+
+_prefix_thresholds.defvjp(_prefix_fwd, _prefix_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _query_thresholds(u_BSK, seg_BS, index_BQ, seg_BQ, k: int, window: int):
   u_BK1S = jnp.swapaxes(u_BSK.astype(_F32), 1, 2)[:, :, None]
 
   def chunk(index_BC, seg_BC):
@@ -165,12 +201,12 @@ def thresholds(u_BSK: jax.Array, seg_BS: jax.Array, index_BQ: jax.Array, seg_BQ:
   return jnp.transpose(tau_nBKC, (1, 0, 3, 2)).reshape(*seg_BQ.shape, u_BSK.shape[2])
 
 
-def _thresholds_fwd(u_BSK, seg_BS, index_BQ, seg_BQ, k, window):
-  tau_BQK = thresholds(u_BSK, seg_BS, index_BQ, seg_BQ, k, window)
+def _query_fwd(u_BSK, seg_BS, index_BQ, seg_BQ, k, window):
+  tau_BQK = _query_thresholds(u_BSK, seg_BS, index_BQ, seg_BQ, k, window)
   return tau_BQK, (u_BSK, seg_BS, index_BQ, seg_BQ, tau_BQK)
 
 
-def _thresholds_bwd(k, window, residuals, g_BQK):
+def _query_bwd(k, window, residuals, g_BQK):
   u_BSK, seg_BS, index_BQ, seg_BQ, tau_BQK = residuals
   u_BK1S = jnp.swapaxes(u_BSK.astype(_F32), 1, 2)[:, :, None]
 
@@ -183,7 +219,7 @@ def _thresholds_bwd(k, window, residuals, g_BQK):
   return jnp.swapaxes(du_BKS, 1, 2).astype(u_BSK.dtype), None, None, None
 
 
-thresholds.defvjp(_thresholds_fwd, _thresholds_bwd)
+_query_thresholds.defvjp(_query_fwd, _query_bwd)
 
 
 def prefix_thresholds(u_BSK: jax.Array, seg_BS: jax.Array, k: int, window: int) -> jax.Array:
@@ -196,6 +232,7 @@ def decode_thresholds(u_BSK: jax.Array, position_B: jax.Array, k: int,
                       window: int) -> jax.Array:
   """The thresholds [B, Hkv] of one query per row, at original position `position_B`, over a
   row of one document in its original order (a sampler's gathered cache): `thresholds`, so a
-  decode step solves what the whole row's forward solves for that query."""
+  decode step solves what the whole row's forward solves for that query (to float32
+  rounding: one query is solved on its own, a long row's many by prefix)."""
   seg_BS = jnp.ones(u_BSK.shape[:2], jnp.int32)
   return thresholds(u_BSK, seg_BS, position_B[:, None], seg_BS[:, :1], k, window)[:, 0]

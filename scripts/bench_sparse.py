@@ -38,8 +38,8 @@ Appends JSON lines to results/bench_sparse.jsonl (and $OUT/bench_sparse.jsonl wh
   plus N(0, 1/4) noise (the best case: the selected keys are the most recent ones, a band
   the tiles skip around). Tiles from `kernel_sparsek.computed_tiles`, ideal about
   (k + window) / (the causal keys per query, on average). Learned scores lie in between.
-  `sparsek-thresholds` times the thresholds themselves (forward and VJP, O(S^2), one row)
-  against causal.
+  `sparsek-thresholds` times the thresholds themselves (forward and VJP, one row: every
+  prefix at once, O(S log S), `model/sparsek_prefixes.py`) against causal.
 - hash-1: every code equal, so the mask is causal: the run-time walk (sorted rows, one head
   per matmul, every tile masked) against the static kernel at about the same tiles. Its
   time ratio is the walk's own cost per tile; hash-b's ratio is that times the tiles saved.

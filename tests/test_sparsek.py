@@ -1,9 +1,10 @@
 """SparseK attention (issue #38; model/sparsek.py, parallelism/kernel_sparsek.py): the operator
-and its prefix thresholds against a brute-force float64 solve (values and gradients); the
-soft-masked ring against a dense reference given the same thresholds and scores (forward,
-lse, gradients of q, k, v, thresholds and scores) in ring, striped and zigzag on 1-8
-devices, GQA, packed documents, rows that see nothing; tile skipping; the model's dense and
-zigzag paths; config errors are one line.
+and its prefix thresholds, per query and every prefix at once (model/sparsek_prefixes.py),
+against a brute-force float64 solve (values and gradients); the soft-masked ring against a
+dense reference given the same thresholds and scores (forward, lse, gradients of q, k, v,
+thresholds and scores) in ring, striped and zigzag on 1-8 devices, GQA, packed documents,
+rows that see nothing; tile skipping; the model's dense and zigzag paths; config errors are
+one line.
 
 Tolerances as tests/test_ring_attention.py (`_F32_TOL`).
 """
@@ -142,6 +143,59 @@ def test_prefix_thresholds_per_query_and_document():
         num_shards=4, rules=(("activation_seq", "sequence"),)), u)[1](g)[0])
     split_du = split(perm(u), perm(np.where(np.isfinite(tau), g, 0.0)))
   np.testing.assert_allclose(unpermute(np.asarray(split_du), "zigzag", 4), want_du, atol=1e-5)
+
+
+def sorted_brute_threshold(z, k):
+  """`brute_threshold` in O(n log n): the mass at every breakpoint from sorted prefix sums."""
+  z = np.sort(np.asarray(z, np.float64))
+  if z.size <= k:
+    return -np.inf
+  if z[-k] - 1.0 >= z[-k - 1]:
+    return 0.5 * (z[-k - 1] + z[-k] - 1.0)
+  sums = np.concatenate([[0.0], np.cumsum(z)])
+  t = np.unique(np.concatenate([z, z - 1.0]))
+  above, ones = np.searchsorted(z, t, "right"), np.searchsorted(z, t + 1.0, "left")
+  mass = z.size - ones + sums[ones] - sums[above] - t * (ones - above)
+  i = np.flatnonzero(mass >= k)[-1]
+  return t[i] + (mass[i] - k) / (mass[i] - mass[i + 1]) * (t[i + 1] - t[i])
+
+
+def test_every_prefix_at_once_matches_the_brute_force():
+  """Many queries' thresholds come from every prefix of every document solved at once
+  (model/sparsek_prefixes.py): values and VJP against the float64 solve, on a row of packed
+  documents and one of documents interleaved under arbitrary ids, with a window, smooth and
+  coarse scores (ties, flat stretches), queries in a striped device's order (every other
+  position, permuted)."""
+  rng = np.random.default_rng(54)
+  seq, k, window = 512, 8, 5
+  seg = np.stack([np.repeat(np.arange(4), [100, 37, 250, 125]),
+                  rng.choice([-9, 3, 2**30], seq)]).astype(np.int32)
+  u = np.stack([rng.standard_normal((2, seq)) * 2,  # kv head 0 smooth, 1 coarse
+                np.round(rng.standard_normal((2, seq)) * 5 / 0.7) * 0.7], -1).astype(np.float32)
+  index = np.stack([rng.permutation(np.arange(1, seq, 2)) for _ in range(2)]).astype(np.int32)
+  seg_q = np.take_along_axis(seg, index, 1)
+  g = rng.standard_normal(index.shape + (2,)).astype(np.float32)
+  want, want_du, flat = np.full(g.shape, -np.inf), np.zeros(u.shape), 0
+  for b, q, h in np.ndindex(g.shape):
+    cand = np.flatnonzero((seg[b] == seg_q[b, q]) & (np.arange(seq) <= index[b, q] - window))
+    want[b, q, h] = sorted_brute_threshold(u[b, cand, h], k)
+    gap = u[b, cand, h] - want[b, q, h]
+    support = (gap > 0) & (gap < 1)
+    flat += np.isfinite(want[b, q, h]) and not support.any()
+    if np.isinf(want[b, q, h]) or np.min(np.abs(np.concatenate([gap, gap - 1.0]))) < 1e-5:
+      g[b, q, h] = 0.0  # No support, or a kink: the gradient is undefined there.
+    elif support.any():
+      want_du[b, cand[support], h] += g[b, q, h] / support.sum()
+  assert np.isinf(want).any() and flat > 20, flat
+
+  @jax.jit
+  def solve(u, g):
+    tau, vjp = jax.vjp(lambda u: sk._prefix_thresholds(u, seg, index, seg_q, k, window), u)
+    return tau, vjp(g)[0]
+
+  tau, du = solve(u, g)
+  np.testing.assert_allclose(tau, want, atol=2e-6)
+  np.testing.assert_allclose(du, want_du, atol=1e-5)
 
 
 def _weights(index, seg, tau_BSH, u_BSK, window):
