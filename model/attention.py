@@ -29,7 +29,7 @@ from model.config import GLOBAL, LOCAL, ModelConfig
 from model.dropping import codes_at, drop_codes, layout_shards
 from model.hashing import bucket_codes
 from model.layers import Projection, constrain
-from model.sparsek import Scorer, decode_thresholds, thresholds
+from model.sparsek import Scorer, decode_thresholds, row_mask, thresholds
 from model.rope import RopeScaling, apply_rope, frequencies
 
 
@@ -117,8 +117,9 @@ def _sparsek_scores(cfg: ModelConfig, u_BSK, segment_ids_BS) -> tuple:
   A query's threshold reads every earlier score of its row: each device gathers the scores
   (S floats per row and kv head) and computes its own queries' (`parallelism.per_query`)."""
   u_BSK = constrain(u_BSK, ("activation_batch", "activation_seq", "activation_kv_heads"))
+  spec = cfg.mask_spec(GLOBAL)
   tau_BSK = parallelism.per_query(
-      functools.partial(thresholds, k=cfg.sparsek_k, window=cfg.sparsek_window), u_BSK,
+      lambda u, seg, index, seg_q: thresholds(row_mask(spec, u, seg, index, seg_q)), u_BSK,
       segment_ids_BS, layout=cfg.layout, num_shards=layout_shards(),
       rules=nn.get_logical_axis_rules())
   tau_BSH = jnp.repeat(tau_BSK, cfg.num_heads // cfg.num_kv_heads, axis=2)

@@ -26,6 +26,7 @@ and kv head).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -36,6 +37,7 @@ import jax.numpy as jnp
 from model import sparsek_prefixes as prefixes
 from model.config import ModelConfig
 from model.layers import projection_kernel
+from parallelism.masks import Mask, MaskSpec, Side
 
 _F32 = jnp.float32
 _HALVINGS = 30  # Float32 brackets of scores within ~10^3 of each other stop shrinking by then.
@@ -135,97 +137,116 @@ def sparsek(z_N: jax.Array, k: int) -> jax.Array:
   return jnp.clip(z_N - threshold(z_N, k)[..., None], 0.0, 1.0)
 
 
-def _members(index_BC, seg_BC, seg_BS, window: int):
-  """[B, 1, C, S]: key j is a candidate of query i (j <= i - window, same document)."""
-  key_S = jnp.arange(seg_BS.shape[1])
-  back = index_BC[:, :, None] - key_S[None, None, :] >= max(window, 0)
-  return (back & (seg_BC[:, :, None] == seg_BS[:, None, :]))[:, None]
+def _members(mask: Mask):
+  """[B, 1, C, S]: key j is a candidate of query i (j <= i - window, same document), of a
+  chunk of `mask`'s queries."""
+  queries, keys = mask.q, mask.k
+  key_S = jnp.arange(keys.segment_ids.shape[1])
+  back = queries.index[:, :, None] - key_S[None, None, :] >= max(mask.spec.sparsek_window, 0)
+  return (back & (queries.segment_ids[:, :, None] == keys.segment_ids[:, None, :]))[:, None]
 
 
 def _chunk(num_queries: int, seq_len: int) -> int:
   return math.gcd(num_queries, max(1, _CHUNK_ELEMENTS // seq_len))
 
 
-def _query_chunks(fn, seq_len: int, *xs_BQ):
-  """[n, ...] of `fn(*chunks)` over query chunks (lax.map), each `x_BQ` (axis 1 the queries)
-  sliced to the chunk."""
-  num_queries = xs_BQ[0].shape[1]
-  chunk = _chunk(num_queries, seq_len)
+def _query_chunks(fn, mask: Mask, *xs_BQ):
+  """[n, ...] of `fn(mask chunk, *chunks)` over chunks of `mask`'s queries (lax.map): its
+  query side and each `x_BQ` (axis 1 the queries) sliced to the chunk."""
+  num_queries = mask.q.segment_ids.shape[1]
+  chunk = _chunk(num_queries, mask.k.segment_ids.shape[1])
 
   def one(start):
-    return fn(*(jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=1) for x in xs_BQ))
+    cut = lambda x: jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=1)
+    return fn(dataclasses.replace(mask, q=jax.tree.map(cut, mask.q)), *map(cut, xs_BQ))
 
   return jax.lax.map(one, jnp.arange(0, num_queries, chunk))
 
 
-def thresholds(u_BSK: jax.Array, seg_BS: jax.Array, index_BQ: jax.Array, seg_BQ: jax.Array,
-               k: int, window: int) -> jax.Array:
-  """The thresholds [B, Q, Hkv] float32 of queries at original positions `index_BQ` (of
-  document `seg_BQ`) over their candidates' scores, `u_BSK` and `seg_BS` the whole row in its
-  original order (-inf where a query has k candidates or fewer: every mask is 1)."""
-  if index_BQ.shape[1] >= _MANY_QUERIES:  # every prefix: O(S log S), else O(S) a query
-    return _prefix_thresholds(u_BSK, seg_BS, index_BQ, seg_BQ, k, window)
-  return _query_thresholds(u_BSK, seg_BS, index_BQ, seg_BQ, k, window)
+def thresholds(mask: Mask) -> jax.Array:
+  """The thresholds [B, Q, Hkv] float32 of `mask`'s queries (its query side: their original
+  positions `index` [B, Q] and documents `segment_ids`) over their candidates' scores (its
+  key side: `scores` [B, S, Hkv] and `segment_ids`, the whole row in its original order),
+  the spec's `sparsek_k` and `sparsek_window`; -inf where a query has k candidates or
+  fewer: every mask is 1."""
+  if mask.q.index.shape[1] >= _MANY_QUERIES:  # every prefix: O(S log S), else O(S) a query
+    return _prefix_thresholds(mask)
+  return _query_thresholds(mask)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _prefix_thresholds(u_BSK, seg_BS, index_BQ, seg_BQ, k: int, window: int):
-  return _prefix_fwd(u_BSK, seg_BS, index_BQ, seg_BQ, k, window)[0]
+def _no_cotangent(mask: Mask, du_BSK) -> Mask:
+  """The mask's cotangent: the scores' gradient, nothing for the integers."""
+  return Mask(mask.spec, Side(), Side(scores=du_BSK.astype(mask.k.scores.dtype)))
 
 
-def _prefix_fwd(u_BSK, seg_BS, index_BQ, seg_BQ, k, window):
-  row = prefixes.sorted_row(u_BSK, seg_BS)
-  taus_BKS = prefixes.prefix_taus(row, k)
-  prefix_BQ = prefixes.query_prefixes(row, index_BQ, seg_BQ, window)
-  dtype = jnp.zeros((), u_BSK.dtype)  # the cotangent's
-  return prefixes.query_taus(taus_BKS, prefix_BQ), (row, taus_BKS, prefix_BQ, dtype)
+@jax.custom_vjp
+def _prefix_thresholds(mask: Mask):
+  return _prefix_fwd(mask)[0]
 
 
-def _prefix_bwd(k, window, residuals, g_BQK):
-  row, taus_BKS, prefix_BQ, dtype = residuals
-  du_BSK = prefixes.prefix_vjp(row, taus_BKS, prefix_BQ, g_BQK)
-  return du_BSK.astype(dtype.dtype), None, None, None
+def _prefix_fwd(mask: Mask):
+  row = prefixes.sorted_row(mask.k.scores, mask.k.segment_ids)
+  taus_BKS = prefixes.prefix_taus(row, mask.spec.sparsek_k)
+  prefix_BQ = prefixes.query_prefixes(row, mask.q, mask.spec.sparsek_window)
+  return prefixes.query_taus(taus_BKS, prefix_BQ), (mask, row, taus_BKS, prefix_BQ)
+
+
+def _prefix_bwd(residuals, g_BQK):
+  mask, row, taus_BKS, prefix_BQ = residuals
+  return (_no_cotangent(mask, prefixes.prefix_vjp(row, taus_BKS, prefix_BQ, g_BQK)),)
 
 
 _prefix_thresholds.defvjp(_prefix_fwd, _prefix_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _query_thresholds(u_BSK, seg_BS, index_BQ, seg_BQ, k: int, window: int):
-  u_BK1S = jnp.swapaxes(u_BSK.astype(_F32), 1, 2)[:, :, None]
+@jax.custom_vjp
+def _query_thresholds(mask: Mask):
+  u_BK1S = jnp.swapaxes(mask.k.scores.astype(_F32), 1, 2)[:, :, None]
 
-  def chunk(index_BC, seg_BC):
-    return _solve(u_BK1S, _members(index_BC, seg_BC, seg_BS, window), k)[0]  # [B, K, C]
+  def chunk(mask_c):
+    return _solve(u_BK1S, _members(mask_c), mask.spec.sparsek_k)[0]  # [B, K, C]
 
-  tau_nBKC = _query_chunks(chunk, u_BSK.shape[1], index_BQ, seg_BQ)
-  return jnp.transpose(tau_nBKC, (1, 0, 3, 2)).reshape(*seg_BQ.shape, u_BSK.shape[2])
-
-
-def _query_fwd(u_BSK, seg_BS, index_BQ, seg_BQ, k, window):
-  tau_BQK = _query_thresholds(u_BSK, seg_BS, index_BQ, seg_BQ, k, window)
-  return tau_BQK, (u_BSK, seg_BS, index_BQ, seg_BQ, tau_BQK)
+  tau_nBKC = _query_chunks(chunk, mask)
+  return jnp.transpose(tau_nBKC, (1, 0, 3, 2)).reshape(*mask.q.segment_ids.shape,
+                                                       u_BK1S.shape[1])
 
 
-def _query_bwd(k, window, residuals, g_BQK):
-  u_BSK, seg_BS, index_BQ, seg_BQ, tau_BQK = residuals
-  u_BK1S = jnp.swapaxes(u_BSK.astype(_F32), 1, 2)[:, :, None]
+def _query_fwd(mask: Mask):
+  tau_BQK = _query_thresholds(mask)
+  return tau_BQK, (mask, tau_BQK)
 
-  def chunk(index_BC, seg_BC, tau_BCK, g_BCK):
-    support = _inside(u_BK1S, jnp.swapaxes(tau_BCK, 1, 2),
-                      _members(index_BC, seg_BC, seg_BS, window))
+
+def _query_bwd(residuals, g_BQK):
+  mask, tau_BQK = residuals
+  u_BK1S = jnp.swapaxes(mask.k.scores.astype(_F32), 1, 2)[:, :, None]
+
+  def chunk(mask_c, tau_BCK, g_BCK):
+    support = _inside(u_BK1S, jnp.swapaxes(tau_BCK, 1, 2), _members(mask_c))
     return _spread(jnp.swapaxes(g_BCK, 1, 2), support)  # [B, K, S]
 
-  du_BKS = _query_chunks(chunk, u_BSK.shape[1], index_BQ, seg_BQ, tau_BQK, g_BQK).sum(0)
-  return jnp.swapaxes(du_BKS, 1, 2).astype(u_BSK.dtype), None, None, None
+  du_BKS = _query_chunks(chunk, mask, tau_BQK, g_BQK).sum(0)
+  return (_no_cotangent(mask, jnp.swapaxes(du_BKS, 1, 2)),)
 
 
 _query_thresholds.defvjp(_query_fwd, _query_bwd)
 
 
+def spec_of(k: int, window: int) -> MaskSpec:
+  """SparseK's mask spec keeping `k` keys beside a window of `window`."""
+  return MaskSpec(sparse="sparsek", sparsek_k=k, sparsek_window=window)
+
+
+def row_mask(spec: MaskSpec, u_BSK, seg_BS, index_BQ, seg_BQ) -> Mask:
+  """The mask `thresholds` reads: queries at original positions `index_BQ` of documents
+  `seg_BQ`, keys the whole row's scores `u_BSK` of documents `seg_BS` in original order."""
+  return Mask(spec, Side(segment_ids=seg_BQ, index=index_BQ),
+              Side(segment_ids=seg_BS, scores=u_BSK))
+
+
 def prefix_thresholds(u_BSK: jax.Array, seg_BS: jax.Array, k: int, window: int) -> jax.Array:
   """Every query's threshold [B, S, Hkv] of a row in its original order (`thresholds`)."""
   index_BS = jnp.broadcast_to(jnp.arange(u_BSK.shape[1], dtype=jnp.int32), seg_BS.shape)
-  return thresholds(u_BSK, seg_BS, index_BS, seg_BS, k, window)
+  return thresholds(row_mask(spec_of(k, window), u_BSK, seg_BS, index_BS, seg_BS))
 
 
 def decode_thresholds(u_BSK: jax.Array, position_B: jax.Array, k: int,
@@ -235,4 +256,5 @@ def decode_thresholds(u_BSK: jax.Array, position_B: jax.Array, k: int,
   decode step solves what the whole row's forward solves for that query (to float32
   rounding: one query is solved on its own, a long row's many by prefix)."""
   seg_BS = jnp.ones(u_BSK.shape[:2], jnp.int32)
-  return thresholds(u_BSK, seg_BS, position_B[:, None], seg_BS[:, :1], k, window)[:, 0]
+  return thresholds(row_mask(spec_of(k, window), u_BSK, seg_BS, position_B[:, None],
+                             seg_BS[:, :1]))[:, 0]

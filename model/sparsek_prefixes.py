@@ -300,9 +300,11 @@ def prefix_taus(row: Row, k: int) -> jax.Array:
   return _grow(row, jnp.where(small, -jnp.inf, _flat_middle(row, *_root(row, k), k)))
 
 
-def query_prefixes(row: Row, index_BQ, seg_BQ, window: int) -> jax.Array:
+def query_prefixes(row: Row, queries, window: int) -> jax.Array:
   """[B, Q] int32: the sorted index ending each query's candidates (its document's keys at
-  original positions <= index - window), -1 where it has none."""
+  original positions <= index - window), -1 where it has none; `queries` a mask's query
+  side (`index` [B, Q], `segment_ids`)."""
+  index_BQ, seg_BQ = queries.index, queries.segment_ids
   cut = index_BQ - max(window, 0)
 
   def before(m):  # sorted index m's key is at or before (seg, cut)

@@ -139,8 +139,9 @@ def test_prefix_thresholds_per_query_and_document():
   perm = functools.partial(permute, layout="zigzag", num_shards=4)
   with jax.set_mesh(seq_mesh(4)):
     split = jax.jit(lambda u, g: jax.vjp(lambda u: per_query(
-        functools.partial(sk.thresholds, k=K, window=WINDOW), u, perm(seg), layout="zigzag",
-        num_shards=4, rules=(("activation_seq", "sequence"),)), u)[1](g)[0])
+        lambda u, seg, index, seg_q: sk.thresholds(
+            sk.row_mask(sk.spec_of(K, WINDOW), u, seg, index, seg_q)), u, perm(seg),
+        layout="zigzag", num_shards=4, rules=(("activation_seq", "sequence"),)), u)[1](g)[0])
     split_du = split(perm(u), perm(np.where(np.isfinite(tau), g, 0.0)))
   np.testing.assert_allclose(unpermute(np.asarray(split_du), "zigzag", 4), want_du, atol=1e-5)
 
@@ -190,7 +191,8 @@ def test_every_prefix_at_once_matches_the_brute_force():
 
   @jax.jit
   def solve(u, g):
-    tau, vjp = jax.vjp(lambda u: sk._prefix_thresholds(u, seg, index, seg_q, k, window), u)
+    mask = lambda u: sk.row_mask(sk.spec_of(k, window), u, seg, index, seg_q)
+    tau, vjp = jax.vjp(lambda u: sk._prefix_thresholds(mask(u)), u)
     return tau, vjp(g)[0]
 
   tau, du = solve(u, g)
