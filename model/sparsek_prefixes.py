@@ -1,34 +1,26 @@
 """SparseK's thresholds of every prefix of a row's documents at once, exact and sub-quadratic
 (model/sparsek.py's `thresholds` when it has many queries).
 
-A query's candidates are its document's keys up to some original position: a prefix of the
-document. Its threshold solves sum_j clip(u_j - tau, 0, 1) = k over that prefix, and only grows
-with the prefix (each key adds mass). So the row is sorted by (document, position), sorted
-index m standing for the prefix of m's document that ends at m, and every prefix's threshold is
-found at once by searches whose trial thresholds t_m grow along each document. For such t, the
-keys of prefix m that pass a test of the gap u - t_m which a larger t can only fail (gap > 0,
-gap >= 1, as float32 computes the gap) are those that passed on arrival (u_j against t_j) less
-those that have failed since: a run of the document's lowest scores, as t_m is past them. So a
-count or sum over the passing keys is a prefix of the row in position order less a prefix of
-the document in score order, that run's end found by binary search: O(S log S) per trial, or
-O(S) where the run ends are known.
+A query's candidates are a prefix of its document; its threshold solves sum_j clip(u_j - tau,
+0, 1) = k over it and only grows with the prefix (each key adds mass). So the row is sorted
+by (document, position), sorted index m standing for the prefix of m's document ending at m,
+and every prefix's threshold is found at once by searches whose trial thresholds t_m grow
+along each document. For such t, the keys of prefix m passing a test of the gap u - t_m that
+a larger t can only fail (gap > 0, gap >= 1, as float32 computes it) are those that passed on
+arrival less a run of the document's lowest scores, which t_m is past: a count or sum over
+them is a prefix of the row in position order less a prefix of the document in score order.
 
-- The root: per prefix, a binary search of its document's sorted breakpoints (its scores and
-  scores - 1, where the mass's slope changes) for the last with mass >= k, all prefixes in
-  step: binary lifting, so each step's trials grow along a document. The trials are
-  breakpoints, whose run ends are searched once, so a step is O(S). Sums are kept in two
-  float32s (~48 bits) and a score times a count exactly, so a mass is off by far less than a
-  score's rounding.
-- Then as `sparsek._solve` does: the solve on the support twice (the first from inside the
-  piece found, so exact), and the flat-stretch rule, whose least key above tau + 1/2 and
-  greatest below come from a sparse table of positions in score order.
-- The VJP: key j is in prefix m's support for m in [first gap < 1, first gap <= 0), a range as
-  tau grows along the document (so |S_m| counts the ranges open at m); du_j sums g_m / |S_m|
-  over it by a prefix sum.
+- The root: per prefix, a binary search of its document's sorted breakpoints (scores and
+  scores - 1) for the last with mass >= k, all prefixes in step (binary lifting, so each
+  step's trials grow along a document; a breakpoint's run end is searched once). Sums are
+  kept in two float32s (~48 bits), a score times a count exactly.
+- Then as `sparsek._solve`: the solve on the support twice (from inside the piece found, so
+  exact), and the flat-stretch rule from a sparse table of positions in score order.
+- The VJP: key j is in prefix m's support for m in a range (tau grows along the document),
+  so |S_m| counts the ranges open at m and du_j sums g_m / |S_m| over its range.
 
-Per row and kv head: three sorts, O(log S) lifting steps of O(S), and a few passes of binary
-searches (the breakpoints' runs, the solves, the flat-stretch rule, the VJP): O(S log S) in
-all, and O(S log S) memory (tables of log2(S) levels).
+Per row and kv head: three sorts, O(log S) lifting steps of O(S) and a few passes of binary
+searches: O(S log S) time and memory (tables of log2(S) levels).
 """
 
 from __future__ import annotations

@@ -94,22 +94,20 @@ def decode_attention(q_B1HD: jax.Array, k_B1KD: jax.Array, v_B1KD: jax.Array, ca
                     _specs_like(mask.k, codes=per_head, scores=per_head))
   slots_specs = jax.tree.map(lambda _: slots_spec, slots)
 
-  def per_device(q, k, v, key_cache, value_cache, slots, slot_positions, slot_of_position,
-                 position, mask):
-    return _local_attention(q, k, v, key_cache, value_cache, slots, slot_positions,
-                            slot_of_position, position, seq_axes, mask, threshold)
+  def per_device(q, k, v, cache, slot_positions, slot_of_position, position, mask):
+    return _local_attention(q, k, v, cache, slot_positions, slot_of_position, position,
+                            seq_axes, mask, threshold)
 
-  args = (q_B1HD, k_B1KD, v_B1KD, key_cache_BCKD, value_cache_BCKD, slots, slot_positions_C,
-          slot_of_position_C, position_B, mask)
+  args = (q_B1HD, k_B1KD, v_B1KD, cache, slot_positions_C, slot_of_position_C, position_B,
+          mask)
   if mesh.empty:
-    out, *cache = per_device(*args)
-    return out, tuple(cache)
-  out, *cache = jax.shard_map(
+    return per_device(*args)
+  cache_specs = (cache_spec, cache_spec, slots_specs)
+  return jax.shard_map(
       per_device, mesh=mesh,
-      in_specs=(token_spec, token_spec, token_spec, cache_spec, cache_spec, slots_specs,
-                P(cache_spec[1]), P(), P(batch), mask_specs),
-      out_specs=(token_spec, cache_spec, cache_spec, slots_specs), check_vma=False)(*args)
-  return out, tuple(cache)
+      in_specs=(token_spec, token_spec, token_spec, cache_specs, P(cache_spec[1]), P(),
+                P(batch), mask_specs),
+      out_specs=(token_spec, cache_specs), check_vma=False)(*args)
 
 
 def _specs_like(side: Side, **specs) -> Side:
@@ -141,10 +139,11 @@ def _write_token(cache_Bc_, new_B1_, slot_B, held_B):
   return cache_Bc_.at[rows_B, slot_B].set(kept_B_)
 
 
-def _local_attention(q_B1HD, k_B1KD, v_B1KD, key_cache_BcKD, value_cache_BcKD, slots: Side,
-                     slot_positions_c, slot_of_position_C, position_B, seq_axes, mask: Mask,
-                     threshold):
-  """One device's slots: write, then a partial softmax merged over `seq_axes`."""
+def _local_attention(q_B1HD, k_B1KD, v_B1KD, cache, slot_positions_c, slot_of_position_C,
+                     position_B, seq_axes, mask: Mask, threshold):
+  """One device's slots (`cache`: keys, values, the mask's per-slot side): write, then a
+  partial softmax merged over `seq_axes`; (out, the cache written)."""
+  key_cache_BcKD, value_cache_BcKD, slots = cache
   spec = mask.spec
   batch, _, num_heads, head_dim = q_B1HD.shape
   num_kv = k_B1KD.shape[2]
@@ -209,7 +208,7 @@ def _local_attention(q_B1HD, k_B1KD, v_B1KD, key_cache_BcKD, value_cache_BcKD, s
   # Without a run-time mask the token sees at least itself; with one it may see nothing (0).
   out_BKGD = out_BKGD / jnp.where(denom_BKG > 0, denom_BKG, 1.0)[..., None]
   out_B1HD = out_BKGD.reshape(batch, 1, num_heads, head_dim).astype(q_B1HD.dtype)
-  return out_B1HD, key_cache_BcKD, value_cache_BcKD, slots
+  return out_B1HD, (key_cache_BcKD, value_cache_BcKD, slots)
 
 
 def _threshold(scores_cache_BcK, slot_of_position_C, position_B, seq_axes, threshold):

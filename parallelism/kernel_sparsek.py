@@ -2,32 +2,23 @@
 selected keys a prefix of the keys sorted by score.
 
 The `xla` kernel hands a block pair here when its mask selects (`MaskSpec.selects`): per
-query head a threshold tau_i (with the queries), per kv head a score u_j (travelling with
-K/V). Query head h weighs a key it sees (`parallelism.masks.visible`: causal by ORIGINAL
-position, same document, and fewer than `window` positions back or above the threshold) by
-
-    m_ij = 1 if i - j < window, else clip(u_j - tau_i, 0, 1)   (`masks.sparsek_weight`)
-
-and the weights are m_ij exp(q_i.k_j) (log m added to the logits). Two passes share one
-online softmax per query tile:
-
-- the window: the key tiles, in the block's order, whose positions come within `window` of
-  the query tile's (from the pair's token indices), each key of weight 1;
-- the selection: the keys sorted per kv head by score, highest first. A query's keys above
-  its threshold are a prefix of them, so a query tile walks only the tiles of its lowest
-  threshold's prefix (a count of the scores above it), each key masked by the rule outside
-  the window. With scores independent of position, query i's prefix holds about S k / i of
-  the block's S keys: about k S (1 + ln(S / k)) pairs in all, not S^2 / 2.
+query head a threshold tau_i, per kv head a score u_j (travelling with K/V). A key the rule
+lets a query see (`parallelism.masks.visible`) weighs m_ij = 1 if i - j < window, else
+clip(u_j - tau_i, 0, 1) (`masks.sparsek_weight`; log m added to the logit). Two passes
+share one online softmax per query tile:
+- the window: the key tiles, in the block's order, within `window` of the query tile's
+  positions (from the pair's token indices), each key of weight 1;
+- the selection: the keys sorted per kv head by score, highest first, so a query's keys
+  above its threshold are a prefix of them and a query tile walks only its lowest
+  threshold's prefix. With scores independent of position, query i's prefix holds about
+  S k / i of the block's S keys: about k S (1 + ln(S / k)) pairs, not S^2 / 2; a query tile
+  whose prefix is longer walks its causal tiles instead (`_Walks`).
 
 Backward: dq and dtau per query tile over the same tiles; dK, dV and du per key tile over
-the query tiles that reach it, the window's keys in the block's order and the selected ones
-in the sorted order, unsorted after. On SparseK's support (0 < u_j - tau_i < 1, outside the
-window) d logit / d u_j = 1 / m_ij = -d logit / d tau_i, so du_j = sum_i p0_ij (dp_ij -
-delta_i) and dtau_i = -sum_j of the same, p0 the probability without the mask (no division
-by m). Where m is 0 or 1 the gradient is 0.
-
-A query that sees nothing gives 0, lse -inf. The tiles walk one at a time on a CPU, side by
-side on a GPU (`row_tiles.walk`).
+the query tiles that reach it, in each order (the ranked keys' unsorted after). On the
+support (0 < u_j - tau_i < 1, outside the window) d logit / d u_j = 1 / m_ij = -d logit /
+d tau_i, so du_j = sum_i p0_ij (dp_ij - delta_i) and dtau_i = -sum_j of the same, p0 the
+probability without the mask. A query that sees nothing gives 0, lse -inf.
 """
 
 from __future__ import annotations

@@ -15,16 +15,14 @@ step, skips the kernel for a pair with nothing to compute, and hands the pair to
 kernel (`parallelism.kernels`), which reads the pair's tile lists.
 
 The backward is a second ring pass that recomputes each block's probabilities from the
-global output and lse. A device keeps the dK/dV of its own block; the accumulators of the
-others travel with their K/V block and, after N - 1 hops, arrive back at the device that
-owns it.
+global output and lse. A device keeps its own block's dK/dV; the others' travel with their
+K/V block and arrive back at its owner after N - 1 hops.
 
-A ring cut short: where the schedule has steps at which no device computes anything (a
-sliding window under `ring` or `zigzag`: `RingSchedule.needed_steps`), only the steps it
-needs run, and each of their K/V blocks is sent straight to the device that needs it
-(`ppermute` by its shift, one transfer, not s hops); in the backward its dK/dV go straight
-back the same way. These functions run inside a shard_map (`parallelism.ring_attention`);
-the other strategies (`parallelism.strategies`) reuse `RingDevice` and the merge.
+A ring cut short (steps at which no device computes anything, a sliding window under `ring`
+or `zigzag`: `RingSchedule.needed_steps`) runs only the steps it needs, each K/V block sent
+straight to the device that needs it (`ppermute` by its shift) and its dK/dV straight back.
+These functions run inside a shard_map (`parallelism.ring_attention`); the other strategies
+(`parallelism.strategies`) reuse `RingDevice` and the merge.
 """
 
 from __future__ import annotations
