@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from parallelism import cudnn_packing, kernel_pallas, target
-from parallelism.kernel_grads import Grads
+from parallelism.kernel_grads import Grads, Merged
 from parallelism.masks import Mask, MaskSpec
 from parallelism.schedule import RingSchedule
 
@@ -145,15 +145,15 @@ def _attend(q_BTHD, k_BTKD, v_BTKD, causal: bool, packing=None):
   return out_BTHD, cudnn_packing.lse_of_tokens(stats, packing)
 
 
-def _grads(q_BTHD, k_BTKD, v_BTKD, out_BTHD, dout_BTHD, lse_BTH, causal: bool, packing=None):
+def _grads(q_BTHD, k_BTKD, v_BTKD, merged: Merged, causal: bool, packing=None):
   """cuDNN's backward from the global out and lse: this block's (dq, dk, dv), float32."""
   cudnn = api()
   unused = jnp.zeros(0, q_BTHD.dtype)  # bias, page tables
-  stats = (jnp.swapaxes(lse_BTH, 1, 2) if packing is None
-           else cudnn_packing.stats_of_tokens(lse_BTH, packing))
+  stats = (jnp.swapaxes(merged.lse, 1, 2) if packing is None
+           else cudnn_packing.stats_of_tokens(merged.lse, packing))
   dq, dk, dv = cudnn._dot_product_attention_bwd_p_wrapper.bind(  # pylint: disable=protected-access
       q_BTHD, k_BTKD, v_BTKD, unused, *_packed_args(packing, unused), unused, unused,
-      stats.astype(_F32), out_BTHD.astype(q_BTHD.dtype), dout_BTHD.astype(q_BTHD.dtype),
+      stats.astype(_F32), merged.out.astype(q_BTHD.dtype), merged.dout.astype(q_BTHD.dtype),
       scale=q_BTHD.shape[3] ** -0.5, seed=42, dropout_rate=0.0, variadic_args=(False, False),
       mask_type=_mask_type(causal, packing), layout=cudnn.AttentionLayout.BTNH.value,
       sliding_window_length=None)
@@ -255,14 +255,12 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, mask: Mask, *, schedule: RingSchedule, pai
   return _by_shape(schedule, pair, branch)
 
 
-def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, mask: Mask, *,
-              schedule: RingSchedule, pair, tile: int, out_BTHD=None, index=None) -> Grads:
+def block_bwd(q_BTHD, k_BTKD, v_BTKD, mask: Mask, merged: Merged, *, schedule: RingSchedule,
+              pair, tile: int, index=None) -> Grads:
   """Gradient contributions (float32) of one query block x key block, from the GLOBAL lse
-  and out (`out_BTHD`; cuDNN forms delta from it itself)."""
+  and out of `merged` (cuDNN forms delta from the out itself)."""
   _check(mask.spec)
   q_seg_BT, k_seg_BT = mask.q.segment_ids, mask.k.segment_ids
-  if out_BTHD is None:
-    raise ValueError("the cudnn kernel's backward needs the global output (out_BTHD)")
 
   def nothing():
     return Grads(*(jnp.zeros(x.shape, _F32) for x in (q_BTHD, k_BTKD, v_BTKD)))
@@ -270,25 +268,23 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, mask: Mask,
   def branch(shape: str, p: int):
     if shape == "empty":
       return nothing()
-    by_pallas = functools.partial(kernel_pallas.block_bwd, q_BTHD, k_BTKD, v_BTKD, dout_BTHD,
-                                  lse_BTH, delta_BTH, mask, schedule=schedule,
-                                  pair=jnp.int32(p), tile=tile)
+    by_pallas = functools.partial(kernel_pallas.block_bwd, q_BTHD, k_BTKD, v_BTKD, mask,
+                                  merged, schedule=schedule, pair=jnp.int32(p), tile=tile)
     if shape == "general":
       return by_pallas()
     if shape == "strictly_causal":
       def by_cudnn(packing):
         # The last row: q, out and dout 0, lse 0 (so P = 1): its softmax's gradient is 0,
         # and so its share of dk and dv. An aligned call: (T-1)-long ones run slower.
-        dq, dk, dv = _grads(_up_a_row(q_BTHD), k_BTKD, v_BTKD, _up_a_row(out_BTHD),
-                            _up_a_row(dout_BTHD), _up_a_row(lse_BTH), True,
-                            _whole_length(packing))
+        dq, dk, dv = _grads(_up_a_row(q_BTHD), k_BTKD, v_BTKD,
+                            Merged(*map(_up_a_row, merged)), True, _whole_length(packing))
         return Grads(_down_a_row(dq, 0.0), dk, dv)
       return _by_cudnn_or_pallas(_shifted(q_seg_BT, True), _shifted(k_seg_BT, False), True,
                                  by_cudnn, by_pallas, nothing)
     causal = shape == "causal"
     return _by_cudnn_or_pallas(
         q_seg_BT, k_seg_BT, causal,
-        lambda packing: Grads(*_grads(q_BTHD, k_BTKD, v_BTKD, out_BTHD, dout_BTHD, lse_BTH,
-                                      causal, packing)), by_pallas, nothing)
+        lambda packing: Grads(*_grads(q_BTHD, k_BTKD, v_BTKD, merged, causal, packing)),
+        by_pallas, nothing)
 
   return _by_shape(schedule, pair, branch)

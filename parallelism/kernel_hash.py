@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from parallelism import sorting
-from parallelism.kernel_grads import Grads
+from parallelism.kernel_grads import Grads, Merged
 from parallelism.masks import Mask
 from parallelism.row_tiles import rows, tile as tile_of, unrows, walk
 from parallelism.tile_math import bwd_update, fwd_result, fwd_update
@@ -77,22 +77,10 @@ def computed_tiles(mask: Mask, tile: int, q_index_T=None, k_index_T=None) -> jax
   """How much the kernel computes on this block pair, in (query head, tile x tile) pairs
   (its own tiles are `tiles(tile)`; sorted here when given unsorted, with its blocks'
   original positions)."""
-  _, _, _, mask, _, _ = _sorted(None, None, None, mask, q_index_T, k_index_T)
+  mask = sorting.sort_device(None, None, None, mask, q_index_T, k_index_T)[3]
   (lo, hi), _ = sorting.ranges(mask)
   tq, tk = tiles(tile)
   return _walk_lengths(lo, hi, tq, tk).sum() * (tq * tk / tile ** 2)
-
-
-def _sorted(q_BTHD, k_BTKD, v_BTKD, mask: Mask, q_index_T, k_index_T):
-  """The pair sorted (`parallelism.sorting`) where it came unsorted: (q, k, v, mask, the
-  queries' order or None, the keys' order or None)."""
-  if mask.q.index is not None:
-    return q_BTHD, k_BTKD, v_BTKD, mask, None, None
-  q_side, q_order = sorting.sort_side(mask.q, q_index_T)
-  k_side, k_order = sorting.sort_side(mask.k, k_index_T)
-  sort = lambda x, order: None if x is None else sorting.gather(x, order)
-  return (sort(q_BTHD, q_order), sort(k_BTKD, k_order), sort(v_BTKD, k_order),
-          Mask(mask.spec, q_side, k_side), q_order, k_order)
 
 
 def _check(q_BTHD, k_BTKD, tile: int) -> None:
@@ -107,8 +95,8 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, mask: Mask, *, tile: int, q_index_T=None,
   query tile's ranges; in the sorted order where the pair came sorted, else the block's
   (`*_index_T`: the blocks' original positions, to sort by)."""
   _check(q_BTHD, k_BTKD, tile)
-  q_BTHD, k_BTKD, v_BTKD, mask, q_order, _ = _sorted(q_BTHD, k_BTKD, v_BTKD, mask, q_index_T,
-                                                     k_index_T)
+  q_BTHD, k_BTKD, v_BTKD, mask, q_order, _ = sorting.sort_device(
+      q_BTHD, k_BTKD, v_BTKD, mask, q_index_T, k_index_T)
   spec = mask.spec
   tq, tk = tiles(tile)
   (lo_RT, hi_RT), _ = sorting.ranges(mask)
@@ -139,28 +127,23 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, mask: Mask, *, tile: int, q_index_T=None,
   batch = q_BTHD.shape[0]
   out_BTHD = unrows(out_UtD.reshape(q_RTD.shape), batch)
   lse_BTH = unrows(lse_Ut.reshape(q_RTD.shape[:2]), batch)
-  if q_order is None:
-    return out_BTHD, lse_BTH
-  return sorting.unsort(out_BTHD, q_order), sorting.unsort(lse_BTH, q_order)
+  return sorting.unsorted((out_BTHD, lse_BTH), q_order)
 
 
-def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, mask: Mask, *, tile: int,
+def block_bwd(q_BTHD, k_BTKD, v_BTKD, mask: Mask, merged: Merged, *, tile: int,
               q_index_T=None, k_index_T=None) -> Grads:
   """Float32 gradients of the block pair from the GLOBAL lse and delta (the contract): dq
   per query tile over its ranges' key tiles, dk and dv per key tile over the query tiles of
   its keys' ranges, in each query head of its group; sorted as `block_fwd`."""
   _check(q_BTHD, k_BTKD, tile)
-  q_BTHD, k_BTKD, v_BTKD, mask, q_order, k_order = _sorted(q_BTHD, k_BTKD, v_BTKD, mask,
-                                                           q_index_T, k_index_T)
-  if q_order is not None:
-    dout_BTHD, lse_BTH, delta_BTH = (sorting.gather(x, q_order)
-                                     for x in (dout_BTHD, lse_BTH, delta_BTH))
+  q_BTHD, k_BTKD, v_BTKD, mask, q_order, k_order = sorting.sort_device(
+      q_BTHD, k_BTKD, v_BTKD, mask, q_index_T, k_index_T)
+  merged = Merged(*sorting.sorted_like(merged, q_order))
   spec = mask.spec
   tq, tk = tiles(tile)
   (lo_RT, hi_RT), (k_lo_RGT, k_hi_RGT) = sorting.ranges(mask)
-  # lse -inf (a query that sees nothing) -> +inf so exp(s - lse) is 0 rather than NaN.
-  lse_safe = jnp.where(jnp.isfinite(lse_BTH), lse_BTH, jnp.inf).astype(_F32)
-  q_side = tuple(rows(x) for x in (q_BTHD, dout_BTHD, lse_safe, delta_BTH.astype(_F32)))
+  q_side = tuple(rows(x) for x in (q_BTHD, merged.dout, merged.safe_lse(),
+                                   merged.delta.astype(_F32)))
   k_RTD, v_RTD = rows(k_BTKD), rows(v_BTKD)
   heads, num_kv = q_BTHD.shape[2], k_BTKD.shape[2]
   group, nq, nk = heads // num_kv, q_side[0].shape[1] // tq, k_RTD.shape[1] // tk
@@ -203,7 +186,5 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, mask: Mask,
   grads = Grads(unrows(dq_UtD.reshape(q_side[0].shape), batch),
                 unrows(dk_UtD.reshape(k_RTD.shape), batch),
                 unrows(dv_UtD.reshape(v_RTD.shape), batch))
-  if q_order is None:
-    return grads
-  return Grads(sorting.unsort(grads.dq, q_order), sorting.unsort(grads.dk, k_order),
-               sorting.unsort(grads.dv, k_order))
+  dq_BTHD, = sorting.unsorted((grads.dq,), q_order)
+  return Grads(dq_BTHD, *sorting.unsorted((grads.dk, grads.dv), k_order))

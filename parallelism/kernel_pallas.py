@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from parallelism import target
-from parallelism.kernel_grads import Grads
+from parallelism.kernel_grads import Grads, Merged
 from parallelism.kernel_pallas_programs import dkv_program, dq_program, fwd_program, query_tile
 from parallelism.masks import Mask, MaskSpec
 from parallelism.schedule import RingSchedule, TileLists
@@ -244,12 +244,11 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, mask: Mask, *, schedule: RingSchedule, pai
                "block_fwd")(q_BTHD, k_BTKD, v_BTKD, *rest)
 
 
-def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, mask: Mask, *,
-              schedule: RingSchedule, pair, tile: int, out_BTHD=None, index=None,
-              config: KernelConfig = DEFAULT_CONFIG) -> Grads:
+def block_bwd(q_BTHD, k_BTKD, v_BTKD, mask: Mask, merged: Merged, *, schedule: RingSchedule,
+              pair, tile: int, index=None, config: KernelConfig = DEFAULT_CONFIG) -> Grads:
   """Gradient contributions (float32) of one query block x key block.
 
-  `lse_BTH` and `delta_BTH = sum(dout * out, -1)` are the GLOBAL ones (merged over all key
+  `merged`'s lse and `delta = sum(dout * out, -1)` are the GLOBAL ones (merged over all key
   blocks), as in `kernel_xla.block_bwd`. dout is cast to q's dtype (the matmul operands).
   """
   q_seg_BT, k_seg_BT, spans_H = _operands(mask)
@@ -260,8 +259,8 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, mask: Mask,
   scale = head_dim ** -0.5
   has_seg = q_seg_BT is not None
   span_args = _span_args(schedule, pair, spans_H)
-  args = (q_BTHD, k_BTKD, v_BTKD, dout_BTHD.astype(q_BTHD.dtype), lse_BTH.astype(_F32),
-          delta_BTH.astype(_F32))
+  args = (q_BTHD, k_BTKD, v_BTKD, merged.dout.astype(q_BTHD.dtype), merged.lse.astype(_F32),
+          merged.delta.astype(_F32))
 
   # dK, dV: one program per (key tile, row, kv head), looping over the group's q heads.
   block_k = _size(config.dkv_k, tile, len_k, "key")

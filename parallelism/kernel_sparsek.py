@@ -29,18 +29,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from parallelism.kernel_grads import Grads
+from parallelism.kernel_grads import Grads, Merged
 from parallelism.masks import Mask, Side, sparsek_weight, visible
 from parallelism.row_tiles import rows, tile as tile_of, unrows, walk
 from parallelism.tile_math import fwd_result
+from parallelism.tiles import tile_ranges
 
 _F32 = jnp.float32
-
-
-def _ranges(x_T, size: int):
-  """(min, max) of each tile of a [T] vector."""
-  chunks = x_T.reshape(-1, size)
-  return chunks.min(axis=-1), chunks.max(axis=-1)
 
 
 def tile_lists(meet_ON):
@@ -116,8 +111,8 @@ def _walks(mask: Mask, q_index_T, k_index_T, tile: int) -> _Walks:
     if length % tile:
       raise ValueError(f"{name} block length {length} is not divisible by tile size {tile}")
   heads, num_kv = mask.q.scores.shape[2], mask.k.scores.shape[2]
-  qi_lo, qi_hi = _ranges(q_index_T, tile)
-  ki_lo, ki_hi = _ranges(k_index_T, tile)
+  qi_lo, qi_hi = tile_ranges(q_index_T, tile)
+  ki_lo, ki_hi = tile_ranges(k_index_T, tile)
   causal_QK = ki_lo[None, :] <= qi_hi[:, None]
   near_QK = causal_QK & (qi_lo[:, None] - ki_hi[None, :] < mask.spec.sparsek_window)
   u_RT, tau_RT = (rows(x.astype(_F32)) for x in (mask.k.scores, mask.q.scores))
@@ -232,15 +227,13 @@ def _scores(q_side, keys: _Keys, k_row, j, tile: int, scale: float, weight):
   return p0 * weight, p0, dp - delta_t[:, None]
 
 
-def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, mask: Mask, *, q_index_T,
+def block_bwd(q_BTHD, k_BTKD, v_BTKD, mask: Mask, merged: Merged, *, q_index_T,
               k_index_T, tile: int) -> Grads:
   """Float32 gradients of the block pair, with the thresholds' (dtau [B,Tq,Hq]) and scores'
   (du [B,Tk,Hkv]), from the GLOBAL lse and delta (the contract): dq and dtau per query tile,
   dK, dV and du per key tile of each pass."""
   at = _setup(q_BTHD, k_BTKD, v_BTKD, mask, q_index_T, k_index_T, tile)
-  # lse -inf (a query that sees nothing) -> +inf so exp(s - lse) is 0 rather than NaN.
-  lse_safe = jnp.where(jnp.isfinite(lse_BTH), lse_BTH, jnp.inf).astype(_F32)
-  q_rows = (at.q, rows(dout_BTHD), rows(lse_safe), rows(delta_BTH.astype(_F32)))
+  q_rows = (at.q, rows(merged.dout), rows(merged.safe_lse()), rows(merged.delta.astype(_F32)))
   nq, nk = at.q.shape[1] // tile, at.block.k.shape[1] // tile
   group = at.heads // at.num_kv
   scale, head_dim = q_BTHD.shape[3] ** -0.5, q_BTHD.shape[3]

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from parallelism import kernel_hash, kernel_sparsek
-from parallelism.kernel_grads import Grads
+from parallelism.kernel_grads import Grads, Merged
 from parallelism.masks import Mask, MaskSpec, Side, visible
 from parallelism.schedule import RingSchedule, TileLists, over_tiles
 from parallelism.tile_math import bwd_update, fwd_result, fwd_update
@@ -194,24 +194,24 @@ def _bwd_update_in_halves(carry, q_xs, k_xs, visible_T, *, spec: MaskSpec, scale
           jnp.concatenate([dq_BKDGt[..., :h], dq_second], axis=-1))
 
 
-def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, mask: Mask, *,
-              schedule: RingSchedule, pair, tile: int, out_BTHD=None, index=None) -> Grads:
+def block_bwd(q_BTHD, k_BTKD, v_BTKD, mask: Mask, merged: Merged, *, schedule: RingSchedule,
+              pair, tile: int, index=None) -> Grads:
   """Gradient contributions (float32) of one query block x key block.
 
-  `lse_BTH` is the GLOBAL log-sum-exp of the queries (merged over all key blocks) and
-  `delta_BTH = sum(dout * out, -1)` with the global output, so each block's
-  probabilities are recomputed exactly as the forward's final softmax. With SparseK, also
-  the thresholds' and scores' gradients (`kernel_sparsek`).
+  `merged` holds the GLOBAL lse of the queries (merged over all key blocks) and `delta =
+  sum(dout * out, -1)` of the global output, so each block's probabilities are recomputed
+  exactly as the forward's final softmax. With SparseK, also the thresholds' and scores'
+  gradients (`kernel_sparsek`).
   """
   spec = mask.spec
   if spec.selects:
     q_index, k_index = _pair_index(schedule, pair, index)
-    return kernel_sparsek.block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH,
-                                    mask, q_index_T=q_index, k_index_T=k_index, tile=tile)
+    return kernel_sparsek.block_bwd(q_BTHD, k_BTKD, v_BTKD, mask, merged, q_index_T=q_index,
+                                    k_index_T=k_index, tile=tile)
   if spec.coded:
     q_index, k_index = _pair_index(schedule, pair, index)
-    return kernel_hash.block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, mask,
-                                 tile=tile, q_index_T=q_index, k_index_T=k_index)
+    return kernel_hash.block_bwd(q_BTHD, k_BTKD, v_BTKD, mask, merged, tile=tile,
+                                 q_index_T=q_index, k_index_T=k_index)
   q_seg_BT, k_seg_BT, spans_H = mask.q.segment_ids, mask.k.segment_ids, mask.q.spans
   num_kv = k_BTKD.shape[2]
   scale = q_BTHD.shape[3] ** -0.5
@@ -223,11 +223,9 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH, mask: Mask,
   lists, masks_T = pair_rows(tables.by_key, pair), jnp.asarray(tables.masks.swapaxes(1, 2))
   halves = tables.upper_right_empty
   segments = q_seg_BT is not None
-  # lse -inf (a query that sees nothing) -> +inf so exp(s - lse) is 0 rather than NaN.
-  lse_safe = jnp.where(jnp.isfinite(lse_BTH), lse_BTH, jnp.inf).astype(_F32)
   # The query side, walked by the inner loop, head-major once.
-  per_head = tuple(_q_head_major(x, num_kv)
-                   for x in (q_BTHD, dout_BTHD, lse_safe, delta_BTH.astype(_F32)))
+  per_head = tuple(_q_head_major(x, num_kv) for x in (q_BTHD, merged.dout, merged.safe_lse(),
+                                                      merged.delta.astype(_F32)))
 
   def k_tile_body(j, grads):
     k_BKtD, v_BKtD = _key_tile(k_BTKD, v_BTKD, j, tile)

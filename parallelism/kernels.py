@@ -4,8 +4,7 @@ A block kernel computes attention of one device's query block on the K/V block t
 schedule (`parallelism.schedule`) gives that device at that ring step:
 
     block_fwd(q, k, v, mask, *, schedule, pair, tile, index=None) -> (out_BTHD, lse_BTH)
-    block_bwd(q, k, v, dout, lse, delta, mask, *, schedule, pair, tile, out_BTHD=None,
-              index=None) -> Grads
+    block_bwd(q, k, v, mask, merged, *, schedule, pair, tile, index=None) -> Grads
 
 - q [B, Tq, Hq, D], k/v [B, Tk, Hkv, D] (head h reads kv head h // (Hq / Hkv)); `mask` the
   block pair's (`parallelism.masks.Mask`: its spec, the queries' side and the held block's
@@ -15,7 +14,7 @@ schedule (`parallelism.schedule`) gives that device at that ring step:
   `index`: the query and held key blocks' token indices ([T] int32 each) where the mask
   needs them beyond the pair's representative (`RingSchedule.pair_index`), else None.
 - Forward: output and natural-log lse, float32 (no key seen: 0 and -inf, never NaN).
-  Backward: float32 `Grads` from the GLOBAL lse and `delta = sum(dout * out, -1)`, with
+  Backward: float32 `Grads` from the `Merged` (global) out, lse, dout and delta, with
   SparseK's thresholds' and scores' gradients where the mask has them.
 
 Each kernel declares the specs it cannot apply (`BlockKernel.unsupported`); `choose` is the
@@ -30,7 +29,7 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 from parallelism import kernel_cudnn, kernel_pallas, kernel_xla, target
-from parallelism.kernel_grads import Grads  # noqa: F401  (the contract's, re-exported)
+from parallelism.kernel_grads import Grads, Merged  # noqa: F401  (the contract's types)
 from parallelism.masks import MaskSpec
 
 AUTO = "auto"

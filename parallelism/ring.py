@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from parallelism import kernels, sorting
-from parallelism.kernels import Grads
+from parallelism.kernels import Grads, Merged
 from parallelism.masks import Mask, Side
 from parallelism.schedule import RingSchedule
 
@@ -157,14 +157,12 @@ class RingDevice:
       return attend()  # a query always sees itself: the own block is never empty
     return self._unless_empty(step, out_lse, lambda: merge(*out_lse, *attend()))
 
-  def backward_step(self, step, sides, q_BTHD, k_BTKD, v_BTKD, mask: Mask, out_BTHD,
-                    dout_BTHD, lse_BTH, delta_BTH):
+  def backward_step(self, step, sides, q_BTHD, k_BTKD, v_BTKD, mask: Mask, merged: Merged):
     """At step 0 (`sides` None) the kernel's `Grads`; after it, (query side, key side)
     (`query_side`, `key_side_grads`) with this step's block's contributions added."""
-    grads = lambda: self.kernel.bwd(q_BTHD, k_BTKD, v_BTKD, dout_BTHD, lse_BTH, delta_BTH,
-                                    mask, schedule=self.schedule, pair=self.pair_S[step],
-                                    tile=self.tile, out_BTHD=out_BTHD,
-                                    index=self._index(step, mask))
+    grads = lambda: self.kernel.bwd(q_BTHD, k_BTKD, v_BTKD, mask, merged,
+                                    schedule=self.schedule, pair=self.pair_S[step],
+                                    tile=self.tile, index=self._index(step, mask))
     if sides is None:
       return grads()
 
@@ -201,12 +199,6 @@ def key_side(block, mask: Mask):
   return k_BTKD, v_BTKD, dataclasses.replace(mask, k=k_side)
 
 
-def softmax_delta(dout_BTHD, out_BTHD):
-  """`delta = sum(dout * out, -1)` of the global output, float32: what every block's
-  backward subtracts (the kernels' contract)."""
-  return jnp.sum(dout_BTHD.astype(jnp.float32) * out_BTHD.astype(jnp.float32), axis=-1)
-
-
 def device_index(axis: str, num_shards: int):
   return lax.axis_index(axis) if num_shards > 1 else 0
 
@@ -237,8 +229,8 @@ def forward_pass(q_BTHD, k_BTKD, v_BTKD, mask: Mask, *, axis: str, schedule: Rin
   return sorting.unsorted(out_lse, q_order)
 
 
-def backward_pass(q_BTHD, k_BTKD, v_BTKD, mask: Mask, out_BTHD, lse_BTH, dout_BTHD, *,
-                  axis: str, schedule: RingSchedule, tile: int, kernel: str) -> Grads:
+def backward_pass(q_BTHD, k_BTKD, v_BTKD, mask: Mask, merged: Merged, *, axis: str,
+                  schedule: RingSchedule, tile: int, kernel: str) -> Grads:
   """Per-device backward ring: the `Grads` of this device's blocks, float32 (sorted and
   unsorted as `forward_pass`; dK/dV come home in their owner's order)."""
   num_shards = schedule.num_shards
@@ -246,13 +238,10 @@ def backward_pass(q_BTHD, k_BTKD, v_BTKD, mask: Mask, out_BTHD, lse_BTH, dout_BT
   ring = RingDevice(schedule, device, kernel, tile)
   q_BTHD, k_BTKD, v_BTKD, mask, q_order, k_order = sorting.sort_device(
       q_BTHD, k_BTKD, v_BTKD, mask, own_index(schedule, device))
-  out_BTHD, lse_BTH, dout_BTHD = sorting.sorted_like((out_BTHD, lse_BTH, dout_BTHD), q_order)
-  delta_BTH = softmax_delta(dout_BTHD, out_BTHD)
+  merged = Merged(*sorting.sorted_like(merged, q_order))
 
   def step(s, carry, *block):
-    k_b, v_b, mask_b = key_side(block, mask)
-    return ring.backward_step(s, carry, q_BTHD, k_b, v_b, mask_b, out_BTHD, dout_BTHD,
-                              lse_BTH, delta_BTH)
+    return ring.backward_step(s, carry, q_BTHD, *key_side(block, mask), merged)
 
   def start(*own):
     # The own block's key side (dK/dV, with SparseK the scores' gradient) stays here; the

@@ -35,7 +35,8 @@ import numpy as np
 from jax import lax
 
 from parallelism.masks import Mask, Side, beyond_ring, logits
-from parallelism.ring import merge, softmax_delta
+from parallelism.kernel_grads import softmax_delta
+from parallelism.ring import merge
 
 
 @dataclasses.dataclass(frozen=True)

@@ -78,15 +78,17 @@ def sort_side(side: Side, index_T) -> tuple[Side, jax.Array]:
                              index=index), order
 
 
-def sort_device(q_BTHD, k_BTKD, v_BTKD, mask: Mask, index_T):
-  """One device's queries and keys sorted (coded masks; else as given): (q, k, v, mask,
-  the queries' order, the keys' order), orders None when nothing was sorted. `index_T` is
-  the device's block's original positions (the schedule's order of its own block)."""
+def sort_device(q_BTHD, k_BTKD, v_BTKD, mask: Mask, q_index_T, k_index_T=None):
+  """Queries and keys sorted (coded masks not yet sorted; else as given): (q, k, v, mask,
+  the queries' order, the keys' order), orders None when nothing was sorted. `q_index_T`
+  and `k_index_T` are the blocks' original positions (a device's own block: one for both;
+  an array given as None stays None)."""
   if not mask.spec.coded or mask.q.index is not None:
     return q_BTHD, k_BTKD, v_BTKD, mask, None, None
-  q_side, q_order = sort_side(mask.q, index_T)
-  k_side, k_order = sort_side(mask.k, index_T)
-  return (gather(q_BTHD, q_order), gather(k_BTKD, k_order), gather(v_BTKD, k_order),
+  q_side, q_order = sort_side(mask.q, q_index_T)
+  k_side, k_order = sort_side(mask.k, q_index_T if k_index_T is None else k_index_T)
+  sort = lambda x, order: None if x is None else gather(x, order)
+  return (sort(q_BTHD, q_order), sort(k_BTKD, k_order), sort(v_BTKD, k_order),
           Mask(mask.spec, q_side, k_side), q_order, k_order)
 
 

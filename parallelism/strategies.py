@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from parallelism import ring, sorting
-from parallelism.kernels import Grads
+from parallelism.kernels import Grads, Merged
 from parallelism.masks import Mask, Side
 from parallelism.schedule import RingSchedule
 
@@ -93,13 +93,13 @@ class Strategy:
     """The gradients of this device's blocks, float32 (shapes as in `forward`)."""
     if self.ulysses_axis is None:
       run = _gathered_backward_pass if self._gathers else ring.backward_pass
-      return run(q_BTHD, k_BTKD, v_BTKD, mask, out_BTHD, lse_BTH, dout_BTHD,
+      return run(q_BTHD, k_BTKD, v_BTKD, mask, Merged.of(out_BTHD, lse_BTH, dout_BTHD),
                  **self._ring_args())
     k_BLkD, v_BLkD = (self._to_heads(self._repeat(x)) for x in (k_BTKD, v_BTKD))
     q_BLhD, out_BLhD, lse_BLh, dout_BLhD = map(self._to_heads,
                                                (q_BTHD, out_BTHD, lse_BTH, dout_BTHD))
-    g = ring.backward_pass(q_BLhD, k_BLkD, v_BLkD, self._mask_to_heads(mask), out_BLhD,
-                           lse_BLh, dout_BLhD, **self._ring_args())
+    g = ring.backward_pass(q_BLhD, k_BLkD, v_BLkD, self._mask_to_heads(mask),
+                           Merged.of(out_BLhD, lse_BLh, dout_BLhD), **self._ring_args())
     # Each moves in its input's dtype (half the bytes at bf16), cast to it anyway, except
     # the dK/dV of repeated heads: their copies are summed after the move, in float32, so
     # that they are rounded once, as the ring rounds them.
@@ -201,9 +201,8 @@ def _gathered_forward_pass(q_BTHD, k_BTKD, v_BTKD, mask: Mask, *, axis: str,
   return sorting.unsorted(_over_needed_steps(schedule, visit, out_lse), q_order)
 
 
-def _gathered_backward_pass(q_BTHD, k_BTKD, v_BTKD, mask: Mask, out_BTHD, lse_BTH, dout_BTHD,
-                            *, axis: str, schedule: RingSchedule, tile: int,
-                            kernel: str) -> Grads:
+def _gathered_backward_pass(q_BTHD, k_BTKD, v_BTKD, mask: Mask, merged: Merged, *, axis: str,
+                            schedule: RingSchedule, tile: int, kernel: str) -> Grads:
   """All-gather backward: dK/dV of every block accumulate here, then one reduce-scatter
   sends each block's sum to its owner."""
   num_shards = schedule.num_shards
@@ -211,11 +210,10 @@ def _gathered_backward_pass(q_BTHD, k_BTKD, v_BTKD, mask: Mask, out_BTHD, lse_BT
   runner = ring.RingDevice(schedule, device, kernel, tile)
   q_BTHD, k_BTKD, v_BTKD, mask, q_order, k_order = sorting.sort_device(
       q_BTHD, k_BTKD, v_BTKD, mask, ring.own_index(schedule, device))
-  out_BTHD, lse_BTH, dout_BTHD = sorting.sorted_like((out_BTHD, lse_BTH, dout_BTHD), q_order)
+  merged = Merged(*sorting.sorted_like(merged, q_order))
   block = _every_block(k_BTKD, v_BTKD, mask, axis)
-  delta_BTH = ring.softmax_delta(dout_BTHD, out_BTHD)
   grads = lambda step, carry, k_b, v_b, mask_b: runner.backward_step(
-      step, carry, q_BTHD, k_b, v_b, mask_b, out_BTHD, dout_BTHD, lse_BTH, delta_BTH)
+      step, carry, q_BTHD, k_b, v_b, mask_b, merged)
 
   def visit(step, carry):
     dq_BTHD, dkv_N2BTKD = carry

@@ -55,6 +55,7 @@ import numpy as np  # noqa: E402
 from parallelism import kernel_pallas, kernel_xla  # noqa: E402
 from parallelism.kernels import KERNELS  # noqa: E402
 from parallelism.layouts import LAYOUTS  # noqa: E402
+from parallelism.kernel_grads import Merged  # noqa: E402
 from parallelism.masks import Mask, MaskSpec, Side  # noqa: E402
 from parallelism.schedule import ring_schedule  # noqa: E402
 
@@ -109,7 +110,7 @@ def fwd_bwd(block_fwd, block_bwd, schedule, tile: int = TILE):
     out, lse = block_fwd(q, k, v, mask, **at)
     delta = jnp.sum(out * dout.astype(F32), axis=-1)
     # The global out is the block's own here (one block); cuDNN's backward takes it.
-    grads = block_bwd(q, k, v, dout, lse, delta, mask, out_BTHD=out, **at)
+    grads = block_bwd(q, k, v, mask, Merged(out, lse, dout, delta), **at)
     return (grads.dq, grads.dk, grads.dv), out, lse
   return run
 
@@ -205,8 +206,8 @@ def part_sweep(seq_len: int) -> kernel_pallas.KernelConfig:
             *a, Mask(), pair=pair, config=cfg, **at))
         args = (q, k, v)
       else:
-        fn = jax.jit(lambda *a, pair, cfg=cfg: kernel_pallas.block_bwd(
-            *a, Mask(), pair=pair, config=cfg, **at))
+        fn = jax.jit(lambda q, k, v, dout, lse, delta, pair, cfg=cfg: kernel_pallas.block_bwd(
+            q, k, v, Mask(), Merged(None, lse, dout, delta), pair=pair, config=cfg, **at))
         args = (q, k, v, dout, lse, delta)
       fn = functools.partial(fn, pair=pair)
       try:
@@ -334,7 +335,7 @@ def part_ring(config, blocks, num_shards: int, heads: int, bandwidth: float,
       at = dict(schedule=schedule, tile=tile)
       return (jax.jit(lambda q, k, v, pair: fwd(q, k, v, Mask(), pair=pair, **at)),
               jax.jit(lambda q, k, v, dout, out, lse, delta, pair: bwd(
-                  q, k, v, dout, lse, delta, Mask(), pair=pair, out_BTHD=out, **at)))
+                  q, k, v, Mask(), Merged(out, lse, dout, delta), pair=pair, **at)))
 
     # A causal block's out and lse: finite for every query, as a ring's global ones are
     # (cuDNN's backward takes the global out); its forward program is the one timed below.

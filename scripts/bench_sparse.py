@@ -79,6 +79,7 @@ from model.hashing import bucket_codes, projections  # noqa: E402
 from model.sparsek import prefix_thresholds  # noqa: E402
 from parallelism import kernel_hash, kernel_sparsek, kernel_xla  # noqa: E402
 from parallelism.layouts import LAYOUTS, permute  # noqa: E402
+from parallelism.kernel_grads import Merged  # noqa: E402
 from parallelism.masks import Mask, MaskSpec, Side  # noqa: E402
 from parallelism.ring_attention import ring_attention  # noqa: E402
 from parallelism.schedule import held_block, ring_schedule  # noqa: E402
@@ -148,7 +149,7 @@ def block_step(schedule, tile: int):
   def fwd_bwd(q, k, v, dout, mask):
     out, lse = fwd(q, k, v, dout, mask)
     delta = jnp.sum(out * dout.astype(jnp.float32), axis=-1)
-    grads = kernel_xla.block_bwd(q, k, v, dout, lse, delta, mask, out_BTHD=out, **at)
+    grads = kernel_xla.block_bwd(q, k, v, mask, Merged(out, lse, dout, delta), **at)
     return grads.dq, grads.dk, grads.dv
   return jax.jit(fwd), jax.jit(fwd_bwd)
 

@@ -13,6 +13,7 @@ import pytest
 
 from model.hashing import bucket_codes, projections
 from parallelism import kernel_xla, kernels
+from parallelism.kernel_grads import Merged
 from parallelism.masks import Mask, MaskSpec
 from parallelism.schedule import ring_schedule
 from tests.test_ring_attention import (_F32_TOL, assert_close, make_inputs)
@@ -105,7 +106,7 @@ def test_block_kernel_lse_and_gradients_with_buckets(side_by_side, monkeypatch):
   at = dict(schedule=schedule, pair=schedule.pair[0, 0], tile=8)
   mask = Mask.of(MaskSpec(sparse="hash", hash_buckets=BUCKETS), seg, codes=codes)
   out, lse = kernel_xla.block_fwd(q, k, v, mask, **at)
-  grads = kernel_xla.block_bwd(q, k, v, dout, lse, jnp.sum(out * dout, axis=-1), mask, **at)
+  grads = kernel_xla.block_bwd(q, k, v, mask, Merged.of(out, lse, dout), **at)
   want, want_lse = hash_reference(q, k, v, dout, index, seg, *codes)
   assert_close((out, *grads), want, **_F32_TOL)
   assert len(walks) == (3 if side_by_side else 0)  # the forward, dq, and dk with dv

@@ -17,6 +17,7 @@ import pytest
 from model import ModelConfig
 from parallelism import tiles
 from parallelism.layouts import LAYOUTS
+from parallelism.kernel_grads import Merged
 from parallelism.masks import Mask, MaskSpec, Side, visible
 from parallelism.schedule import held_block, ring_schedule
 from tests.test_ring_attention import (_F32_TOL, dense_attention)
@@ -201,7 +202,8 @@ def test_the_pallas_kernels_with_spans_lower_to_triton_for_cuda(monkeypatch):
     attend = dict(schedule=schedule, pair=pair, tile=256)
     mask = Mask(MaskSpec(300, 40), Side(seg, spans=spans), Side(seg))
     out, lse = kernel_pallas.block_fwd(q, k, v, mask, **attend)
-    return kernel_pallas.block_bwd(q, k, v, q, lse, jnp.sum(out, axis=-1), mask, **attend)
+    return kernel_pallas.block_bwd(q, k, v, mask, Merged(out, lse, q, jnp.sum(out, axis=-1)),
+                                   **attend)
 
   exported = _export_for_cuda(fwd_bwd, q, kv, kv, seg, jax.ShapeDtypeStruct((), jnp.int32),
                               jax.ShapeDtypeStruct((4,), jnp.int32))

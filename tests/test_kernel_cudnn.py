@@ -27,6 +27,7 @@ import pytest
 import parallelism
 from parallelism import cudnn_packing, kernel_cudnn, kernel_pallas, kernel_xla
 from parallelism.layouts import LAYOUTS
+from parallelism.kernel_grads import Merged
 from parallelism.masks import Mask, MaskSpec
 from parallelism.ring_attention import ring_attention
 from parallelism.schedule import ring_schedule
@@ -53,7 +54,8 @@ def test_the_private_api_it_calls_is_there_on_this_jax():
   assert (stats.shape, stats.dtype) == ((2, 4, 64), jnp.float32)
   # The backward primitive, bound exactly as the kernel binds it (abstract evaluation).
   lse = jnp.zeros((2, 64, 4), jnp.float32)
-  grads = jax.eval_shape(lambda *a: kernel_cudnn._grads(*a, causal=True), q, kv, kv, q, q, lse)
+  grads = jax.eval_shape(lambda q, k, v, out, dout, lse: kernel_cudnn._grads(
+      q, k, v, Merged.of(out, lse, dout), causal=True), q, kv, kv, q, q, lse)
   assert [(g.shape, g.dtype) for g in grads] == [
       (q.shape, jnp.float32), (kv.shape, jnp.float32), (kv.shape, jnp.float32)]
 
@@ -82,7 +84,7 @@ def test_the_kernel_calls_the_real_api_as_it_takes_them(real_api_without_a_gpu, 
   def forward_and_backward(q, k, v):
     packing = cudnn_packing.block_pair(seg, seg, causal, 16) if packed else None
     out, lse = kernel_cudnn._attend(q, k, v, causal, packing)
-    return out, lse, kernel_cudnn._grads(q, k, v, out, out, lse, causal, packing)
+    return out, lse, kernel_cudnn._grads(q, k, v, Merged.of(out, lse, out), causal, packing)
 
   out, lse, grads = jax.eval_shape(forward_and_backward, q, kv, kv)
   assert (out.shape, out.dtype, lse.shape) == (q.shape, jnp.float32, q.shape[:3])

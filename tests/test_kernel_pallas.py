@@ -23,6 +23,7 @@ from jax import export
 
 from parallelism import kernel_pallas, tiles
 from parallelism.layouts import LAYOUTS
+from parallelism.kernel_grads import Merged
 from parallelism.masks import Mask, MaskSpec, Side
 from parallelism.schedule import ring_schedule, schedule_of_order
 from tests.test_ring_attention import dense_attention
@@ -77,7 +78,7 @@ def _fwd_bwd(schedule, **config):
     mask = Mask(MaskSpec(), Side(q_seg), Side(k_seg))
     out, lse = kernel_pallas.block_fwd(q, k, v, mask, **at)
     delta = jnp.sum(out * dout, axis=-1)
-    grads = kernel_pallas.block_bwd(q, k, v, dout, lse, delta, mask, **at)
+    grads = kernel_pallas.block_bwd(q, k, v, mask, Merged(out, lse, dout, delta), **at)
     return out, lse, grads
   return run
 
@@ -187,7 +188,7 @@ def test_kernels_lower_to_triton_for_cuda(monkeypatch, packed):
     mask = Mask(spec, Side(seg), Side(seg))
     out, lse = kernel_pallas.block_fwd(q, k, v, mask, **attend)
     delta = jnp.sum(out, axis=-1)
-    return kernel_pallas.block_bwd(q, k, v, q, lse, delta, mask, **attend)
+    return kernel_pallas.block_bwd(q, k, v, mask, Merged(out, lse, q, delta), **attend)
 
   exported = _export_for_cuda(fwd_bwd, q, kv, kv, seg, jax.ShapeDtypeStruct((), jnp.int32))
   assert exported.mlir_module().count("__gpu$xla.gpu.triton") == 3  # fwd, dK/dV, dQ
@@ -233,7 +234,7 @@ def test_auto_runs_xla_on_gpus_where_triton_cannot_lower(monkeypatch, q_len, hea
   def fwd_bwd(q, k, v, pair):
     attend = dict(schedule=schedule, pair=pair, tile=tile)
     out, lse = kernel_pallas.block_fwd(q, k, v, Mask(), **attend)
-    return kernel_pallas.block_bwd(q, k, v, q, lse, lse, Mask(), **attend)
+    return kernel_pallas.block_bwd(q, k, v, Mask(), Merged(q, lse, q, lse), **attend)
 
   try:
     _export_for_cuda(fwd_bwd, q, kv, kv, jax.ShapeDtypeStruct((), jnp.int32))

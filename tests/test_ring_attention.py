@@ -20,6 +20,7 @@ from jax.sharding import AxisType
 from configs import base as base_config
 from parallelism import kernel_xla
 from parallelism.layouts import permute, unpermute
+from parallelism.kernel_grads import Merged
 from parallelism.masks import Mask, MaskSpec, Side
 from parallelism.ring import merge, pack, unpack
 from parallelism.ring_attention import ring_attention
@@ -223,8 +224,8 @@ def test_block_kernel_rows_that_see_nothing():
   np.testing.assert_allclose(np.asarray(merged), np.asarray(out), **_F32_TOL)
 
   # With one block its lse is the global one, so block_bwd is the whole gradient.
-  grads = kernel_xla.block_bwd(q, k, v, dout, lse, jnp.sum(out * dout, axis=-1), Mask(),
-                               schedule=schedule, pair=pair, tile=4)
+  grads = kernel_xla.block_bwd(q, k, v, Mask(), Merged.of(out, lse, dout), schedule=schedule,
+                               pair=pair, tile=4)
   for got, w in zip(grads, want[1:]):
     np.testing.assert_allclose(np.asarray(got), np.asarray(w), **_F32_TOL)
   np.testing.assert_array_equal(np.asarray(grads[0])[:, :8], 0.0)
@@ -253,7 +254,8 @@ def test_block_kernel_masks_of_any_shape(order, monkeypatch):
     at = dict(schedule=schedule, pair=pair, tile=8)
     out, lse = kernel_xla.block_fwd(q, k, v, pair_mask(q_seg, k_seg), **at)
     delta = jnp.sum(out * dout, axis=-1)
-    grads = kernel_xla.block_bwd(q, k, v, dout, lse, delta, pair_mask(q_seg, k_seg), **at)
+    grads = kernel_xla.block_bwd(q, k, v, pair_mask(q_seg, k_seg), Merged(out, lse, dout, delta),
+                                 **at)
     assert_close((out, *grads), block_reference(q, k, v, dout, q_index, q_seg, k_index, k_seg),
                  **_F32_TOL)
   assert set(traced) == ({"_fwd_update_in_halves", "_bwd_update_in_halves"} if halves else set())
