@@ -143,8 +143,9 @@ def _lse2(lse_t):
   return jnp.where(lse_t == -jnp.inf, jnp.inf, lse_t * _LOG2E)
 
 
-def dkv_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: MaskSpec,
-                scale: float, block_q: int, group: int, has_seg: bool):
+def dkv_program(q_ref, k_ref, v_ref, *refs, spec: MaskSpec, scale: float, block_q: int,
+                group: int, has_seg: bool):
+  do_ref, lse_ref, delta_ref, *refs = refs  # the merged attention's (`kernel_grads.Merged`)
   (q_seg_ref, k_seg_ref), lists, masks_ref, span_refs, (dk_ref, dv_ref) = _split_refs(
       refs, spec, has_seg, 2)
   row, kv_head = pl.program_id(0), pl.program_id(2)
@@ -176,8 +177,9 @@ def dkv_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: Ma
   dk_ref[...], dv_ref[...] = dk_kD, dv_kD
 
 
-def dq_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: MaskSpec,
-               scale: float, block_k: int, has_seg: bool):
+def dq_program(q_ref, k_ref, v_ref, *refs, spec: MaskSpec, scale: float, block_k: int,
+               has_seg: bool):
+  do_ref, lse_ref, delta_ref, *refs = refs  # the merged attention's (`kernel_grads.Merged`)
   (q_seg_ref, k_seg_ref), lists, masks_ref, span_refs, (dq_ref,) = _split_refs(
       refs, spec, has_seg, 1)
   row = query_tile(pl.program_id(0), pl.num_programs(0))

@@ -209,8 +209,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     local = local_strategy(layout, seq_len, tile_size, kernel, q.shape, k.shape, q.dtype, spec)
     return _attention(q, k, v, mask, _Passes(local, sinks=sink_plan))
   specs = operand_specs(mesh, rules, q.shape, k.shape[2])
-  passes = _Passes(split_attention(strategy, layout, seq_len, tile_size, kernel, mesh, rules,
-                                   q.shape[2], k.shape[2], q.shape[3], q.dtype, spec=spec),
+  passes = _Passes(split_attention(strategy, layout, tile_size, kernel, mesh, rules, q, k,
+                                   spec=spec),
                    None if context_mesh else mesh, specs, sink_plan)
   if not any(t == AxisType.Explicit for t in mesh.axis_types):
     return _attention(q, k, v, mask, passes)

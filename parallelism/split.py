@@ -58,13 +58,16 @@ def shortest_ring_length(length: int, layout: str, num_shards: int, tile_size: i
   return seq_len
 
 
-def split_attention(strategy: str, layout: str, seq_len: int, tile_size: int, kernel: str,
-                    mesh, rules: Rules, num_heads: int, num_kv_heads: int, head_dim: int,
-                    dtype, names: Names = Names(), spec: MaskSpec = MaskSpec()) -> Strategy:
+def split_attention(strategy: str, layout: str, tile_size: int, kernel: str, mesh,
+                    rules: Rules, q, k, names: Names = Names(),
+                    spec: MaskSpec = MaskSpec()) -> Strategy:
   """Each device's side of `strategy` for `layout` on `mesh` (concrete or abstract), its
-  sequence over the axes `rules` map `activation_seq` to, under the mask `spec`
-  (`parallelism.masks`, checked by its caller; SparseK's on the ring strategy only); a
-  ValueError says why not."""
+  sequence over the axes `rules` map `activation_seq` to, of q [B, S, Hq, D] on k [B, S,
+  Hkv, D] (arrays or `jax.ShapeDtypeStruct`s: only their shapes and dtype are read) under the
+  mask `spec` (`parallelism.masks`, checked by its caller; SparseK's on the ring strategy
+  only); a ValueError says why not."""
+  seq_len, num_heads, head_dim = q.shape[1:]
+  num_kv_heads, dtype = k.shape[2], q.dtype
   if strategy not in STRATEGIES:
     raise ValueError(f"unknown sequence-parallel strategy '{strategy}' ({names.strategy}); "
                      f"choose one of {STRATEGIES}")

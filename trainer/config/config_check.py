@@ -213,10 +213,12 @@ def attention_split(config: ml_collections.ConfigDict, num_devices: int,
                    parallelism.resolve_mesh_shape(config.mesh, num_devices)))
   mesh = jax.sharding.AbstractMesh(tuple(shape.values()), tuple(shape))
   try:
+    row = lambda heads: jax.ShapeDtypeStruct((1, config.data.seq_len, heads, cfg.head_size),
+                                             jnp.dtype(m.dtype))
     return parallelism.split_attention(
-        m.sequence_parallel, layout_of(m.attention), config.data.seq_len, m.attention_tile,
-        m.kernel, mesh, config.mesh.rules, m.num_heads, m.num_kv_heads, cfg.head_size,
-        jnp.dtype(m.dtype), CONFIG_NAMES, spec=cfg.mask_spec(kind))
+        m.sequence_parallel, layout_of(m.attention), m.attention_tile, m.kernel, mesh,
+        config.mesh.rules, row(m.num_heads), row(m.num_kv_heads), CONFIG_NAMES,
+        spec=cfg.mask_spec(kind))
   except ValueError as error:
     raise ConfigError(str(error)) from None
 
