@@ -15,8 +15,10 @@ step, skips the kernel for a pair with nothing to compute, and hands the pair to
 kernel (`parallelism.kernels`), which reads the pair's tile lists.
 
 The backward is a second ring pass that recomputes each block's probabilities from the
-global output and lse. A device keeps its own block's dK/dV; the others' travel with their
-K/V block and arrive back at its owner after N - 1 hops.
+global output and lse. Each block's dK/dV accumulator starts on its owner and follows its
+K/V block one step behind, sent while the next step's kernels run, then makes one last hop
+home (N hops); XLA's GPU scheduler overlaps both transfers of a step with its kernels given
+`trainer.core.xla_options` (`parallelism.overlap` reads the compiled schedule).
 
 A ring cut short (steps at which no device computes anything, a sliding window under `ring`
 or `zigzag`: `RingSchedule.needed_steps`) runs only the steps it needs, each K/V block sent
@@ -38,6 +40,10 @@ from parallelism import kernels, sorting
 from parallelism.kernels import Grads, Merged
 from parallelism.masks import Mask, Side
 from parallelism.schedule import RingSchedule
+
+
+# The named scope of the hop that takes each dK/dV accumulator home after the last step.
+HOME_HOP = "ring_dkv_home"
 
 
 def merge(out_a_BTHD, lse_a_BTH, out_b_BTHD, lse_b_BTH):
@@ -157,20 +163,25 @@ class RingDevice:
       return attend()  # a query always sees itself: the own block is never empty
     return self._unless_empty(step, out_lse, lambda: merge(*out_lse, *attend()))
 
-  def backward_step(self, step, sides, q_BTHD, k_BTKD, v_BTKD, mask: Mask, merged: Merged):
-    """At step 0 (`sides` None) the kernel's `Grads`; after it, (query side, key side)
-    (`query_side`, `key_side_grads`) with this step's block's contributions added."""
+  def backward_step(self, step, q_side, q_BTHD, k_BTKD, v_BTKD, mask: Mask, merged: Merged):
+    """At step 0 (`q_side` None) the kernel's `Grads`; after it, (`q_side` with this step's
+    block's contributions added (`query_side`), the block's own key side (`key_side_grads`;
+    zeros where the pair has nothing visible)). The key side comes back apart, for the
+    caller to add: the ring's accumulator is still in flight while the kernels run."""
     grads = lambda: self.kernel.bwd(q_BTHD, k_BTKD, v_BTKD, mask, merged,
                                     schedule=self.schedule, pair=self.pair_S[step],
                                     tile=self.tile, index=self._index(step, mask))
-    if sides is None:
+    if q_side is None:
       return grads()
 
     def add():
       g = grads()
-      return _add(sides[0], query_side(g)), _add(sides[1], key_side_grads(g))
+      return _add(q_side, query_side(g)), key_side_grads(g)
 
-    return self._unless_empty(step, sides, add)
+    if not self.schedule.empty.any():
+      return add()
+    nothing = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(add)[1])
+    return lax.cond(self.empty_S[step], lambda: (q_side, nothing), add)
 
 
 def query_side(g: Grads):
@@ -240,33 +251,39 @@ def backward_pass(q_BTHD, k_BTKD, v_BTKD, mask: Mask, merged: Merged, *, axis: s
       q_BTHD, k_BTKD, v_BTKD, mask, own_index(schedule, device))
   merged = Merged(*sorting.sorted_like(merged, q_order))
 
-  def step(s, carry, *block):
-    return ring.backward_step(s, carry, q_BTHD, *key_side(block, mask), merged)
+  def step(s, q_side, *block):
+    return ring.backward_step(s, q_side, q_BTHD, *key_side(block, mask), merged)
 
   def start(*own):
-    # The own block's key side (dK/dV, with SparseK the scores' gradient) stays here; the
-    # accumulator that travels (with the block this device sees next) starts empty, so the
-    # others make N - 1 hops, not N.
+    # The own block's key side (dK/dV, with SparseK the scores' gradient) starts the
+    # accumulator that follows the block around the ring and home.
     grads = step(0, None, *own)
-    own_side = key_side_grads(grads)
-    return query_side(grads), own_side, jax.tree.map(jnp.zeros_like, own_side)
+    return query_side(grads), key_side_grads(grads)
 
   def visit(carry, s, *block):
-    q_side, own_side, travelling = carry
+    q_side, travelling = carry
     if cut_short(schedule):
       # The block came straight from device d - s: its key side goes straight back, summed
-      # there with those of the other steps (`travelling` holds what came home).
-      q_side, side_s = step(s, (q_side, jax.tree.map(jnp.zeros_like, travelling)), *block)
-      home = lax.ppermute(side_s, axis, shifted(-s, num_shards))
-      return q_side, own_side, _add(travelling, home)
-    q_side, travelling = step(s, (q_side, travelling), *block)
-    # The accumulator follows its K/V block, one hop after each step; after the last step
-    # that hop takes it home to the block's owner.
-    return q_side, own_side, lax.ppermute(travelling, axis, shifted(1, num_shards))
+      # there with the own block's and those of the other steps.
+      q_side, side_s = step(s, q_side, *block)
+      return q_side, _add(travelling, lax.ppermute(side_s, axis, shifted(-s, num_shards)))
+    # dK/dV travel one step behind their K/V block: the accumulator the last step added to
+    # is sent on now, in flight while this step's kernels run, and this step's share is
+    # added once it has arrived. Sent after the kernels instead, it had nothing to overlap
+    # under `ring` (its empty pairs' conditional waits for it) and only the dq kernel
+    # under striped and zigzag (trainer/plan/overlap.py reads the compiled schedule).
+    arrived = lax.ppermute(travelling, axis, shifted(1, num_shards))
+    q_side, side_s = step(s, q_side, *block)
+    return q_side, _add(arrived, side_s)
 
-  (dq_BTHD, dq_scores), own_side, travelling = around_ring(
+  (dq_BTHD, dq_scores), travelling = around_ring(
       blocks(k_BTKD, v_BTKD, mask.k), start, visit, axis=axis, schedule=schedule)
-  dkv_2BTKD, dk_scores = _add(own_side, travelling)
+  if num_shards > 1 and not cut_short(schedule):
+    # The last hop home: the accumulator has met all N devices, so it makes N hops, one
+    # more than one started empty on the next device would, each but this one hidden.
+    with jax.named_scope(HOME_HOP):  # how parallelism.overlap tells it from the steps'
+      travelling = lax.ppermute(travelling, axis, shifted(1, num_shards))
+  dkv_2BTKD, dk_scores = travelling
   dq_BTHD, = sorting.unsorted((dq_BTHD,), q_order)
   dk_BTKD, dv_BTKD = sorting.unsorted((dkv_2BTKD[0], dkv_2BTKD[1]), k_order)
   return Grads(dq_BTHD, dk_BTKD, dv_BTKD, dq_scores, dk_scores)

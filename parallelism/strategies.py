@@ -218,9 +218,9 @@ def _gathered_backward_pass(q_BTHD, k_BTKD, v_BTKD, mask: Mask, merged: Merged, 
   def visit(step, carry):
     dq_BTHD, dkv_N2BTKD = carry
     held = (device - step) % num_shards
-    (dq_BTHD, _), (dkv_2BTKD, _) = grads(step, ((dq_BTHD, None), (dkv_N2BTKD[held], None)),
-                                         *block(held))
-    return dq_BTHD, lax.dynamic_update_index_in_dim(dkv_N2BTKD, dkv_2BTKD, held, 0)
+    (dq_BTHD, _), (dkv_2BTKD, _) = grads(step, (dq_BTHD, None), *block(held))
+    return dq_BTHD, lax.dynamic_update_index_in_dim(dkv_N2BTKD, dkv_N2BTKD[held] + dkv_2BTKD,
+                                                    held, 0)
 
   own = grads(0, None, k_BTKD, v_BTKD, mask)
   # The own block's slot stays zero: its dK/dV are the ones just computed.

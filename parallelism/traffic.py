@@ -52,7 +52,7 @@ _CONDITIONAL = re.compile(r" conditional\(.*branch_computations=\{([^}]*)\}")
 _HEADER = re.compile(r"^(ENTRY )?%(\S+) ")
 
 
-def _array_bytes(type_text: str) -> int:
+def array_bytes(type_text: str) -> int:
   total = 0
   for dtype, dims in _ARRAY.findall(type_text):
     bits = int(re.sub(r"\D", "", dtype) or 8) if dtype != "pred" else 8
@@ -113,10 +113,10 @@ def hlo_bytes(hlo_text: str) -> dict[str, float]:
         type_text, kind, started = collective.groups()
         if started:  # async: a tuple of operand, result and context; count the largest
           out["async_collectives"] += 1
-          result = max(_array_bytes(f"{dtype}[{dims}]")
+          result = max(array_bytes(f"{dtype}[{dims}]")
                        for dtype, dims in _ARRAY.findall(type_text))
         else:
-          result = _array_bytes(type_text)
+          result = array_bytes(type_text)
         out[kind] += _sent(kind, result, line)
         continue
       loop = _WHILE.search(line)
@@ -157,6 +157,18 @@ class Shapes:
   packed: bool  # segment ids travel with K/V
 
 
+def block_bytes(shapes: Shapes, ring: int, ulysses: int = 1) -> tuple[int, int]:
+  """(K/V block, its dK/dV): the bytes of one ring hop of each pass's block. Blocks are
+  S / ring tokens with the heads split over Ulysses (`ulysses` 1 for a ring alone); dK/dV
+  travel in float32."""
+  s = shapes
+  block_tokens = s.seq_len // ring
+  kv_heads = s.kv_heads * kv_repeat(s.kv_heads, ulysses) // ulysses
+  kv_block = 2 * s.rows * block_tokens * kv_heads * s.head_dim * s.itemsize
+  kv_block += s.rows * block_tokens * 4 if s.packed else 0
+  return kv_block, 2 * s.rows * block_tokens * kv_heads * s.head_dim * 4
+
+
 def formula(strategy: str, shapes: Shapes, ring: int, ulysses: int = 1,
             steps: int | None = None) -> dict[str, float]:
   """Bytes one device sends for one attention call: 'forward', 'backward' (as the code
@@ -167,16 +179,16 @@ def formula(strategy: str, shapes: Shapes, ring: int, ulysses: int = 1,
   s = shapes
   ulysses = ulysses if strategy in ULYSSES else 1
   repeat = kv_repeat(s.kv_heads, ulysses)
-  # The ring phase: blocks of S / ring tokens, heads split over Ulysses.
-  block_tokens = s.seq_len // ring
-  kv_heads = s.kv_heads * repeat // ulysses
-  kv_block = 2 * s.rows * block_tokens * kv_heads * s.head_dim * s.itemsize
-  kv_block += s.rows * block_tokens * 4 if s.packed else 0
-  dkv_block = 2 * s.rows * block_tokens * kv_heads * s.head_dim * 4  # float32
+  kv_block, dkv_block = block_bytes(shapes, ring, ulysses)
   cut_short = strategy != "allgather" and steps is not None and steps < ring
   hops = steps - 1 if cut_short else ring - 1
   forward = hops * kv_block
-  backward = hops * (kv_block + dkv_block)
+  # dK/dV of a whole ring travel one step behind their block and make the last hop home
+  # too (`ring.backward_pass`): one hop more than K/V. The all-gather's reduce-scatter
+  # sends N - 1 blocks.
+  whole_ring = strategy != "allgather" and not cut_short and hops
+  dkv_hops = hops + 1 if whole_ring else hops
+  backward = hops * kv_block + dkv_hops * dkv_block
   # The gradient computes an identical send once: every block of the all-gather or of a
   # ring cut short (sent straight), the first hop of a whole ring.
   reused = hops * kv_block if strategy == "allgather" or cut_short else kv_block if hops else 0

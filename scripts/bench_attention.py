@@ -160,7 +160,7 @@ def block_seconds(seq_len: int, repeats: int,
       out, lse = fwd(d_, jnp.int32(0), None, q, k, v)  # a device's own block: step 0
       delta = jnp.sum(out * dout, axis=-1)
       carries = {"fwd": (out, lse),
-                 "bwd": ((out, None), (jnp.zeros((2, *k.shape), jnp.float32), None))}
+                 "bwd": (out, None)}
       for step in schedule.needed_steps:  # a ring cut short never runs the others
         s_ = jnp.int32(step)
         fwd_carry, bwd_carry = (None, None) if step == 0 else (carries["fwd"], carries["bwd"])

@@ -28,8 +28,9 @@ Parts (each appends JSON lines to results/bench_kernel.jsonl):
   (forward, dK/dV, dQ) class triple is timed once and reused for every pair with the same
   triple. A step costs max(busiest device, link time), because
   `ring_attention` issues the transfer before computing: forward sends K/V (bf16), the
-  backward sends K/V and the float32 dK/dV accumulators, over one link of `--bandwidth`
-  bytes/s per direction. Critical path = sum over steps. Reported as ideal / critical path
+  backward sends K/V and the float32 dK/dV accumulators (one step behind, and home after
+  the last step), over each link of `--links` (NVLink and a 400 Gb/s link between nodes
+  by default), from the same timings. Critical path = sum over steps. Reported as ideal / critical path
   with ideal = N x t(causal block); ring should be near N/(2N-1). The log-sum-exp merges
   and delta are left out (elementwise, the same for every layout).
 Timing: warm-up calls, then the median of repeats, each call synchronised with
@@ -316,16 +317,44 @@ def _class_key(schedule, pair: int, config) -> bytes:
                    for bq, bk in sizes)
 
 
-def part_ring(config, blocks, num_shards: int, heads: int, bandwidth: float,
+# The links the ring part compares, bytes/s per direction: a node's NVLink (an H100's or
+# H200's, through the NVSwitch) and a 400 Gb/s link between nodes (one NIC per GPU).
+LINKS = {"nvlink": 450e9, "ib_400g": 50e9}
+
+
+def critical_paths(t_SD2, t_causal, kv_s: float, dkv_s: float) -> dict[str, float]:
+  """Critical path and fraction of ideal of a ring whose busiest device takes
+  `t_SD2[step, device, (fwd, bwd)]`, over a link moving a K/V block in `kv_s` and its dK/dV
+  in `dkv_s`. A step costs max(busiest device, its transfers): the forward sends the next
+  K/V block at every step but the last; the backward also sends the dK/dV accumulator one
+  step behind its block (from step 1 on), then, after the last step, home (nothing to
+  overlap: added in full), as `parallelism.ring.backward_pass` does."""
+  num_shards = t_SD2.shape[0]
+  busiest_S2 = t_SD2.max(axis=1)
+  steps = np.arange(num_shards)
+  comm_f = np.where(steps == num_shards - 1, 0.0, kv_s)
+  comm_b = comm_f + np.where(steps >= 1, dkv_s, 0.0)
+  crit_f = np.maximum(busiest_S2[:, 0], comm_f).sum()
+  crit_fb = crit_f + np.maximum(busiest_S2[:, 1], comm_b).sum() + dkv_s
+  ideal_f, ideal_fb = num_shards * t_causal[0], num_shards * sum(t_causal)
+  return dict(fraction_fwd=ideal_f / crit_f, fraction_fwd_bwd=ideal_fb / crit_fb,
+              fraction_fwd_nocomm=ideal_f / busiest_S2[:, 0].sum(),
+              fraction_fwd_bwd_nocomm=ideal_fb / busiest_S2.sum(),
+              critical_fwd_s=crit_f, critical_fwd_bwd_s=crit_fb)
+
+
+def part_ring(config, blocks, num_shards: int, heads: int, links=LINKS,
               record=record, kernel: str = "pallas") -> None:
-  """Each layout's critical path on an N-device ring, from the block kernel `kernel`'s time
-  on each distinct block pair (`pallas` at `config`, or another registered kernel)."""
+  """Each layout's critical path on an N-device ring over each of `links` (name: bytes/s
+  per direction), from the block kernel `kernel`'s time on each distinct block pair
+  (`pallas` at `config`, or another registered kernel), timed once for all links."""
   fwd, bwd = _ours(config) if kernel == "pallas" else KERNELS[kernel][:2]
   print(f"\nring emulation, {kernel} blocks: N={num_shards}, {heads} heads (= kv heads), "
-        f"head_dim 128, bf16, link {bandwidth / 1e9:.0f} GB/s per direction; fraction = N x "
-        f"t(causal) / critical")
-  print(f"{'block':>6} {'layout':>8} {'classes':>7} {'fwd':>6} {'f+b':>6} {'fwd nocomm':>10} "
-        f"{'f+b nocomm':>10} {'ring/this f+b':>13}")
+        f"head_dim 128, bf16; links (GB/s per direction) "
+        f"{', '.join(f'{name} {bps / 1e9:g}' for name, bps in links.items())}; "
+        f"fraction = N x t(causal) / critical")
+  print(f"{'block':>6} {'link':>8} {'layout':>8} {'classes':>7} {'fwd':>6} {'f+b':>6} "
+        f"{'fwd nocomm':>10} {'f+b nocomm':>10} {'ring/this f+b':>13}")
   for c in blocks:
     q, k, v, dout = normals(jax.random.key(c), [(1, c, heads, 128)] * 4, BF16)
     tile = min(TILE, c)  # as the ring clips it
@@ -356,36 +385,28 @@ def part_ring(config, blocks, num_shards: int, heads: int, bandwidth: float,
       return cache[key]
 
     t_causal = pair_time(*causal, causal_programs)
-    kv_s = 2 * c * heads * 128 * 2 / bandwidth
-    dkv_s = 2 * c * heads * 128 * 4 / bandwidth
-    paths = {}
+    times = {}
     for layout in LAYOUTS:
       schedule = ring_schedule(layout, num_shards * c, num_shards)
-      t_SD = np.array([[pair_time(schedule, schedule.pair[d, s]) for d in range(num_shards)]
-                       for s in range(num_shards)])  # [step, device, (fwd, bwd)]
-      busiest_S2 = t_SD.max(axis=1)
-      last = np.arange(num_shards) == num_shards - 1
-      comm_f = np.where(last, 0.0, kv_s)
-      comm_b = np.where(last, 0.0, kv_s) + dkv_s
-      crit_f = np.maximum(busiest_S2[:, 0], comm_f).sum()
-      crit_fb = crit_f + np.maximum(busiest_S2[:, 1], comm_b).sum()
-      ideal_f = num_shards * t_causal[0]
-      ideal_fb = num_shards * sum(t_causal)
-      paths[layout] = dict(fraction_fwd=ideal_f / crit_f, fraction_fwd_bwd=ideal_fb / crit_fb,
-                           fraction_fwd_nocomm=ideal_f / busiest_S2[:, 0].sum(),
-                           fraction_fwd_bwd_nocomm=ideal_fb / busiest_S2.sum(),
-                           critical_fwd_s=crit_f, critical_fwd_bwd_s=crit_fb)
-    for layout in LAYOUTS:
-      p = paths[layout]
-      speedup = paths["ring"]["critical_fwd_bwd_s"] / p["critical_fwd_bwd_s"]
-      print(f"{c:>6} {layout:>8} {len(cache):>7} {p['fraction_fwd']:>6.3f} "
-            f"{p['fraction_fwd_bwd']:>6.3f} {p['fraction_fwd_nocomm']:>10.3f} "
-            f"{p['fraction_fwd_bwd_nocomm']:>10.3f} {speedup:>13.3f}")
-      record(part="ring", kernel=kernel, block=c, num_shards=num_shards, heads=heads,
-             bandwidth=bandwidth, layout=layout, distinct_classes_timed=len(cache),
-             t_causal_fwd_s=t_causal[0], t_causal_bwd_s=t_causal[1], ring_over_this_fwd_bwd=speedup,
-             ring_over_this_fwd=paths["ring"]["critical_fwd_s"] / p["critical_fwd_s"],
-             theory_ring=num_shards / (2 * num_shards - 1), config=dataclasses.asdict(config), **p)
+      times[layout] = np.array([[pair_time(schedule, schedule.pair[d, s])
+                                 for d in range(num_shards)]
+                                for s in range(num_shards)])  # [step, device, (fwd, bwd)]
+    for link, bandwidth in links.items():
+      kv_bytes, dkv_bytes = 2 * c * heads * 128 * 2, 2 * c * heads * 128 * 4
+      paths = {layout: critical_paths(t, t_causal, kv_bytes / bandwidth, dkv_bytes / bandwidth)
+               for layout, t in times.items()}
+      for layout, p in paths.items():
+        speedup = paths["ring"]["critical_fwd_bwd_s"] / p["critical_fwd_bwd_s"]
+        print(f"{c:>6} {link:>8} {layout:>8} {len(cache):>7} {p['fraction_fwd']:>6.3f} "
+              f"{p['fraction_fwd_bwd']:>6.3f} {p['fraction_fwd_nocomm']:>10.3f} "
+              f"{p['fraction_fwd_bwd_nocomm']:>10.3f} {speedup:>13.3f}")
+        record(part="ring", kernel=kernel, block=c, num_shards=num_shards, heads=heads,
+               link=link, bandwidth=bandwidth, layout=layout,
+               distinct_classes_timed=len(cache), t_causal_fwd_s=t_causal[0],
+               t_causal_bwd_s=t_causal[1], ring_over_this_fwd_bwd=speedup,
+               ring_over_this_fwd=paths["ring"]["critical_fwd_s"] / p["critical_fwd_s"],
+               theory_ring=num_shards / (2 * num_shards - 1),
+               config=dataclasses.asdict(config), **p)
     del q, k, v, dout
 
 
@@ -397,7 +418,8 @@ def main() -> None:
   parser.add_argument("--blocks", default="8192,16384,32768", help="ring: per-device block")
   parser.add_argument("--num_shards", type=int, default=8)
   parser.add_argument("--ring_heads", type=int, default=32)
-  parser.add_argument("--bandwidth", type=float, default=50e9, help="bytes/s per direction")
+  parser.add_argument("--links", default=",".join(f"{k}={v:g}" for k, v in LINKS.items()),
+                      help="ring: name=bytes/s per direction, comma-separated")
   parser.add_argument("--config", default="{}", help="KernelConfig fields as JSON (no sweep)")
   args = parser.parse_args()
   parts = args.parts.split(",")
@@ -413,7 +435,8 @@ def main() -> None:
   if "cudnn" in parts:
     part_cudnn(config, ints(args.seq_lens))
   if "ring" in parts:
-    part_ring(config, ints(args.blocks), args.num_shards, args.ring_heads, args.bandwidth)
+    links = {name: float(bps) for name, bps in (x.split("=") for x in args.links.split(","))}
+    part_ring(config, ints(args.blocks), args.num_shards, args.ring_heads, links)
   print(f"\nappended to {RESULTS}")
 
 

@@ -217,13 +217,14 @@ def _dense_row(record, inputs, segments, want, smoke: bool, flops, where) -> Non
 
 def part_ring(record, smoke: bool) -> None:
   """The N=8 ring emulated on one GPU (bench_kernel's ring part): striped against ring, with
-  pallas blocks, then cudnn's (what `auto` runs for striped and ring on a GPU)."""
+  pallas blocks, then cudnn's (what `auto` runs for striped and ring on a GPU), each on
+  NVLink (8 GPUs are one node) and on a 400 Gb/s link between nodes, side by side."""
   config = kernel_pallas.DEFAULT_CONFIG
   if smoke:  # the CPU has no cuDNN; one head, blocks as short as the pallas query tile (128)
-    bench_kernel.part_ring(config, [128], 4, 1, 50e9, record=record)
+    bench_kernel.part_ring(config, [128], 4, 1, record=record)
     return
   for kernel in ("pallas", "cudnn"):
-    bench_kernel.part_ring(config, [16384, 32768], 8, 32, 50e9, record=record, kernel=kernel)
+    bench_kernel.part_ring(config, [16384, 32768], 8, 32, record=record, kernel=kernel)
 
 
 def part_e2e(record, smoke: bool, out: str, deadline: float) -> None:

@@ -48,11 +48,12 @@ def _ring(rows) -> list[str]:
   # same bytes) reads as the link's, not the layout's.
   out = ["ring (one-GPU emulation): fraction of ideal forward+backward, with and without the "
          "link's time; ring's time over this",
-         f"{'block':>6} {'N':>3} {'kernel':>7} {'layout':>8} {'of ideal':>8} {'no link':>8} "
-         f"{'ring/this':>9}"]
+         f"{'block':>6} {'N':>3} {'kernel':>7} {'link':>8} {'layout':>8} {'of ideal':>8} "
+         f"{'no link':>8} {'ring/this':>9}"]
   for r in ring_rows:
+    link = r.get("link", f"{r['bandwidth'] / 1e9:g}GB/s")
     out.append(f"{r['block']:>6} {r['num_shards']:>3} {r.get('kernel', 'pallas'):>7} "
-               f"{r['layout']:>8} {r['fraction_fwd_bwd']:>8.3f} "
+               f"{link:>8} {r['layout']:>8} {r['fraction_fwd_bwd']:>8.3f} "
                f"{r['fraction_fwd_bwd_nocomm']:>8.3f} {r['ring_over_this_fwd_bwd']:>9.3f}")
   return out
 

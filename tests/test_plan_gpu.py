@@ -1,6 +1,7 @@
 """`--dry_run` for described GPUs: the train step compiled by XLA's GPU compiler on this CPU
 machine (`trainer/plan/plan_target.py`; `make test` installs the compiler with `make plan_gpu`)."""
 
+import importlib
 import os
 import subprocess
 import sys
@@ -10,7 +11,9 @@ import pytest
 
 from conftest import tiny_cpu_config
 from trainer.config.config_check import ConfigError
-from trainer.plan import dry_run, plan_target
+from parallelism import overlap
+from trainer.core import xla_options
+from trainer.plan import dry_run, plan_target, ring_links
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRITON = "__gpu$xla.gpu.triton"  # Pallas's kernels, lowered for CUDA
@@ -45,6 +48,31 @@ def test_the_gpu_plan_runs_the_fused_kernel_and_keeps_bf16(tiny_config, h100_pla
   assert on_gpu["temp_bytes"] < as_float32["temp_bytes"]
 
 
+def test_the_gpu_plan_says_whether_every_ring_step_overlaps(h100_plan):
+  """The train step's own schedule (tests/test_overlap.py checks attention alone at a real
+  block size, every layout): the dry run's line, and the dK/dV's last hop found apart."""
+  plan, text = h100_plan
+  assert plan["ring_overlap"].startswith("ring transfers: every ring step's"), plan
+  found = overlap.transfers(text)
+  assert not overlap.exposed(found) and sum(t.home for t in found) == 1  # in the layer scan
+
+
+def test_the_plan_says_which_link_each_ring_step_needs():
+  """7B at 256k on 8 GPUs: each forward step sends a 512 MiB K/V block (32,768 tokens, 32
+  KV heads of 128, bf16, plus segment ids), hidden behind its compute even between nodes;
+  a ring of 16 spans two nodes."""
+  config = importlib.import_module("configs.7b_256k_striped").get_config()
+  shape = dict.fromkeys(("data", "fsdp", "ulysses", "tensor"), 1)
+  lines = ring_links.lines(config, {**shape, "sequence": 8}, 989e12, 0.4)
+  assert "forward  sends 512.12 MiB" in lines[1] and "link-bound" not in lines[1], lines
+  assert lines[-1].endswith("stays inside one node (8 of 8 devices): NVLink")
+  step = ring_links.ring_step(config, {**shape, "sequence": 8}, 989e12, 0.4)
+  assert step["backward_bytes"] == step["forward_bytes"] + 2 * 32768 * 32 * 128 * 4
+  assert step["backward_s"] == pytest.approx(2 * step["forward_s"])
+  across = ring_links.lines(config, {**shape, "sequence": 16}, 989e12, 0.4)[-1]
+  assert "spans nodes (16 devices" in across and "still hidden behind compute" in across
+
+
 def test_offload_on_gpus_puts_exactly_the_layer_inputs_in_host_memory(tiny_config, h100_plan):
   """The CPU plan estimates what 'offload' moves (`dry_run.offloaded_bytes`); the GPU
   compiler places it: the two agree to the byte, and the device keeps less than with no
@@ -72,7 +100,7 @@ def test_described_gpus_compile_without_autotuning_and_attached_devices_as_they_
   """A described GPU has nothing to time autotuning candidates on (XLA's defaults either
   way): the planner turns it off, which halves a GPU plan's compile; CPUs are left alone."""
   assert plan_target.compiler_options(plan_target.devices("h100", 8)) == {
-      "xla_gpu_autotune_level": 0}
+      "xla_gpu_autotune_level": 0, **xla_options.GPU_OPTIONS}
   assert plan_target.compiler_options(jax.devices()) == {}
 
 

@@ -11,6 +11,7 @@ import optax
 
 import data
 from model import Decoder
+from trainer.core import xla_options
 from trainer.core.state import TrainState
 
 
@@ -86,12 +87,14 @@ def _schedule_count(opt_state) -> jax.Array:
 def jit_train_step(model: Decoder, optimizer: optax.GradientTransformation,
                    schedule: optax.Schedule, micro_batches: int, state_shardings: TrainState,
                    batch_sharding: jax.sharding.Sharding):
-  """The train step jitted once: sharded in and out, the old state donated to the new."""
+  """The train step jitted once: sharded in and out, the old state donated to the new;
+  compiled with the XLA options of JAX's backend (`xla_options`: on GPUs, the ring's
+  transfers overlap its kernels)."""
   return jax.jit(
       functools.partial(train_step, model=model, optimizer=optimizer, schedule=schedule,
                         micro_batches=micro_batches),
       in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, None),
-      donate_argnums=0)
+      donate_argnums=0, compiler_options=xla_options.for_platform(jax.default_backend()))
 
 
 def eval_step(params, batch: dict[str, jax.Array], *, model: Decoder,

@@ -12,7 +12,9 @@ optimizer state (one shard of each leaf, so ZeRO and tensor sharding show); XLA'
 analysis (arguments, outputs, temporaries, code, and outputs aliased to donated arguments:
 peak = args + temps + outputs - aliased, judged against `device_memory_gib`); and FLOPs
 per step (`trainer.config.flops`, causal attention as half, no remat recompute) beside
-XLA's `cost_analysis()`, with the step time and tokens/sec they imply at `mfu`.
+XLA's `cost_analysis()`, with the step time and tokens/sec they imply at `mfu`. A GPU
+compile's schedule also says whether each ring transfer overlaps a kernel
+(`parallelism.overlap`).
 
 A GPU compile's figure is the GPU's own buffer assignment: "fits" or "does NOT fit". A CPU
 compile may keep some bf16 buffers as float32, so its temporaries may err high; the planner
@@ -36,8 +38,9 @@ import ml_collections
 
 import parallelism
 from data import packing
+from parallelism import overlap
 from trainer.config import flops
-from trainer.plan import plan_target
+from trainer.plan import plan_target, ring_links
 from trainer.run import host_memory
 from model.config import layout_of
 from trainer.config.config_check import (ConfigError, attention_split, block_kernels,
@@ -150,6 +153,7 @@ def plan(config: ml_collections.ConfigDict, device_memory_gib: float | None = No
   out["step_time_s"] = out["analytic_flops"] / (count * peak * mfu)
   out["tokens_per_sec"] = tokens / out["step_time_s"]
   out["compile_s"] = compile_s
+  out["ring_links"] = ring_links.lines(config, out["mesh"], peak, mfu)
   out.update(layout_choice(config, count))
   print_plan(config, out, device_memory_gib, mfu, accelerator, budget)
   return out
@@ -207,6 +211,8 @@ def memory_plan(config: ml_collections.ConfigDict, device_memory_gib: float,
          "param_bytes": tree_shard_bytes(state.params),
          "opt_state_bytes": tree_shard_bytes(state.opt_state), **memory_figures(compiled)}
   if gpu:
+    if config.model.attention != "dense":
+      out["ring_overlap"] = overlap.summary(overlap.transfers(compiled.as_text()))
     return with_verdict(accelerator_figures(out), device_memory_gib), compiled
   out["total_bytes"] = out["peak_bytes"] + out["code_bytes"]
   floor_temps = out["temp_bytes"]

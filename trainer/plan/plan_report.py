@@ -79,6 +79,9 @@ def print_plan(config, out: dict[str, Any], memory_gib: float, mfu: float, accel
                  f"{human_bytes(out['float32_temp_bytes'])}   "
                  f"halved (every promoted buffer as bf16): total "
                  f"{human_bytes(out['floor_total_bytes']).strip()}")
+  if "ring_overlap" in out:
+    lines.append(out["ring_overlap"])
+  lines += out.get("ring_links", [])
   if "layout_table" in out:
     best = out["best_layout"]
     lines += ["attention schedule per layout (tiles on the ring's critical path, summed over "

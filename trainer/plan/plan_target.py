@@ -36,6 +36,7 @@ import jax
 
 import parallelism
 from trainer.config.config_check import ConfigError
+from trainer.core import xla_options
 from trainer.plan import COMPILERS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -161,14 +162,15 @@ def compiling_for(devices) -> Iterator[None]:
 
 
 def compiler_options(devices) -> dict[str, object]:
-  """XLA options of a compile for `devices`. For described GPUs, no autotuning: with no GPU
-  to time candidates on, the GEMM and fusion configs are XLA's defaults either way (the
-  module docstring), and the autotuner only spends compile time on them (about half of the
-  tiny config's GPU plan; its memory analysis is the same to the byte). For attached
-  devices, none."""
+  """XLA options of a compile for `devices`: on GPUs the train step's own
+  (`trainer.core.xla_options`), and for described GPUs no autotuning: with no GPU to time
+  candidates on, the GEMM and fusion configs are XLA's defaults either way (the module
+  docstring), and the autotuner only spends compile time on them (about half of the tiny
+  config's GPU plan; its memory analysis is the same to the byte)."""
+  options = xla_options.for_platform(devices[0].platform)
   if devices[0].platform != "gpu" or jax.default_backend() == "gpu":
-    return {}
-  return {"xla_gpu_autotune_level": 0}
+    return options
+  return {**options, "xla_gpu_autotune_level": 0}
 
 
 # The CUDA 13 plugin, which our GPU machines run; its CUDA runtime and cuDNN (>= 9.12, the

@@ -30,7 +30,6 @@ import copy
 import math
 from typing import Any, Callable
 
-import jax.numpy as jnp
 import ml_collections
 
 import parallelism
@@ -38,7 +37,7 @@ from parallelism import traffic
 from trainer.config import flops
 from trainer.config.config_check import ConfigError
 from trainer.core.training import model_config
-from trainer.plan import dry_run, plan_report
+from trainer.plan import dry_run, plan_report, ring_links
 
 
 
@@ -46,14 +45,8 @@ def attention_bytes(config: ml_collections.ConfigDict, shape: dict[str, int]) ->
   """Bytes one device sends for attention per train step: 'ulysses' (the all-to-alls) and
   'ring' (the ring's hops or the all-gather)."""
   m, t = config.model, config.train
-  head_dim = m.head_dim or m.d_model // m.num_heads
-  rows = t.batch_size // (shape["data"] * shape["fsdp"]) // t.micro_batches
-  shapes = traffic.Shapes(rows=rows, seq_len=config.data.seq_len,
-                          heads=m.num_heads // shape["tensor"],
-                          kv_heads=m.num_kv_heads // shape["tensor"], head_dim=head_dim,
-                          itemsize=jnp.dtype(m.dtype).itemsize,
-                          packed=not config.data.cross_document_attention)
-  sent = traffic.formula(m.sequence_parallel, shapes, shape["sequence"], shape["ulysses"])
+  sent = traffic.formula(m.sequence_parallel, ring_links.shapes(config, shape),
+                         shape["sequence"], shape["ulysses"])
   ulysses = traffic.layer_bytes(sent, t.remat, "ulysses_")
   total = traffic.layer_bytes(sent, t.remat)
   per_step = m.num_layers * t.micro_batches
