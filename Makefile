@@ -15,7 +15,14 @@ ARGS ?=
 PLAN_GPU := .plan_gpu
 PLAN_GPU_STAMP := $(PLAN_GPU)/.installed-cuda13
 
-.PHONY: train test bench compare plan_gpu gpu_check slurm_packages
+# XLA's TPU compiler for `--dry_run` on described TPU slices (trainer/plan/tpu_target.py):
+# libtpu, pinned (the version jax[tpu] names), in its own folder: in the venv, JAX would try
+# to start a TPU backend in every process. No TPU is needed; without it the TPU plan tests
+# skip and say why.
+PLAN_TPU := .plan_tpu
+PLAN_TPU_STAMP := $(PLAN_TPU)/.installed
+
+.PHONY: train test bench compare plan_gpu plan_tpu gpu_check slurm_packages
 
 # mimalloc for the tests (pinned, in its own folder, preloaded only by `make test`): the
 # suite is mostly XLA compiling tiny programs, and glibc's malloc took about a sixth of that
@@ -35,7 +42,7 @@ train: $(STAMP)
 # Whole modules to a worker (a module-scoped fixture runs once), in the order
 # tests/conftest.py sets: modules with slow tests first, the slowest first.
 TEST_WORKERS ?= 3
-test: $(STAMP) $(PLAN_GPU_STAMP) $(MIMALLOC) slurm_packages
+test: $(STAMP) $(PLAN_GPU_STAMP) $(PLAN_TPU_STAMP) $(MIMALLOC) slurm_packages
 	LD_PRELOAD="$(PRELOAD)" $(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder $(ARGS)
 
 # Striped vs ring with one process per core (scripts/compare_demo.py): the gain the tiny
@@ -44,6 +51,8 @@ compare: $(STAMP)
 	$(VENV)/bin/python scripts/compare_demo.py $(ARGS)
 
 plan_gpu: $(PLAN_GPU_STAMP)
+
+plan_tpu: $(PLAN_TPU_STAMP)
 
 # Debian's slurm-wlm and munge, for tests/test_slurm.py (a one-node Slurm cluster of its own),
 # installed once where they are missing and apt-get runs as root. Never fails: without them
@@ -77,6 +86,12 @@ $(PLAN_GPU_STAMP): constraints.txt $(STAMP)
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps \
 	  --target $(PLAN_GPU) -c constraints.txt jax-cuda13-plugin jax-cuda13-pjrt
 	touch $(PLAN_GPU_STAMP)
+
+$(PLAN_TPU_STAMP): constraints.txt $(STAMP)
+	rm -rf $(PLAN_TPU)
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps \
+	  --target $(PLAN_TPU) -c constraints.txt libtpu && touch $(PLAN_TPU_STAMP) || \
+	  echo "could not install libtpu: the TPU plan tests will skip"
 
 $(MIMALLOC): constraints.txt $(STAMP)
 	rm -rf $(MIMALLOC_DIR)

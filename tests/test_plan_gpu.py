@@ -24,7 +24,7 @@ def h100_plan(shared_data_dir):
   """The tiny striped config (bf16 compute, remat 'none') compiled for 8 described H100s:
   (plan, compiled program's text)."""
   config = tiny_cpu_config(shared_data_dir, "striped")
-  plan, compiled = dry_run.memory_plan(config, 80.0, gpu="h100")
+  plan, compiled = dry_run.memory_plan(config, 80.0, target="h100")
   return plan, compiled.as_text()
 
 
@@ -44,7 +44,7 @@ def test_the_gpu_plan_runs_the_fused_kernel_and_keeps_bf16(tiny_config, h100_pla
   # (Not below the CPU's: XLA:CPU from JAX 0.11 computes bf16 matmuls natively too, and on
   # this tiny config its plan holds less, 8.2 against the GPU's 10.3 MB.)
   as_float32, _ = dry_run.memory_plan(tiny_config("striped", **{"model.dtype": "float32"}),
-                                      80.0, gpu="h100")
+                                      80.0, target="h100")
   assert on_gpu["temp_bytes"] < as_float32["temp_bytes"]
 
 
@@ -60,7 +60,8 @@ def test_the_gpu_plan_says_whether_every_ring_step_overlaps(h100_plan):
 def test_the_plan_says_which_link_each_ring_step_needs():
   """7B at 256k on 8 GPUs: each forward step sends a 512 MiB K/V block (32,768 tokens, 32
   KV heads of 128, bf16, plus segment ids), hidden behind its compute even between nodes;
-  a ring of 16 spans two nodes."""
+  a ring of 16 spans two nodes, and its half-length blocks' backward waits on their link
+  (768 MiB in 16 ms at 50 GB/s against 11 ms of compute); at 1M it is hidden again."""
   config = importlib.import_module("configs.7b_256k_striped").get_config()
   shape = dict.fromkeys(("data", "fsdp", "ulysses", "tensor"), 1)
   lines = ring_links.lines(config, {**shape, "sequence": 8}, 989e12, 0.4)
@@ -69,6 +70,10 @@ def test_the_plan_says_which_link_each_ring_step_needs():
   step = ring_links.ring_step(config, {**shape, "sequence": 8}, 989e12, 0.4)
   assert step["backward_bytes"] == step["forward_bytes"] + 2 * 32768 * 32 * 128 * 4
   assert step["backward_s"] == pytest.approx(2 * step["forward_s"])
+  across = ring_links.lines(config, {**shape, "sequence": 16}, 989e12, 0.4)
+  assert "backward sends 768.06 MiB" in across[2] and "link-bound" in across[2], across
+  assert "spans nodes (16 devices" in across[-1] and "waits on the 400 Gb/s link" in across[-1]
+  config = importlib.import_module("configs.7b_1m_striped").get_config()
   across = ring_links.lines(config, {**shape, "sequence": 16}, 989e12, 0.4)[-1]
   assert "spans nodes (16 devices" in across and "still hidden behind compute" in across
 
@@ -78,7 +83,7 @@ def test_offload_on_gpus_puts_exactly_the_layer_inputs_in_host_memory(tiny_confi
   compiler places it: the two agree to the byte, and the device keeps less than with no
   remat (the shared plan's 'none')."""
   offload, _ = dry_run.memory_plan(tiny_config("striped", **{"train.remat": "offload"}), 80.0,
-                                   gpu="h100")
+                                   target="h100")
   none, _ = h100_plan
   # 2 layers x 2 rows x 64 tokens x 128 wide, bf16 (as the CPU test's estimate).
   assert offload["host_temp_bytes"] == offload["offloaded_bytes"] == 2 * 2 * 64 * 128 * 2
@@ -106,15 +111,14 @@ def test_described_gpus_compile_without_autotuning_and_attached_devices_as_they_
 
 def test_a_cudnn_plan_for_described_gpus_is_one_config_error(tiny_config):
   with pytest.raises(ConfigError, match="'cudnn' cannot be planned for described GPUs"):
-    dry_run.memory_plan(tiny_config("striped", **{"model.kernel": "cudnn"}), 80.0, gpu="h100")
+    dry_run.memory_plan(tiny_config("striped", **{"model.kernel": "cudnn"}), 80.0, target="h100")
 
 
 def test_auto_compiles_for_the_accelerator_when_it_is_a_gpu():
-  assert plan_target.gpu_target("auto", "a100") == "a100"
-  assert plan_target.gpu_target("auto", "tpu_v5p") is None  # no described TPUs: the CPU
-  assert plan_target.gpu_target("cpu", "h100") is None
+  assert plan_target.described_target("auto", "a100") == "a100"
+  assert plan_target.described_target("cpu", "h100") is None
   with pytest.raises(ConfigError, match="--plan_accelerator='tpu_v5p' is none of them"):
-    plan_target.gpu_target("gpu", "tpu_v5p")
+    plan_target.described_target("gpu", "tpu_v5p")
 
 
 def _dry_run(*flags, **env):

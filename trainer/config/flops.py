@@ -14,6 +14,7 @@ MFU = FLOPs per token * tokens per second / (devices * peak FLOP/s of one device
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # Only for annotations: the GPU benchmark imports this without
@@ -31,11 +32,28 @@ PEAK_FLOPS = {
     "tpu_v4": 275e12,
     "tpu_v5e": 197e12,
     "tpu_v5p": 459e12,
+    "tpu_v6e": 918e12,
 }
+# A TPU by kind (`v5p`, `tpu_v5p`) or slice, as Cloud TPU names one (`v5p-16`).
+TPU_NAME = re.compile(r"^(?:tpu_)?(v4|v5e|v5p|v6e)(?:-(\d+))?$")
 
-# Memory of one, in GiB, of those that `plan_target.GPUS` does not describe (whose figure is
-# there): what a plan is checked against.
-MEMORY_GIB = {"tpu_v4": 32, "tpu_v5e": 16, "tpu_v5p": 95}
+
+def accelerator_key(name: str) -> str | None:
+  """The PEAK_FLOPS key of an accelerator's name (a GPU's key, a TPU kind or slice), or
+  None for a name it knows no peak of."""
+  tpu = TPU_NAME.match(name)
+  if tpu:
+    return f"tpu_{tpu.group(1)}"
+  return name if name in PEAK_FLOPS else None
+
+
+def accelerator_problem(name: str) -> str | None:
+  """The one line for an accelerator name `accelerator_key` does not know, or None."""
+  if accelerator_key(name):
+    return None
+  gpus = ", ".join(key for key in PEAK_FLOPS if not key.startswith("tpu_"))
+  return (f"--plan_accelerator={name!r} is not one of {gpus}, or a TPU kind (v4, v5e, v5p, "
+          f"v6e) or slice (v5p-16)")
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -63,11 +81,12 @@ def _keys_per_query(window: int | None, seq_len: int, sinks: int = 0) -> float:
 def accelerator_name(device_kind: str) -> str | None:
   """Best guess of the PEAK_FLOPS key from a JAX device kind ('NVIDIA H100 80GB HBM3').
 
-  JAX names a v5e chip 'TPU v5 lite' and a v5p chip 'TPU v5' (or 'TPU v5p').
+  JAX names a v5e chip 'TPU v5 lite', a v5p chip 'TPU v5' (or 'TPU v5p'), a v6e 'TPU v6 lite'.
   """
   kind = device_kind.lower().replace(" ", "")
   for name, needle in (("h200", "h200"), ("h100_pcie", "h100pcie"), ("h100", "h100"),
-                       ("a100", "a100"), ("tpu_v5p", "v5p"), ("tpu_v5e", "v5lite"),
+                       ("a100", "a100"), ("tpu_v6e", "v6lite"), ("tpu_v6e", "v6e"),
+                       ("tpu_v5p", "v5p"), ("tpu_v5e", "v5lite"),
                        ("tpu_v5e", "v5e"), ("tpu_v5p", "tpuv5"), ("tpu_v4", "v4")):
     if needle in kind:
       return name

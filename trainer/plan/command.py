@@ -22,13 +22,16 @@ _MEMORY_GIB = flags.DEFINE_float(
     "(default: --plan_accelerator's).")
 _COMPILER = flags.DEFINE_enum(
     "plan_compiler", "auto", list(COMPILERS), "Dry run: compile for described GPUs of "
-    "--plan_accelerator's kind (gpu: XLA's GPU compiler, installed by `make plan_gpu`), or for "
-    "fake CPU devices (cpu: bf16 buffers may be float32, bounded by a second compile); auto: "
-    "gpu when installed and the accelerator is a GPU.")
+    "--plan_accelerator's kind (gpu: XLA's GPU compiler, installed by `make plan_gpu`), a "
+    "described TPU slice (tpu: XLA's TPU compiler, `make plan_tpu`), or fake CPU devices "
+    "(cpu: bf16 buffers may be float32, bounded by a second compile); auto: the "
+    "accelerator's compiler when installed, else cpu.")
 _MFU = flags.DEFINE_float("plan_mfu", 0.4, "Dry run: MFU the step-time estimate assumes.")
-_ACCELERATOR = flags.DEFINE_enum(
-    "plan_accelerator", "h100", list(flops.PEAK_FLOPS), "Dry run: the accelerator whose peak "
-    "FLOP/s the step-time estimate uses, and whose memory a plan is checked against.")
+_ACCELERATOR = flags.DEFINE_string(
+    "plan_accelerator", "h100", f"Dry run: the accelerator whose peak FLOP/s the step-time "
+    f"estimate uses and whose memory a plan is checked against: one of "
+    f"{', '.join(k for k in flops.PEAK_FLOPS if not k.startswith('tpu_'))}, or a TPU kind "
+    f"(v4, v5e, v5p, v6e: as many chips as the mesh has devices) or slice (v5p-16).")
 _COMPARE = flags.DEFINE_bool(
     "compare_strategies", False, "Dry run: plan every sequence-parallel strategy and ring x "
     "Ulysses split of the config's sequence devices (trainer/plan/strategy_plan.py): memory from "
@@ -68,6 +71,8 @@ def flags_problem() -> str | None:
   # Written as `not x > 0`, so that nan is out of range too.
   if _MEMORY_GIB.value is not None and not _MEMORY_GIB.value > 0:
     return f"--device_memory_gib={_MEMORY_GIB.value:g} must be positive"
+  if flops.accelerator_problem(_ACCELERATOR.value):
+    return flops.accelerator_problem(_ACCELERATOR.value)
   if not 0 < _MFU.value <= 1:
     return f"--plan_mfu={_MFU.value:g} must be in (0, 1]"
   for flag in (_INTRA_GBPS, _INTER_GBPS, _NODE_SIZE):
@@ -81,19 +86,20 @@ def run(config: ml_collections.ConfigDict) -> None:
   # Imported here: the planner sets up JAX's (CPU) backend before it starts, and the flags
   # above are parsed and checked without JAX.
   from trainer.plan import dry_run, plan_target  # pylint: disable=g-import-not-at-top
-  # find/compare plan by the GPU they compile for; `plan` resolves the same from its flags.
-  gpu = (plan_target.gpu_target(_COMPILER.value, _ACCELERATOR.value)
-         if _FIND_MAX.value or _COMPARE.value else None)
+  # find/compare plan by what they compile for; `plan` resolves the same from its flags.
+  target = (plan_target.described_target(_COMPILER.value, _ACCELERATOR.value)
+            if _FIND_MAX.value or _COMPARE.value else None)
   for stage in stages.resolve(config):
     if stage.name:
       print(f"{stage.label}:", flush=True)
     if _FIND_MAX.value:
-      dry_run.find_max_seq_len(stage.config, _MEMORY_GIB.value, gpu=gpu,
+      dry_run.find_max_seq_len(stage.config, _MEMORY_GIB.value, target=target,
                                accelerator=_ACCELERATOR.value)
     elif _COMPARE.value:
       from trainer.plan import strategy_plan  # pylint: disable=g-import-not-at-top
       strategy_plan.compare(stage.config, _MEMORY_GIB.value, _MFU.value, _ACCELERATOR.value,
-                            _INTRA_GBPS.value, _INTER_GBPS.value, _NODE_SIZE.value, gpu=gpu)
+                            _INTRA_GBPS.value, _INTER_GBPS.value, _NODE_SIZE.value,
+                            target=target)
     else:
       dry_run.plan(stage.config, device_memory_gib=_MEMORY_GIB.value, mfu=_MFU.value,
                    accelerator=_ACCELERATOR.value, compiler=_COMPILER.value)

@@ -5,9 +5,10 @@
 The planner makes as many devices as the config's mesh has and ahead-of-time compiles the
 real train step (`trainer.core.step.jit_train_step`, the loop's own jit) from
 `jax.ShapeDtypeStruct`s: no parameter, optimizer moment or batch is ever allocated. The
-devices are GPUs of `--plan_accelerator`'s kind described to XLA's GPU compiler when it is
-installed (`trainer.plan.plan_target`, `make plan_gpu`; no GPU needed), else fake CPU
-devices (`--plan_compiler` chooses). It reads back per device: the bytes of parameters and
+devices are GPUs of `--plan_accelerator`'s kind described to XLA's GPU compiler, or a TPU
+slice's chips described to XLA's TPU compiler, when it is installed
+(`trainer.plan.plan_target`, `make plan_gpu`, `make plan_tpu`; no GPU or TPU needed), else
+fake CPU devices (`--plan_compiler` chooses). It reads back per device: the bytes of parameters and
 optimizer state (one shard of each leaf, so ZeRO and tensor sharding show); XLA's memory
 analysis (arguments, outputs, temporaries, code, and outputs aliased to donated arguments:
 peak = args + temps + outputs - aliased, judged against `device_memory_gib`); and FLOPs
@@ -122,24 +123,21 @@ def memory_figures(compiled) -> dict[str, int]:
 def plan(config: ml_collections.ConfigDict, device_memory_gib: float | None = None,
          mfu: float = 0.4, accelerator: str = "h100", floor: bool = True,
          compiler: str = "auto") -> dict[str, Any]:
-  """Compiles the config's train step for described GPUs or fake CPU devices (`compiler`,
-  see `plan_target.gpu_target`) and prints (and returns) the plan.
+  """Compiles the config's train step for described GPUs or TPU chips or fake CPU devices
+  (`compiler`, see `plan_target.described_target`) and prints (and returns) the plan.
 
   Byte figures are per device; FLOPs are per step, for the whole mesh unless named
-  `per_device`. `device_memory_gib` defaults to the described GPU's memory, else the
-  accelerator's (`flops.MEMORY_GIB`).
+  `per_device`. `device_memory_gib` defaults to the accelerator's (`plan_target.memory_gib`).
   `floor` adds the float32 compile that bounds the CPU's promotion. Raises ConfigError for a
   config that cannot run or an unknown accelerator.
   """
-  if accelerator not in flops.PEAK_FLOPS:
-    raise ConfigError(f"--plan_accelerator={accelerator!r} is not one of "
-                      f"{', '.join(flops.PEAK_FLOPS)}")
-  gpu = plan_target.gpu_target(compiler, accelerator)
-  described = _described_gpu(gpu, accelerator)
-  budget = plan_target.budget_label(described) if described and not device_memory_gib else None
-  device_memory_gib = device_memory_gib or default_memory_gib(gpu, accelerator)
+  peak_key = plan_target.peak_key(accelerator)
+  target = plan_target.described_target(compiler, accelerator)
+  budget = (plan_target.budget_label(target or accelerator) if not device_memory_gib
+            else None)
+  device_memory_gib = device_memory_gib or default_memory_gib(target, accelerator)
   start = time.monotonic()
-  out, compiled = memory_plan(config, device_memory_gib, floor, gpu)
+  out, compiled = memory_plan(config, device_memory_gib, floor, target)
   compile_s = time.monotonic() - start
 
   count = out["devices"]
@@ -149,13 +147,14 @@ def plan(config: ml_collections.ConfigDict, device_memory_gib: float | None = No
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   out["xla_flops_per_device"] = float((cost or {}).get("flops", float("nan")))
-  peak = flops.PEAK_FLOPS[accelerator]
+  peak = flops.PEAK_FLOPS[peak_key]
   out["step_time_s"] = out["analytic_flops"] / (count * peak * mfu)
   out["tokens_per_sec"] = tokens / out["step_time_s"]
   out["compile_s"] = compile_s
-  out["ring_links"] = ring_links.lines(config, out["mesh"], peak, mfu)
+  if not peak_key.startswith("tpu_"):  # NVLink and InfiniBand: GPU nodes' links
+    out["ring_links"] = ring_links.lines(config, out["mesh"], peak, mfu)
   out.update(layout_choice(config, count))
-  print_plan(config, out, device_memory_gib, mfu, accelerator, budget)
+  print_plan(config, out, device_memory_gib, mfu, peak_key, budget)
   return out
 
 
@@ -175,27 +174,23 @@ def layout_choice(config: ml_collections.ConfigDict, num_devices: int) -> dict[s
   return {"layout_table": table, "best_layout": best}
 
 
-def default_memory_gib(gpu: str | None, accelerator: str) -> float:
-  """What a plan is checked against unless told: what JAX may use of a described GPU's memory
-  (`plan_target.memory_gib`), whether the plan compiled for it or for fake CPU devices;
-  else the accelerator's memory (a TPU v5e's 16 GiB)."""
-  described = _described_gpu(gpu, accelerator)
-  return plan_target.memory_gib(described) if described else float(flops.MEMORY_GIB[accelerator])
-
-
-def _described_gpu(gpu: str | None, accelerator: str) -> str | None:
-  return gpu or (accelerator if accelerator in plan_target.GPUS else None)
+def default_memory_gib(target: str | None, accelerator: str) -> float:
+  """What a plan is checked against unless told: what JAX may use of one device of the
+  accelerator (`plan_target.memory_gib`: a GPU's share, a TPU chip's HBM), whether the plan
+  compiled for it (`target`) or for fake CPU devices."""
+  return plan_target.memory_gib(target or accelerator)
 
 
 def memory_plan(config: ml_collections.ConfigDict, device_memory_gib: float,
-                floor: bool = True, gpu: str | None = None) -> tuple[dict[str, Any], Any]:
-  """Compiles the step for `gpu` (described GPUs, `plan_target`) or fake CPU devices (with
+                floor: bool = True, target: str | None = None) -> tuple[dict[str, Any], Any]:
+  """Compiles the step for `target` (described GPUs or a TPU slice: `plan_target`) or fake
+  CPU devices (with
   `floor`, twice: also in float32) and fills in its memory figures and verdict; the
   configured compile is returned for its cost analysis."""
   count = plan_device_count(config)
-  if gpu:
-    _cpu_backend()  # JAX itself stays on the CPU; only the compile is for the GPUs.
-    devices = plan_target.devices(gpu, count)
+  if target:
+    _cpu_backend()  # JAX itself stays on the CPU; only the compile is for the target.
+    devices = plan_target.described_devices(target, count)
   else:
     devices = fake_devices(count)
   with plan_target.compiling_for(devices):  # The kernel checks, for the GPU.
@@ -205,13 +200,13 @@ def memory_plan(config: ml_collections.ConfigDict, device_memory_gib: float,
   mesh = parallelism.make_mesh(config.mesh, devices)
   compiled, state = compile_step(config, mesh)
   out = {"devices": count, "mesh": dict(mesh.shape),
-         "compiled_for": devices[0].device_kind if gpu else "cpu",
+         "compiled_for": devices[0].device_kind if target else "cpu",
          "kernel": kernel, "kernel_why": kernel_why,
          "params": sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)),
          "param_bytes": tree_shard_bytes(state.params),
          "opt_state_bytes": tree_shard_bytes(state.opt_state), **memory_figures(compiled)}
-  if gpu:
-    if config.model.attention != "dense":
+  if target:
+    if config.model.attention != "dense" and devices[0].platform == "gpu":
       out["ring_overlap"] = overlap.summary(overlap.transfers(compiled.as_text()))
     return with_verdict(accelerator_figures(out), device_memory_gib), compiled
   out["total_bytes"] = out["peak_bytes"] + out["code_bytes"]
@@ -268,12 +263,12 @@ def seq_len_unit(config: ml_collections.ConfigDict) -> int:
 
 
 def find_max_seq_len(config: ml_collections.ConfigDict, device_memory_gib: float | None = None,
-                     log=print, gpu: str | None = None, accelerator: str = "h100") -> int:
-  """The longest sequence (a multiple of `seq_len_unit`) whose figure (for `gpu`, else the
+                     log=print, target: str | None = None, accelerator: str = "h100") -> int:
+  """The longest sequence (a multiple of `seq_len_unit`) whose figure (for `target`, else the
   CPU's) fits, by doubling from the config's length and then bisecting to within 1/16; 0 if
   even one unit does not."""
   unit = seq_len_unit(config)
-  device_memory_gib = device_memory_gib or default_memory_gib(gpu, accelerator)
+  device_memory_gib = device_memory_gib or default_memory_gib(target, accelerator)
   # A probed length -> its compile's peak host memory above what the search started with
   # (not above what the probe started with: memory an earlier compile kept is reused).
   host_peaks: dict[int, int] = {}
@@ -284,7 +279,7 @@ def find_max_seq_len(config: ml_collections.ConfigDict, device_memory_gib: float
     probe.data.seq_len = seq_len
     started = time.monotonic()
     with host_memory.PeakMeter() as meter:
-      out, _ = memory_plan(probe, device_memory_gib, floor=False, gpu=gpu)
+      out, _ = memory_plan(probe, device_memory_gib, floor=False, target=target)
     if meter.peak is not None and start_rss is not None:
       host_peaks[seq_len] = max(0, meter.peak - start_rss)
     log(f"  {seq_len:>12,} tokens: {out['total_bytes'] / GIB:7.1f} GiB  "
@@ -293,7 +288,7 @@ def find_max_seq_len(config: ml_collections.ConfigDict, device_memory_gib: float
     return out["fits"]
 
   log(f"longest sequence for {device_memory_gib:.4g} GiB per device "
-      f"({gpu + ' compile' if gpu else 'CPU compile'}), in multiples of {unit:,}:")
+      f"({target + ' compile' if target else 'CPU compile'}), in multiples of {unit:,}:")
   length = max(unit, config.data.seq_len // unit * unit)
   if fits(length):
     low, high = length, None

@@ -58,7 +58,7 @@ def print_plan(config, out: dict[str, Any], memory_gib: float, mfu: float, accel
       f"  total                  {human_bytes(out['total_bytes'])}   peak + code"
       f"{' - offloaded' if out['offloaded_bytes'] and _on_cpu(out) else ''}: the verdict's "
       f"figure",
-      *([] if _on_cpu(out) else [
+      *([] if _on_cpu(out) or _on_tpu(out) else [
           "  not in it: the CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers (~0.5-2 GiB "
           "on a real GPU, outside what JAX allocates); GEMM configs are XLA's defaults (no "
           "autotuning)"]),
@@ -98,10 +98,15 @@ def _on_cpu(out: dict[str, Any]) -> bool:
   return out["compiled_for"] == "cpu"
 
 
+def _on_tpu(out: dict[str, Any]) -> bool:
+  return out["compiled_for"].startswith("TPU")
+
+
 def _devices_label(out: dict[str, Any]) -> str:
   if _on_cpu(out):
     return "fake CPU"
-  return f"{out['compiled_for']}, described to XLA's GPU compiler, none attached"
+  return (f"{out['compiled_for']}, described to XLA's {'TPU' if _on_tpu(out) else 'GPU'} "
+          f"compiler, none attached")
 
 
 def _offload_label(out: dict[str, Any]) -> str:
@@ -113,6 +118,8 @@ def _kernel_label(kernel: str, out: dict[str, Any]) -> str:
   """The kernel this plan compiles, and the one on GPUs where that differs: a CPU plan
   compiles `auto` as xla, and a plan for described GPUs as pallas (`out['kernel_why']`),
   since cuDNN's attention compiles only on an attached GPU."""
+  if _on_tpu(out):
+    return f"{parallelism.describe_kernel(kernel, 'tpu')} kernel"
   on_gpus = parallelism.describe_kernel(kernel, "gpu")
   if _on_cpu(out):
     here = parallelism.describe_kernel(kernel)

@@ -17,7 +17,9 @@ own default is 0.75); the rest is left to the CUDA context and libraries.
 The plugin lives in `.plan_gpu/` (`make plan_gpu`), not in the virtual environment: JAX
 loads every plugin it finds there in every process, and on a machine without CUDA each run
 would print that no driver was found. The planner registers it with JAX only to compile a
-GPU plan (`compiler_installed` merely looks for it).
+GPU plan (`compiler_installed` merely looks for it). TPU slices are described the same way
+by XLA's TPU compiler (`trainer.plan.tpu_target`); `described_target` and
+`described_devices` are the planner's entry for both.
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ import jax
 
 import parallelism
 from trainer.config.config_check import ConfigError
+from trainer.config import flops
 from trainer.core import xla_options
-from trainer.plan import COMPILERS
+from trainer.plan import COMPILERS, tpu_target
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PLUGIN_DIR = os.environ.get("PLAN_GPU_DIR") or os.path.join(ROOT, ".plan_gpu")
@@ -83,36 +86,67 @@ def target_config(gpu: str) -> str:
 DEFAULT_MEMORY_FRACTION = 0.95  # The Dockerfile's XLA_PYTHON_CLIENT_MEM_FRACTION.
 
 
-def gpu_target(compiler: str, accelerator: str) -> str | None:
-  """The GPU a plan compiles for (a key of `GPUS`), or None for fake CPU devices.
+def peak_key(accelerator: str) -> str:
+  """The key of `flops.PEAK_FLOPS` for `--plan_accelerator` (a GPU, a TPU kind, or a TPU
+  slice such as `v5p-16`); one line naming the kinds known for any other name."""
+  key = flops.accelerator_key(accelerator)
+  if key is None:
+    raise ConfigError(flops.accelerator_problem(accelerator))
+  return key
 
-  `auto`: the accelerator's GPU when XLA's GPU compiler is installed, else the CPU."""
+
+def described_target(compiler: str, accelerator: str) -> str | None:
+  """What a plan compiles for: the accelerator (a key of `GPUS`, or a TPU kind or slice)
+  described to its compiler, or None for fake CPU devices. `auto`: the accelerator when its
+  compiler is installed, else the CPU."""
   if compiler not in COMPILERS:
     raise ConfigError(f"--plan_compiler={compiler!r} is not one of {', '.join(COMPILERS)}")
+  peak_key(accelerator)  # an unknown accelerator stops here, whatever compiles
   if compiler == "cpu":
     return None
-  if accelerator not in GPUS:
-    if compiler == "gpu":
-      raise ConfigError(f"--plan_compiler=gpu compiles for {', '.join(GPUS)}; "
-                        f"--plan_accelerator={accelerator!r} is none of them")
-    return None
-  if compiler == "auto" and not compiler_installed():
+  platform = "tpu" if tpu_target.parse(accelerator) else "gpu"
+  if compiler not in ("auto", platform):
+    kinds = ", ".join(GPUS) if compiler == "gpu" else ", ".join(tpu_target.CHIPS)
+    raise ConfigError(f"--plan_compiler={compiler} compiles for {kinds}; "
+                      f"--plan_accelerator={accelerator!r} is none of them")
+  installed = tpu_target.compiler_installed() if platform == "tpu" else compiler_installed()
+  if compiler == "auto" and not installed:
     return None
   return accelerator
+
+
+def memory_gib(target: str) -> float:
+  """What JAX may allocate on one device of `target`: a GPU's memory times
+  `memory_fraction()`; a TPU chip's HBM."""
+  tpu = tpu_target.parse(target)
+  if tpu:
+    return tpu_target.CHIPS[tpu[0]].hbm_gib
+  return GPUS[target]["device_memory_size"] * memory_fraction() / 2.0 ** 30
+
+
+def budget_label(target: str) -> str:
+  tpu = tpu_target.parse(target)
+  if tpu:
+    return f"the {tpu_target.CHIPS[tpu[0]].hbm_gib:g} GiB HBM of a TPU {tpu[0]} chip"
+  return (f"{memory_fraction():g} of the {GPUS[target]['device_memory_size'] / 2.0 ** 30:.2f} "
+          f"GiB of an {target}: XLA_PYTHON_CLIENT_MEM_FRACTION")
 
 
 def memory_fraction() -> float:
   return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION") or DEFAULT_MEMORY_FRACTION)
 
 
-def memory_gib(gpu: str) -> float:
-  """What JAX may allocate on one `gpu`: its memory times `memory_fraction()`."""
-  return GPUS[gpu]["device_memory_size"] * memory_fraction() / 2.0 ** 30
-
-
-def budget_label(gpu: str) -> str:
-  return (f"{memory_fraction():g} of the {GPUS[gpu]['device_memory_size'] / 2.0 ** 30:.2f} "
-          f"GiB of an {gpu}: XLA_PYTHON_CLIENT_MEM_FRACTION")
+def described_devices(target: str, count: int) -> tuple[jax.Device, ...]:
+  """`count` described devices of `target`: GPUs (`devices`) or a TPU slice's chips, whose
+  size, where `target` names it (`v5p-16`), must be `count`."""
+  tpu = tpu_target.parse(target)
+  if not tpu:
+    return devices(target, count)
+  kind, chips = tpu
+  if chips is not None and chips != count:
+    raise ConfigError(f"--plan_accelerator={target} is {chips} chips; this config's mesh has "
+                      f"{count} devices")
+  return tpu_target.devices(kind, count)
 
 
 def compiler_installed() -> bool:
@@ -148,15 +182,16 @@ def devices(gpu: str, count: int) -> tuple[jax.Device, ...]:
 
 @contextlib.contextmanager
 def compiling_for(devices) -> Iterator[None]:
-  """Within: checks and compiles are for `devices`. For described GPUs that means the kernels
-  are chosen and lowered for the GPU (`parallelism.compiling_for`), and no warning that an
-  executable could not be read from JAX's persistent compilation cache (when one is
-  configured): one for described devices never can be (there is no GPU client to load it
-  on), and the compile then simply runs. For attached devices, nothing changes."""
-  if devices[0].platform != "gpu" or jax.default_backend() == "gpu":
+  """Within: checks and compiles are for `devices`. For described GPUs or TPUs that means the
+  kernels are chosen and lowered for them (`parallelism.compiling_for`), and no warning that
+  an executable could not be read from JAX's persistent compilation cache (when one is
+  configured): one for described devices never can be (there is no client to load it on),
+  and the compile then simply runs. For attached devices, nothing changes."""
+  platform = devices[0].platform
+  if platform == "cpu" or jax.default_backend() == platform:
     yield
     return
-  with parallelism.compiling_for("gpu"), warnings.catch_warnings():
+  with parallelism.compiling_for(platform), warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="Error reading persistent compilation cache")
     yield
 

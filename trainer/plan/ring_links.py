@@ -72,17 +72,19 @@ def lines(config: ml_collections.ConfigDict, shape: dict[str, int], peak: float,
         for link, bps in LINKS)
     out.append(f"  {name:<8} sends {plan_report.human_bytes(sent).strip()} against "
                f"{plan_report.human_seconds(compute)} of compute: {links}")
-  inter_name, inter_bps = LINKS[-1]
+  inter_bps = LINKS[-1][1]
   bound = any(step[f"{name}_bytes"] / inter_bps > step[f"{name}_s"]
               for name in ("forward", "backward"))
   if not crosses:
     where = f"stays inside one node ({group} of {NODE_SIZE} devices): NVLink"
   elif bound:
     where = (f"spans nodes ({group} devices with Ulysses and tensor, nodes of {NODE_SIZE}) "
-             f"and waits on the {inter_name} link: keep sequence x ulysses x tensor within "
+             f"and waits on the {inter_bps * 8 / 1e9:.0f} Gb/s link between them: keep "
+             f"sequence x ulysses x tensor within "
              f"{NODE_SIZE} (data or fsdp across nodes), or give each device a longer block")
   else:
     where = (f"spans nodes ({group} devices with Ulysses and tensor, nodes of {NODE_SIZE}): "
-             f"its slowest hop is the {inter_name} link, still hidden behind compute")
+             f"its slowest hop is the {inter_bps * 8 / 1e9:.0f} Gb/s link between them, still "
+             f"hidden behind compute")
   out.append(f"  this mesh's ring {where}")
   return out

@@ -37,7 +37,7 @@ from parallelism import traffic
 from trainer.config import flops
 from trainer.config.config_check import ConfigError
 from trainer.core.training import model_config
-from trainer.plan import dry_run, plan_report, ring_links
+from trainer.plan import dry_run, plan_report, plan_target, ring_links
 
 
 
@@ -81,12 +81,13 @@ def estimate(config: ml_collections.ConfigDict, shape: dict[str, int], balance: 
 def compare(config: ml_collections.ConfigDict, device_memory_gib: float | None = None,
             mfu: float = 0.4, accelerator: str = "h100", intra_node_gbps: float = 450.0,
             inter_node_gbps: float = 50.0, node_size: int = 8,
-            log: Callable[[str], None] = print, gpu: str | None = None) -> list[dict[str, Any]]:
+            log: Callable[[str], None] = print,
+            target: str | None = None) -> list[dict[str, Any]]:
   """Plans every split of the config's sequence devices, in every layout; prints and
-  returns the rows. Each split compiles once (for described `gpu`s, else fake CPU devices),
+  returns the rows. Each split compiles once (for described `target` devices, else fake CPU),
   in the config's layout: the layouts differ in the schedule (balance, so time), not in
   what the step holds."""
-  device_memory_gib = device_memory_gib or dry_run.default_memory_gib(gpu, accelerator)
+  device_memory_gib = device_memory_gib or dry_run.default_memory_gib(target, accelerator)
   if config.model.attention == "dense":
     raise ConfigError("--compare_strategies compares ways to split the sequence; "
                       "model.attention='dense' does not split it")
@@ -94,8 +95,8 @@ def compare(config: ml_collections.ConfigDict, device_memory_gib: float | None =
   shape = dict(zip(parallelism.MESH_AXES, parallelism.resolve_mesh_shape(config.mesh, count)))
   devices = shape["sequence"] * shape["ulysses"]
   heads = config.model.num_heads // shape["tensor"]
-  peak = flops.PEAK_FLOPS[accelerator]
-  compiled = f"for {gpu}" if gpu else "on the CPU"
+  peak = flops.PEAK_FLOPS[plan_target.peak_key(accelerator)]
+  compiled = f"for {target}" if target else "on the CPU"
   log(f"strategies for {devices} sequence devices of {count} ({config.data.seq_len:,} tokens, "
       f"{accelerator} at {mfu:.0%} MFU, links {intra_node_gbps:g} GB/s in a node of "
       f"{node_size}, {inter_node_gbps:g} GB/s across; memory compiled {compiled} in the "
@@ -111,7 +112,7 @@ def compare(config: ml_collections.ConfigDict, device_memory_gib: float | None =
     choice.mesh.sequence, choice.mesh.ulysses = ring, ulysses
     split = {**shape, "sequence": ring, "ulysses": ulysses}
     try:  # The plan checks the config first.
-      memory = dry_run.memory_plan(choice, device_memory_gib, floor=False, gpu=gpu)[0]
+      memory = dry_run.memory_plan(choice, device_memory_gib, floor=False, target=target)[0]
     except ConfigError as error:
       log(f"{strategy:>9} {f'{ring} x {ulysses}':>9}  cannot run: {error}")
       continue
