@@ -68,9 +68,11 @@ def _load_config(path: str):
 def config_files() -> list[str]:
   """Every config file under configs/ (those with a `get_config`; stages.py and the package
   file are helpers), relative to the repository."""
+  def defines_config(path):
+    with open(path, encoding="utf-8") as f:
+      return "def get_config(" in f.read()
   paths = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
-  return [os.path.relpath(p, ROOT) for p in paths
-          if "def get_config(" in open(p, encoding="utf-8").read()]
+  return [os.path.relpath(p, ROOT) for p in paths if defines_config(p)]
 
 
 def _model_source(config) -> dict:
@@ -149,6 +151,7 @@ def measure(path: str, stage: str, extra: dict, config, args, stamp: dict) -> di
 
 
 def print_table(rows: list[dict], on_device_: bool) -> None:
+  """The rows as one line each, in GiB per device."""
   compiled_for = rows[-1].get("compiled_for", jax.devices()[0].device_kind)
   print(f"\ncompiled for {compiled_for} ({'on the device' if on_device_ else 'the plan'}, "
         f"JAX {rows[-1]['jax']})")
