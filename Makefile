@@ -22,7 +22,7 @@ PLAN_GPU_STAMP := $(PLAN_GPU)/.installed-cuda13
 PLAN_TPU := .plan_tpu
 PLAN_TPU_STAMP := $(PLAN_TPU)/.installed
 
-.PHONY: train test bench compare plan_gpu plan_tpu gpu_check slurm_packages
+.PHONY: train test bench compare plan_gpu plan_tpu bench_plan gpu_check slurm_packages
 
 # mimalloc for the tests (pinned, in its own folder, preloaded only by `make test`): the
 # suite is mostly XLA compiling tiny programs, and glibc's malloc took about a sixth of that
@@ -53,6 +53,14 @@ compare: $(STAMP)
 plan_gpu: $(PLAN_GPU_STAMP)
 
 plan_tpu: $(PLAN_TPU_STAMP)
+
+# Every config under configs/ planned for described H100s at its own length (each stage of
+# a staged one), one row each in results/bench_plan.jsonl with the commit and the JAX and
+# plugin versions (scripts/bench_plan.py --all): run it when a change lands, so that a figure
+# that moves, with the code or with the compiler, is recorded. Not part of `make test` (about
+# 3 minutes of compiles on 2 cores).
+bench_plan: $(STAMP) $(PLAN_GPU_STAMP)
+	$(VENV)/bin/python scripts/bench_plan.py --all --plan_compiler=gpu $(ARGS)
 
 # Debian's slurm-wlm and munge, for tests/test_slurm.py (a one-node Slurm cluster of its own),
 # installed once where they are missing and apt-get runs as root. Never fails: without them

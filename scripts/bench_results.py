@@ -8,9 +8,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def commit() -> str:
-  """`git describe --always --dirty`: rows before and after a change sit side by side."""
-  return subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT,
-                        capture_output=True, text=True, check=False).stdout.strip()
+  """`git describe --always`, `-dirty` when a tracked file outside results/ differs from it:
+  rows before and after a change sit side by side. The rows a bench appends to results/
+  are not the code measured (a second run of `git describe --dirty` called it dirty)."""
+  def git(*args):
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                          check=False).stdout.strip()
+  changed = git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                ":(exclude)results")
+  return git("describe", "--always") + ("-dirty" if changed else "")
 
 
 def append(name: str, records: list[dict]) -> None:

@@ -101,9 +101,24 @@ def compile_step(config: ml_collections.ConfigDict, mesh) -> tuple[Any, Any]:
     batch = {name: jax.ShapeDtypeStruct((config.train.batch_size, config.data.seq_len), dtype,
                                         sharding=parts.batch_sharding)
              for name, dtype in BATCH_DTYPES.items()}
-    compiled = parts.step_fn.lower(parts.abstract_state, batch).compile(
-        compiler_options=plan_target.compiler_options(mesh.devices.flat))
+    compiled = _compile(parts.step_fn.lower(parts.abstract_state, batch), mesh.devices.flat)
   return compiled, parts.abstract_state
+
+
+def _compile(lowered, devices):
+  """`lowered` compiled with the planner's options for `devices`. Without autotuning, a GEMM
+  fusion whose default config no backend supports stops the compile ('No supported config
+  found': the 1B at 32k for described H100s, since 7854d81); XLA's autotuner, which
+  without a GPU times nothing either, finds one that compiles, so the compile is tried
+  again with it (slower: only where the fast one fails)."""
+  options = plan_target.compiler_options(devices)
+  try:
+    return lowered.compile(compiler_options=options)
+  except jax.errors.JaxRuntimeError as error:
+    if "xla_gpu_autotune_level" not in options or "No supported config found" not in str(error):
+      raise
+    return lowered.compile(compiler_options={
+        key: value for key, value in options.items() if key != "xla_gpu_autotune_level"})
 
 
 def memory_figures(compiled) -> dict[str, int]:
