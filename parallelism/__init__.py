@@ -14,7 +14,8 @@ from parallelism.mesh import (MESH_AXES, SEQUENCE_AXES, batch_sharding, batch_sh
                               logical_to_spec, make_mesh, resolve_mesh_shape)
 from parallelism.ring_attention import SAVED_NAMES, ring_attention
 from parallelism.schedule import RingSchedule, compare_layouts, ring_schedule
-from parallelism.split import Names, block_tile, shortest_ring_length, split_attention
+from parallelism.split import (Names, block_tile, length_unit, shortest_ring_length,
+                               split_attention)
 from parallelism.strategies import STRATEGIES, ULYSSES, kv_repeat
 from parallelism.target import compiling_for
 from parallelism.whole_row import per_query

@@ -44,17 +44,27 @@ def block_tile(seq_len: int, num_shards: int, tile_size: int) -> int:
   return min(tile_size, seq_len // num_shards)
 
 
+def length_unit(layout: str, num_shards: int, tile_size: int, ulysses: int = 1,
+                seq_len: int | None = None) -> int:
+  """What a sequence length of `layout` on a ring of `num_shards` devices times `ulysses`
+  must be a multiple of (what `split_attention` checks): the layout's divisor, every
+  sequence shard, and ring shards x tile where a ring block (of `seq_len`; None: of a length
+  long enough) is longer than one tile. The one rule; `shortest_ring_length`, the planner's
+  searches and the sampler's cache read it."""
+  unit = math.lcm(required_divisor(layout, num_shards), num_shards * ulysses)
+  if seq_len is None or seq_len // num_shards > tile_size:
+    unit = math.lcm(unit, num_shards * tile_size)
+  return unit
+
+
 def shortest_ring_length(length: int, layout: str, num_shards: int, tile_size: int,
                          ulysses: int = 1) -> int:
   """The smallest sequence length >= `length` that attention of `layout` takes on a ring of
-  `num_shards` devices times `ulysses` (what `split_attention` checks): a multiple of the
-  layout's divisor and of every sequence shard, and of ring shards x tile once a ring block
-  is longer than one tile."""
-  unit = math.lcm(required_divisor(layout, num_shards), num_shards * ulysses)
-  seq_len = -(-length // unit) * unit
+  `num_shards` devices times `ulysses` (`length_unit`)."""
+  up = lambda unit: -(-length // unit) * unit
+  seq_len = up(length_unit(layout, num_shards, tile_size, ulysses, seq_len=0))
   if seq_len // num_shards > tile_size:
-    unit = math.lcm(unit, num_shards * tile_size)
-    seq_len = -(-length // unit) * unit
+    seq_len = up(length_unit(layout, num_shards, tile_size, ulysses))
   return seq_len
 
 

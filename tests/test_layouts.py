@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from parallelism.layouts import LAYOUTS, check_seq_len, permutation, permute, unpermute
+from parallelism.split import length_unit, shortest_ring_length
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -60,3 +61,13 @@ def test_indivisible_lengths_raise(layout, num_shards, seq_len):
 def test_unknown_layout_raises():
   with pytest.raises(ValueError, match="unknown sequence layout"):
     permutation("spiral", 16, 2)
+
+
+def test_one_rule_for_the_lengths_a_layout_takes():
+  """`length_unit`: the layout's divisor, every sequence shard, and ring shards x tile once a
+  block is longer than a tile; the sampler's cache and the planner's searches round by it."""
+  assert length_unit("zigzag", 4, 32) == 128  # 2 x 4 shards, 4 x 32-token tiles
+  assert length_unit("zigzag", 4, 32, seq_len=64) == 8  # 16-token blocks: one short tile
+  assert length_unit("ring", 2, 32, ulysses=4, seq_len=0) == 8
+  assert shortest_ring_length(100, "zigzag", 4, 32) == 104  # 26-token blocks
+  assert shortest_ring_length(200, "striped", 4, 32) == 256  # 50 > 32: whole tiles

@@ -269,12 +269,10 @@ def seq_len_unit(config: ml_collections.ConfigDict) -> int:
   shards x the full tile)."""
   shape = dict(zip(parallelism.MESH_AXES, parallelism.resolve_mesh_shape(
       config.mesh, plan_device_count(config))))
-  shards = shape["sequence"]
-  divisor = math.lcm(parallelism.layouts.required_divisor(layout_of(config.model.attention),
-                                                          shards), shards * shape["ulysses"])
-  if config.model.attention == "dense":
-    return divisor
-  return math.lcm(divisor, shards * config.model.attention_tile)
+  dense = config.model.attention == "dense"  # no ring, no tiles: seq_len=0 leaves them out
+  return parallelism.length_unit(layout_of(config.model.attention), shape["sequence"],
+                                 config.model.attention_tile, shape["ulysses"],
+                                 seq_len=0 if dense else None)
 
 
 def find_max_seq_len(config: ml_collections.ConfigDict, device_memory_gib: float | None = None,

@@ -119,7 +119,8 @@ def compare(config: ml_collections.ConfigDict, device_memory_gib: float | None =
     # A ring of one holds the tokens unpermuted: every layout is the same there.
     layouts = [config.model.attention] if ring == 1 else list(parallelism.LAYOUTS)
     for layout in layouts:
-      if config.data.seq_len % parallelism.layouts.required_divisor(layout, ring):
+      if config.data.seq_len % parallelism.length_unit(
+          layout, ring, config.model.attention_tile, ulysses, config.data.seq_len):
         continue
       choice.model.attention = layout
       balance = traffic.attention_balance(layout, config.data.seq_len, ring,

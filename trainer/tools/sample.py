@@ -108,8 +108,8 @@ def capacity_for(length: int, config: ml_collections.ConfigDict, num_shards: int
                  ulysses: int = 1) -> int:
   """The smallest cache length >= `length` that the config's attention can prefill on a
   ring of `num_shards` devices times `ulysses`."""
-  if config.model.attention == "dense":
-    unit = parallelism.layouts.required_divisor("ring", num_shards * ulysses)
+  if config.model.attention == "dense":  # no tiles: every shard of the cache alike
+    unit = parallelism.length_unit("ring", num_shards, 0, ulysses, seq_len=0)
     return -(-length // unit) * unit
   return parallelism.shortest_ring_length(length, config.model.attention, num_shards,
                                           config.model.attention_tile, ulysses)
