@@ -24,6 +24,7 @@ from parallelism.kernel_grads import Merged
 from parallelism.masks import Mask, MaskSpec, Side
 from parallelism.schedule import ring_schedule
 from tests.test_ring_attention import packed_inputs, reference, ring_in_layout, seq_mesh
+from trainer.plan import dry_run, tpu_target
 
 _F32_TOL = dict(atol=1e-5, rtol=1e-5)
 N, BLOCK, HEADS, KV_HEADS, HEAD_DIM, TILE = 4, 256, 4, 2, 16, 128  # splash: 128-token blocks
@@ -126,3 +127,17 @@ def test_ring_attention_with_splash_matches_dense():
   got = ring_in_layout("striped", seq_mesh(N), *inputs, kernel="splash", tile_size=128)
   for name, g, w in zip(("out", "dq", "dk", "dv"), got, reference(*inputs)):
     np.testing.assert_allclose(g, np.asarray(w, np.float32), err_msg=name, **_F32_TOL)
+
+
+@pytest.mark.skipif(not tpu_target.compiler_installed(),
+                    reason=f"XLA's TPU compiler (libtpu) is not in {tpu_target.PLUGIN_DIR}: "
+                           f"`make plan_tpu`")
+def test_auto_compiles_splash_for_a_described_tpu_slice(tiny_config):
+  """The tiny striped config at 128-token ring blocks, planned for a v5e slice: `auto` runs
+  splash, and Mosaic compiles its forward, dq and dK/dV kernels (not interpreted)."""
+  config = tiny_config("striped", **{"data.seq_len": 512, "model.attention_tile": 128})
+  plan, compiled = dry_run.memory_plan(config, 16.0, target="v5e")
+  assert plan["kernel"] == "splash" and plan["fits"]
+  text = compiled.as_text()
+  for phase in ("fwd", "dq", "dkv"):
+    assert f"splash_mha_{phase}_segmented" in text, phase
