@@ -3,13 +3,13 @@ mask it can express, the `xla` kernel for the rest. What `auto` runs on TPUs; el
 CPU, in tests) splash runs in Pallas's interpret mode.
 
 Splash is a maintained kernel library (`jax.experimental.pallas.ops.tpu.splash_attention`),
-so this module only maps the contract onto it. Each distinct block pair of the static
-schedule has a mask shape (`schedule.shapes`); a call branches once on it (`lax.switch`):
-- full: splash's FullMask; causal (key j seen by query i iff j <= i): CausalMask;
-- strictly_causal (j < i): CausalMask with offset -1 (splash's rule: i + offset >= j);
-- empty: out 0, lse -inf, zero gradients; general (a window that cuts the pair, zigzag's
-  halves): the xla kernel.
-Splash builds its block-sparse MaskInfo on the host, once per pair shape (`_splash`).
+so this module only maps the contract onto it. A call branches once on the distinct block
+pair (`lax.switch`, static per pair): an `empty` pair gives out 0, lse -inf, zero gradients.
+Where both blocks' tokens are evenly spaced with one stride (ring's and striped's blocks),
+what query i sees of key j is a band of i - j (`band`): splash's FullMask, CausalMask with
+an offset (causal, strictly causal: splash's rule i + offset >= j) or, with a window,
+LocalMask; splash builds its block-sparse MaskInfo on the host, once per band (`_splash`).
+Other pairs (zigzag's halves) run the xla kernel.
 Packed documents are its SegmentIds; GQA its MHA path with fewer K/V heads (q head h reads
 K/V head h // G, as the contract). Splash takes no softmax scale: q is scaled before the
 call (dq by the scale after); its soft cap then caps the scaled logits, as `masks.logits`.
@@ -18,8 +18,8 @@ Forward: the public kernel with `save_residuals=True`, whose residual is the nat
 logsumexp (`log(l) + m`, [H, T]). Backward: splash's private dq and dK/dV kernels take the
 logsumexp and `di` (delta) as inputs, so given the ring's GLOBAL lse and delta they return
 this pair's share of the global gradient; they are read against the JAX versions in
-`CHECKED_JAX` (another stops with a message). Gradients come in the operands' dtype,
-widened to float32 for the ring's sums (as cuDNN's).
+`CHECKED_JAX` (another stops with a message). Output and gradients come in the operands'
+dtype, widened to float32 for the ring's merge and sums (as cuDNN's).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from parallelism import kernel_xla, target
@@ -92,16 +93,34 @@ def _interpret() -> bool:
   return target.backend() != "tpu"
 
 
+def band(q_index_T, k_index_T, window: int | None) -> tuple[int, int | None] | None:
+  """(lo, hi): query i of the pair sees key j (segment ids aside) iff lo <= i - j <= hi
+  (hi None: no bound), where both blocks' original token indices are evenly spaced with one
+  stride; None where they are not. Query i's distance to key j is then
+  stride * (i - j) + gap, seen from 0 to the window less one (`masks.visible`)."""
+  q, k = (np.asarray(x, np.int64) for x in (q_index_T, k_index_T))
+  stride = int(q[1] - q[0]) if q.size > 1 else 1
+  if stride < 1 or (np.diff(q) != stride).any() or (np.diff(k) != stride).any():
+    return None
+  gap, length = int(q[0] - k[0]), q.size
+  lo = max(-(gap // stride), 1 - length)  # below 1 - T every key is on that side
+  hi = None if window is None else (window - 1 - gap) // stride
+  return lo, (None if hi is None or hi >= length - 1 else hi)
+
+
 @functools.lru_cache(maxsize=64)
-def _splash(shape: str, length: int, heads: int, block: int, softcap: float,
+def _splash(lo: int, hi: int | None, length: int, heads: int, block: int, softcap: float,
             interpret: bool):
-  """Splash's kernel for one pair shape: its MaskInfo (forward, dq, dK/dV) is built with
-  NumPy here, once per shape, length, heads and block."""
+  """Splash's kernel for one band (`band`): its MaskInfo (forward, dq, dK/dV) is built with
+  NumPy here, once per band, length, heads and block."""
   kernel_lib, mask_lib = api()
   size = (length, length)
-  one = {"full": lambda: mask_lib.FullMask(size),
-         "causal": lambda: mask_lib.CausalMask(size),
-         "strictly_causal": lambda: mask_lib.CausalMask(size, offset=-1)}[shape]()
+  if hi is not None:  # i - lo - (hi - lo) <= j <= i - lo
+    one = mask_lib.LocalMask(size, window_size=(hi - lo, 0), offset=-lo)
+  elif lo > 1 - length:  # j <= i - lo
+    one = mask_lib.CausalMask(size, offset=-lo)
+  else:
+    one = mask_lib.FullMask(size)
   sizes = kernel_lib.BlockSizes(
       block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
       block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
@@ -112,12 +131,16 @@ def _splash(shape: str, length: int, heads: int, block: int, softcap: float,
         interpret=interpret)
 
 
-def _kernel(shape: str, q_BTHD, spec: MaskSpec, tile: int):
+def _kernel(schedule: RingSchedule, p: int, q_BTHD, spec: MaskSpec, tile: int):
+  """Splash's kernel for distinct pair `p`, or None where its mask is no band."""
   length = q_BTHD.shape[1]
   block = block_size(length, tile)
   if block is None:
     raise ValueError(f"model.kernel='splash': {shape_reason(q_BTHD.shape, tile)}")
-  return _splash(shape, length, q_BTHD.shape[2], block, float(spec.softcap), _interpret())
+  bounds = band(*(index_PT[p] for index_PT in schedule.pair_index), spec.window)
+  if bounds is None:
+    return None
+  return _splash(*bounds, length, q_BTHD.shape[2], block, float(spec.softcap), _interpret())
 
 
 def _heads_first(*xs_BTH):
@@ -193,10 +216,10 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, mask: Mask, *, schedule: RingSchedule, pai
   def branch(shape: str, p: int):
     if shape == "empty":
       return (jnp.zeros(q_BTHD.shape, _F32), jnp.full(q_BTHD.shape[:3], -jnp.inf, _F32))
-    if shape == "general":
+    kernel = _kernel(schedule, p, q_BTHD, mask.spec, tile)
+    if kernel is None:
       return kernel_xla.block_fwd(q_BTHD, k_BTKD, v_BTKD, mask, schedule=schedule,
                                   pair=jnp.int32(p), tile=tile, index=index)
-    kernel = _kernel(shape, q_BTHD, mask.spec, tile)
     return _splash_fwd(kernel, q_BTHD, k_BTKD, v_BTKD, mask)
 
   return _by_shape(schedule, pair, branch)
@@ -211,10 +234,10 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, mask: Mask, merged: Merged, *, schedule: R
   def branch(shape: str, p: int):
     if shape == "empty":
       return Grads(*(jnp.zeros(x.shape, _F32) for x in (q_BTHD, k_BTKD, v_BTKD)))
-    if shape == "general":
+    kernel = _kernel(schedule, p, q_BTHD, mask.spec, tile)
+    if kernel is None:
       return kernel_xla.block_bwd(q_BTHD, k_BTKD, v_BTKD, mask, merged, schedule=schedule,
                                   pair=jnp.int32(p), tile=tile, index=index)
-    kernel = _kernel(shape, q_BTHD, mask.spec, tile)
     return _splash_bwd(kernel, q_BTHD, k_BTKD, v_BTKD, mask, merged)
 
   return _by_shape(schedule, pair, branch)

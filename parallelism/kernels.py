@@ -105,8 +105,8 @@ def choose(name: str, spec: MaskSpec, q_shape, k_shape, tile: int, dtype,
   `general` blocks (windows, zigzag), which the cudnn kernel hands to pallas anyway (and
   was measured slower doing so); then `xla` where Triton cannot take the blocks, which the
   cudnn kernel's own pallas branches need too. `splash` (TPUs) hands to `xla` the specs it
-  cannot apply and blocks it cannot tile (`kernel_splash.shape_reason`); its `general`
-  pairs it hands to xla itself."""
+  cannot apply and blocks it cannot tile (`kernel_splash.shape_reason`); pairs whose mask is
+  no band of i - j (zigzag's halves) it hands to xla itself."""
   chosen, reasons = resolve(name), []
   while chosen in _NEXT:
     reason = KERNELS[chosen].unsupported(spec)

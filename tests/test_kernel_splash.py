@@ -2,7 +2,8 @@
 xla reference kernel, and the choice that runs it on TPUs only.
 
 Block pairs come from real schedules: ring's full, causal and empty pairs, striped's causal
-and strictly causal ones, with GQA (4 query heads on 2 K/V heads). Row 1 of each batch is
+and strictly causal ones, and both layouts' pairs that a window cuts (splash's LocalMask),
+with GQA (4 query heads on 2 K/V heads). Row 1 of each batch is
 packed with three documents whose boundaries fall inside blocks, so some of its queries see
 no key of a pair (out 0, lse -inf) next to ones that do. The backward gets a GLOBAL `Merged`
 (its own out, dout and an lse that other blocks raised; a few queries that see nothing at
@@ -37,9 +38,9 @@ def _segments(index_BT):
   return seg
 
 
-def _pairs(layout):
+def _pairs(layout, window=None):
   """(query device, key device) of each distinct pair of the layout's schedule."""
-  schedule = ring_schedule(layout, N * BLOCK, N)
+  schedule = ring_schedule(layout, N * BLOCK, N, window)
   found = {}
   for dq in range(N):
     for step in range(N):
@@ -69,18 +70,20 @@ def _errors(got, want):
   return err, err / max(np.abs(want[finite]).max(initial=0.0), 1e-30)
 
 
-@pytest.mark.parametrize("layout, packed, softcap", [
-    ("ring", True, 0.0), ("striped", True, 0.0), ("striped", False, 2.0)])
-def test_splash_matches_xla(layout, packed, softcap):
-  """Forward (out, lse) and backward (dq, dk, dv) of every distinct pair of the layout."""
+@pytest.mark.parametrize("layout, packed, softcap, window", [
+    ("ring", True, 0.0, None), ("striped", True, 0.0, None), ("striped", False, 2.0, 300),
+    ("ring", True, 0.0, 300)])
+def test_splash_matches_xla(layout, packed, softcap, window):
+  """Forward (out, lse) and backward (dq, dk, dv) of every distinct pair of the layout;
+  with a window every non-empty pair is one splash takes (a band), none left to xla."""
   rng = np.random.default_rng(0)
   q, dout, out_g = (rng.standard_normal((2, BLOCK, HEADS, HEAD_DIM), np.float32)
                     for _ in range(3))
   k, v = (rng.standard_normal((2, BLOCK, KV_HEADS, HEAD_DIM), np.float32) for _ in range(2))
   lift = rng.standard_normal((2, BLOCK, HEADS)).astype(np.float32) + 1.0
   lift[1, ::7] = -np.inf  # with the block's own -inf: queries that see nothing at all
-  schedule, pairs = _pairs(layout)
-  run = _run(schedule, MaskSpec(softcap=softcap))
+  schedule, pairs = _pairs(layout, window)
+  run = _run(schedule, MaskSpec(window, softcap=softcap))
   shapes, partly_seen = set(), False
   for pair, (dq, dk) in sorted(pairs.items()):
     segs = ((_segments(np.stack([schedule.order[d]] * 2)) for d in (dq, dk)) if packed
@@ -97,10 +100,14 @@ def test_splash_matches_xla(layout, packed, softcap):
                                  err_msg=f"{name} {where}", **_F32_TOL)
       print(f"{where} {name}: max abs error %.2e, relative to max %.2e" % _errors(got, want))
     shapes.add(schedule.shapes[pair])
+    assert kernel_splash.band(*(x[pair] for x in schedule.pair_index), window), where
     unseen_BT = np.isneginf(want_lse).all(-1)
     partly_seen |= bool((unseen_BT.any(-1) & ~unseen_BT.all(-1)).any())
-  assert shapes == ({"full", "causal", "empty"} if layout == "ring"
-                    else {"causal", "strictly_causal"}), shapes
+  if window:
+    assert "general" in shapes, shapes
+  else:
+    assert shapes == ({"full", "causal", "empty"} if layout == "ring"
+                      else {"causal", "strictly_causal"}), shapes
   assert partly_seen, "the cases must include rows of which only some queries see keys"
 
 
@@ -119,6 +126,8 @@ def test_auto_runs_splash_on_tpus_only():
                                jnp.bfloat16)
   assert chosen == "xla" and "multiples of 128" in why
   assert kernel_splash.block_size(BLOCK, 512) == 128 and kernel_splash.block_size(1024, 512) == 512
+  zigzag = ring_schedule("zigzag", N * BLOCK, N)  # its halves are no band: xla's
+  assert not all(kernel_splash.band(q, k, None) for q, k in zip(*zigzag.pair_index))
 
 
 def test_ring_attention_with_splash_matches_dense():
