@@ -82,7 +82,8 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
   # (Ulysses over mesh.ulysses inside a ring over mesh.sequence). Every layout works with each.
   config.model.sequence_parallel = "ring"
   # Block kernel of ring layouts (parallelism/kernels.py): auto (cudnn on GPUs, splash on
-  # TPUs, else xla), xla, pallas, cudnn (CUDA GPUs) or splash (TPUs; interpreted elsewhere). Dense attention is cuDNN's on CUDA GPUs, else plain.
+  # TPUs, else xla), xla, pallas, cudnn (CUDA GPUs) or splash (TPUs; interpreted elsewhere).
+  # Dense attention is cuDNN's on CUDA GPUs, else plain.
   # The loop prints the one it runs; config.json records it.
   config.model.kernel = "auto"
   config.model.attention_tile = 512  # Query/key tile of the blockwise kernels (tile skipping).
