@@ -81,8 +81,9 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
   # ulysses (all-to-all over mesh.ulysses: whole sequence, a shard of the heads) or hybrid
   # (Ulysses over mesh.ulysses inside a ring over mesh.sequence). Every layout works with each.
   config.model.sequence_parallel = "ring"
-  # Block kernel of ring layouts (parallelism/kernels.py): auto (cudnn on GPUs, else xla),
-  # xla, pallas, or cudnn (CUDA GPUs). Dense attention is cuDNN's on CUDA GPUs, else plain.
+  # Block kernel of ring layouts (parallelism/kernels.py): auto (cudnn on GPUs, splash on
+  # TPUs, else xla), xla, pallas, cudnn (CUDA GPUs) or splash (TPUs; interpreted elsewhere).
+  # Dense attention is cuDNN's on CUDA GPUs, else plain.
   # The loop prints the one it runs; config.json records it.
   config.model.kernel = "auto"
   config.model.attention_tile = 512  # Query/key tile of the blockwise kernels (tile skipping).

@@ -20,15 +20,16 @@ schedule (`parallelism.schedule`) gives that device at that ring step:
 Each kernel declares the specs it cannot apply (`BlockKernel.unsupported`); `choose` is the
 one function that picks the kernel for a layer's spec, once per setup. `xla` is the
 reference (any backend, every spec); `pallas` is fused (Triton on GPUs, interpreted on the
-CPU); `cudnn` is cuDNN's flash attention where the pair's mask allows. A new kernel is one
-module and one line in `KERNELS`.
+CPU); `cudnn` is cuDNN's flash attention where the pair's mask allows; `splash` is JAX's
+Pallas TPU splash attention likewise (interpreted off TPUs). A new kernel is one module and
+one line in `KERNELS`.
 """
 
 from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-from parallelism import kernel_cudnn, kernel_pallas, kernel_xla, target
+from parallelism import kernel_cudnn, kernel_pallas, kernel_splash, kernel_xla, target
 from parallelism.kernel_grads import Grads, Merged  # noqa: F401  (the contract's types)
 from parallelism.masks import MaskSpec
 
@@ -47,21 +48,25 @@ KERNELS = {
                           kernel_pallas.unsupported),
     "cudnn": BlockKernel(kernel_cudnn.block_fwd, kernel_cudnn.block_bwd,
                          kernel_cudnn.unsupported),
+    "splash": BlockKernel(kernel_splash.block_fwd, kernel_splash.block_bwd,
+                          kernel_splash.unsupported),
 }
 # Where a kernel cannot take a layer's blocks, the next that may.
-_NEXT = {"cudnn": "pallas", "pallas": "xla"}
+_NEXT = {"cudnn": "pallas", "pallas": "xla", "splash": "xla"}
+_BY_BACKEND = {"gpu": "cudnn", "tpu": "splash"}  # what `auto` resolves to; elsewhere xla
 
 
 def resolve(name: str, backend: str | None = None) -> str:
   """The kernel `name` runs on `backend` (default: `target.backend()`, JAX's or a plan's
-  described GPUs). `auto` is `cudnn` on GPUs, the faster fused kernel there by `make
-  gpu_check` (figures: README, results/gpu_check/), and `xla` elsewhere: on the CPU `pallas`
-  only interprets, and neither has a TPU lowering. Where cuDNN cannot take a layer, `choose`
-  goes on to `pallas`, then `xla`."""
+  described GPUs or TPUs). `auto` is `cudnn` on GPUs, the faster fused kernel there by `make
+  gpu_check` (figures: README, results/gpu_check/), `splash` on TPUs (Pallas Mosaic, the
+  only fused kernel with a TPU lowering), and `xla` elsewhere: on the CPU the Pallas
+  kernels only interpret. Where cuDNN cannot take a layer, `choose` goes on to `pallas`,
+  then `xla`; where splash cannot, to `xla`."""
   check_name(name)
   if name != AUTO:
     return name
-  return "cudnn" if (backend or target.backend()) == "gpu" else "xla"
+  return _BY_BACKEND.get(backend or target.backend(), "xla")
 
 
 def check_name(name: str) -> None:
@@ -99,7 +104,9 @@ def choose(name: str, spec: MaskSpec, q_shape, k_shape, tile: int, dtype,
   where cuDNN cannot run here (a plan's described GPUs, another JAX) and for schedules with
   `general` blocks (windows, zigzag), which the cudnn kernel hands to pallas anyway (and
   was measured slower doing so); then `xla` where Triton cannot take the blocks, which the
-  cudnn kernel's own pallas branches need too."""
+  cudnn kernel's own pallas branches need too. `splash` (TPUs) hands to `xla` the specs it
+  cannot apply and blocks it cannot tile (`kernel_splash.shape_reason`); pairs whose mask is
+  no band of i - j (zigzag's halves) it hands to xla itself."""
   chosen, reasons = resolve(name), []
   while chosen in _NEXT:
     reason = KERNELS[chosen].unsupported(spec)
@@ -108,6 +115,8 @@ def choose(name: str, spec: MaskSpec, q_shape, k_shape, tile: int, dtype,
       if name == AUTO and general and not reason:
         reason = ("blocks whose masks cuDNN cannot express (a window, zigzag's halves): the "
                   "cudnn kernel would hand them to pallas")
+    if chosen == "splash" and not reason:
+      reason = kernel_splash.shape_reason(q_shape, tile)
     if not reason:
       break
     chosen, reasons = _NEXT[chosen], reasons + [reason]
