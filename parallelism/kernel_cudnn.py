@@ -36,7 +36,7 @@ from jax import lax
 from parallelism import cudnn_packing, kernel_pallas, target
 from parallelism.kernel_grads import Grads, Merged
 from parallelism.masks import Mask, MaskSpec
-from parallelism.schedule import RingSchedule
+from parallelism.schedule import RingSchedule, by_pair_shape
 
 # JAX versions whose jax/_src/cudnn/fused_attention_stablehlo.py this module was read
 # against; on another the kernel stops with a message instead of calling what may differ.
@@ -181,12 +181,6 @@ def _check(spec: MaskSpec) -> None:
     raise ValueError(f"{reason}: kernels.choose runs another kernel")
 
 
-def _by_shape(schedule: RingSchedule, pair, branch):
-  """`branch(shape, p)` of the traced `pair`, one static branch per distinct pair."""
-  branches = [functools.partial(branch, shape, p) for p, shape in enumerate(schedule.shapes)]
-  return branches[0]() if len(branches) == 1 else lax.switch(pair, branches)
-
-
 def _shifted(x_BT, first: bool):
   """A strictly causal pair's segment ids as a causal pair's: queries from row 1, keys up
   to row T-2 (the packing then leaves the last query and key row out of every sequence)."""
@@ -252,7 +246,7 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, mask: Mask, *, schedule: RingSchedule, pai
         q_seg_BT, k_seg_BT, causal,
         lambda packing: _attend(q_BTHD, k_BTKD, v_BTKD, causal, packing), by_pallas, nothing)
 
-  return _by_shape(schedule, pair, branch)
+  return by_pair_shape(schedule, pair, branch)
 
 
 def block_bwd(q_BTHD, k_BTKD, v_BTKD, mask: Mask, merged: Merged, *, schedule: RingSchedule,
@@ -287,4 +281,4 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, mask: Mask, merged: Merged, *, schedule: R
         lambda packing: Grads(*_grads(q_BTHD, k_BTKD, v_BTKD, merged, causal, packing)),
         by_pallas, nothing)
 
-  return _by_shape(schedule, pair, branch)
+  return by_pair_shape(schedule, pair, branch)

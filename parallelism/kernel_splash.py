@@ -29,12 +29,11 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from parallelism import kernel_xla, target
 from parallelism.kernel_grads import Grads, Merged
 from parallelism.masks import Mask, MaskSpec
-from parallelism.schedule import RingSchedule
+from parallelism.schedule import RingSchedule, by_pair_shape
 
 # JAX versions whose splash_attention_kernel.py (`_splash_attention_bwd_dq`, `_dkv`, the
 # logsumexp residual) this module was read against.
@@ -202,12 +201,6 @@ def _check(spec: MaskSpec) -> None:
     raise ValueError(f"{reason}: kernels.choose runs another kernel")
 
 
-def _by_shape(schedule: RingSchedule, pair, branch):
-  """`branch(shape, p)` of the traced `pair`, one static branch per distinct pair."""
-  branches = [functools.partial(branch, shape, p) for p, shape in enumerate(schedule.shapes)]
-  return branches[0]() if len(branches) == 1 else lax.switch(pair, branches)
-
-
 def block_fwd(q_BTHD, k_BTKD, v_BTKD, mask: Mask, *, schedule: RingSchedule, pair,
               tile: int, index=None) -> tuple[jax.Array, jax.Array]:
   """Attention of a query block on a key block: (out [B,Tq,Hq,D] f32, lse [B,Tq,Hq] f32)."""
@@ -222,7 +215,7 @@ def block_fwd(q_BTHD, k_BTKD, v_BTKD, mask: Mask, *, schedule: RingSchedule, pai
                                   pair=jnp.int32(p), tile=tile, index=index)
     return _splash_fwd(kernel, q_BTHD, k_BTKD, v_BTKD, mask)
 
-  return _by_shape(schedule, pair, branch)
+  return by_pair_shape(schedule, pair, branch)
 
 
 def block_bwd(q_BTHD, k_BTKD, v_BTKD, mask: Mask, merged: Merged, *, schedule: RingSchedule,
@@ -240,4 +233,4 @@ def block_bwd(q_BTHD, k_BTKD, v_BTKD, mask: Mask, merged: Merged, *, schedule: R
                                   pair=jnp.int32(p), tile=tile, index=index)
     return _splash_bwd(kernel, q_BTHD, k_BTKD, v_BTKD, mask, merged)
 
-  return _by_shape(schedule, pair, branch)
+  return by_pair_shape(schedule, pair, branch)

@@ -389,5 +389,14 @@ def main() -> None:
     raise SystemExit(f"error: {error}") from None
 
 
+def by_pair_shape(schedule: RingSchedule, pair, branch):
+  """`branch(shape, p)` of the traced `pair`: one static branch per distinct pair of
+  `schedule` (`lax.switch`), or the one pair's without a switch. How the kernels that call
+  a library per mask shape (cudnn, splash) pick theirs."""
+  branches = [functools.partial(branch, shape, p) for p, shape in enumerate(schedule.shapes)]
+  return branches[0]() if len(branches) == 1 else lax.switch(pair, branches)
+
+
 if __name__ == "__main__":
   main()  # also `python -m parallelism`, which Python runs without a RuntimeWarning
+

@@ -4,7 +4,6 @@ trainer (data neither model); and inside `trainer/` each sub-package imports onl
 below it, in the order of `trainer/__init__.py`."""
 
 import ast
-import importlib
 import os
 
 import pytest
@@ -57,15 +56,3 @@ def test_each_trainer_package_imports_only_the_ones_below_it():
                                       or order.index(parts[1]) > rank):
           wrong.append(f"{os.path.relpath(path, ROOT)}:{line} imports {module}")
   assert not wrong, wrong
-
-
-def test_an_old_flat_module_path_names_its_new_one():
-  for layer, modules in trainer.MOVED.items():
-    for module in modules:
-      assert os.path.isfile(os.path.join(ROOT, "trainer", layer, f"{module}.py"))
-  with pytest.raises(ModuleNotFoundError, match=r"^trainer\.loop is now trainer\.run\.loop$"):
-    importlib.import_module("trainer.loop")
-  with pytest.raises(ImportError, match=r"^trainer\.stages is now trainer\.config\.stages$"):
-    from trainer import stages  # noqa: F401  pylint: disable=import-outside-toplevel
-  with pytest.raises(ModuleNotFoundError, match="No module named 'trainer.nowhere'"):
-    importlib.import_module("trainer.nowhere")

@@ -115,18 +115,18 @@ def _offload_label(out: dict[str, Any]) -> str:
 
 
 def _kernel_label(kernel: str, out: dict[str, Any]) -> str:
-  """The kernel this plan compiles, and the one on GPUs where that differs: a CPU plan
-  compiles `auto` as xla, and a plan for described GPUs as pallas (`out['kernel_why']`),
-  since cuDNN's attention compiles only on an attached GPU."""
-  if _on_tpu(out):
-    return f"{parallelism.describe_kernel(kernel, 'tpu')} kernel"
-  on_gpus = parallelism.describe_kernel(kernel, "gpu")
+  """The kernel this plan compiles, and the one on its accelerator where that differs: a CPU
+  plan compiles `auto` as xla, a plan for described GPUs as pallas (`out['kernel_why']`),
+  since cuDNN's attention compiles only on an attached GPU, and one for a TPU slice as
+  splash, or xla where splash cannot tile the blocks."""
+  platform = "tpu" if _on_tpu(out) else "gpu"
+  on_target = parallelism.describe_kernel(kernel, platform)
   if _on_cpu(out):
     here = parallelism.describe_kernel(kernel)
-    return f"{here} kernel" if here == kernel else f"{here} kernel, {on_gpus}"
-  if out.get("kernel") in (None, parallelism.resolve_kernel(kernel, "gpu")):
-    return f"{on_gpus} kernel"
-  return f"{on_gpus} kernel, compiled here as {out['kernel_why']}"
+    return f"{here} kernel" if here == kernel else f"{here} kernel, {on_target}"
+  if out.get("kernel") in (None, parallelism.resolve_kernel(kernel, platform)):
+    return f"{on_target} kernel"
+  return f"{on_target} kernel, compiled here as {out['kernel_why']}"
 
 
 def verdict_line(out: dict[str, Any], memory_gib: float) -> str:
