@@ -316,9 +316,10 @@ def test_the_gpu_checks_ring_emulation_runs_cudnn_blocks(reference_cudnn):
   sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
   import bench_kernel  # pylint: disable=g-import-not-at-top
   rows = []
-  bench_kernel.part_ring(kernel_pallas.DEFAULT_CONFIG, [128], 4, 2, 50e9,
+  bench_kernel.part_ring(kernel_pallas.DEFAULT_CONFIG, [128], 4, 2,
                          record=lambda **row: rows.append(row), kernel="cudnn")
-  assert [(r["layout"], r["kernel"]) for r in rows] == [(l, "cudnn") for l in LAYOUTS]
+  assert [(r["link"], r["layout"], r["kernel"]) for r in rows] == [
+      (link, l, "cudnn") for link in bench_kernel.LINKS for l in LAYOUTS]
   assert all(r["critical_fwd_bwd_s"] > 0 for r in rows)
 
 
