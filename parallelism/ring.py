@@ -7,12 +7,9 @@ query block has met every key block, and SparseK's scores' gradient travels with
 run-time codes the queries and keys are sorted first, the keys travel sorted, and the
 results are unsorted at the end (`parallelism.sorting`). The next transfer is issued before
 the current block is computed so communication can overlap compute. Partial (out, lse) pairs
-merge by the stable log-sum-exp rule.
-
-What each device computes at each step is the layout's static schedule
-(`parallelism.schedule`): the ring looks up its block pair in a small table by device and
-step, skips the kernel for a pair with nothing to compute, and hands the pair to the block
-kernel (`parallelism.kernels`), which reads the pair's tile lists.
+merge by the stable log-sum-exp rule. Each step's block pair is the layout's static schedule
+(`parallelism.schedule`), looked up by device and step; a pair with nothing to compute skips
+the kernel, the others go to the block kernel (`parallelism.kernels`).
 
 The backward is a second ring pass that recomputes each block's probabilities from the
 global output and lse. Each block's dK/dV accumulator starts on its owner and follows its

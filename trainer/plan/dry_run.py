@@ -8,14 +8,11 @@ real train step (`trainer.core.step.jit_train_step`, the loop's own jit) from
 devices are GPUs of `--plan_accelerator`'s kind described to XLA's GPU compiler, or a TPU
 slice's chips described to XLA's TPU compiler, when it is installed
 (`trainer.plan.plan_target`, `make plan_gpu`, `make plan_tpu`; no GPU or TPU needed), else
-fake CPU devices (`--plan_compiler` chooses). It reads back per device: the bytes of parameters and
-optimizer state (one shard of each leaf, so ZeRO and tensor sharding show); XLA's memory
-analysis (arguments, outputs, temporaries, code, and outputs aliased to donated arguments:
-peak = args + temps + outputs - aliased, judged against `device_memory_gib`); and FLOPs
-per step (`trainer.config.flops`, causal attention as half, no remat recompute) beside
-XLA's `cost_analysis()`, with the step time and tokens/sec they imply at `mfu`. A GPU
-compile's schedule also says whether each ring transfer overlaps a kernel
-(`parallelism.overlap`).
+fake CPU devices (`--plan_compiler`). It reads back per device: parameters and optimizer
+state (one shard of each leaf); XLA's memory analysis (peak = args + temps + outputs -
+aliased, judged against `device_memory_gib`); FLOPs per step (`trainer.config.flops`)
+beside XLA's `cost_analysis()`, with the step time and tokens/sec at `mfu`; and from a GPU
+compile's schedule, whether each ring transfer overlaps a kernel (`parallelism.overlap`).
 
 A GPU compile's figure is the GPU's own buffer assignment: "fits" or "does NOT fit". A CPU
 compile may keep some bf16 buffers as float32, so its temporaries may err high; the planner
