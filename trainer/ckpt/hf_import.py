@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from safetensors import safe_open
 
 from model.config import ModelConfig
+from trainer.config.models import model_config
 from model.hf_format import HFFormatError, hf_shapes, model_fields, tensor_names, to_ours
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -78,7 +79,7 @@ def apply_to_config(config: ml_collections.ConfigDict,
   if not config.data.tokenizer:
     config.data.tokenizer = _tokenizer_file(directory)
   _check_tokenizer(config.data.tokenizer, config.model.vocab_size, where)
-  check_tensors(directory, ModelConfig(**config.model.to_dict()))
+  check_tensors(directory, model_config(config))
   m = config.model
   scaling = m.rope_scaling.type + (f" x{m.rope_scaling.factor:g}"
                                    if m.rope_scaling.type != "default" else "")

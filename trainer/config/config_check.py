@@ -16,8 +16,9 @@ import data
 import parallelism
 from data.config import RESERVED_PIECES
 from trainer.config import fields, flops, needle_grid, stages
+from trainer.config.models import model_config
 from model import ATTENTIONS, KERNELS, REMAT_POLICIES
-from model.config import ModelConfig, layout_of
+from model.config import layout_of
 from model.rope import RopeScaling
 
 WANDB_MODES = ("auto", "online", "offline", "disabled")
@@ -75,7 +76,7 @@ def _check_one(config: ml_collections.ConfigDict, num_devices: int) -> None:
            f"(or set model.head_dim)")
   rope_problem = RopeScaling(**m.rope_scaling.to_dict()).problem()
   _require(not rope_problem, rope_problem)
-  model_cfg = ModelConfig(**m.to_dict(), span_length=config.data.seq_len)
+  model_cfg = model_config(config)
   pattern_problem = model_cfg.pattern_problem()
   _require(not pattern_problem, pattern_problem)
   _require(head_size % 2 == 0, f"head size {head_size} must be even for rotary embeddings "
@@ -207,7 +208,7 @@ def attention_split(config: ml_collections.ConfigDict, num_devices: int,
   layers of `kind` (default: the first layer's): kinds differ in their window, and so may
   their kernel (`block_kernels`)."""
   m = config.model
-  cfg = ModelConfig(**m.to_dict(), span_length=config.data.seq_len)
+  cfg = model_config(config)
   kind = kind or cfg.layer_kinds[0]
   shape = dict(zip(parallelism.MESH_AXES,
                    parallelism.resolve_mesh_shape(config.mesh, num_devices)))
@@ -227,7 +228,7 @@ def block_kernels(config: ml_collections.ConfigDict, num_devices: int) -> tuple[
   """The block kernel the config's (non-dense) attention runs, per layer kind where the
   kinds differ ('pallas for L layers; cudnn for G layers'): (the kernels alone, the kernels
   each with why it is not the one model.kernel names)."""
-  kinds = ModelConfig(**config.model.to_dict(), span_length=config.data.seq_len).layer_kinds
+  kinds = model_config(config).layer_kinds
   splits = [(kind, attention_split(config, num_devices, kind)) for kind in dict.fromkeys(kinds)]
   why = lambda s: f" ({s.kernel_fallback})" if s.kernel_fallback else ""
   return (_per_kind({kind: s.kernel for kind, s in splits}),

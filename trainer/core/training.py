@@ -16,16 +16,11 @@ import optax
 import data
 import parallelism
 from model import Decoder, ModelConfig
+from trainer.config.models import model_config
 from trainer.core.optimizer import (OptimizerSettings, make_optimizer, make_schedule,
                                     optimizer_settings)
 from trainer.core.state import TrainState, abstract_state, jit_init, shardings_of
 from trainer.core.step import jit_train_step
-
-
-def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
-  return ModelConfig(**config.model.to_dict(), span_length=config.data.seq_len,
-                     remat=config.train.remat,
-                     loss_chunk=config.train.loss_chunk)
 
 
 def data_config(config: ml_collections.ConfigDict) -> data.DataConfig:
