@@ -89,7 +89,7 @@ class Decoder(nn.Module):
   layers too: each layer's kind is scanned with it); parameters of the
   stack gain a leading `layers` axis (and so does the `cache` collection of sampling).
 
-  For sampling (trainer/tools/sample.py): `logits_at_B` returns the logits of one position per row
+  For sampling (trainer/tools/sampling.py): `logits_at_B` returns the logits of one position per row
   only ([B, 1, V], the slot of the prompt's last token); with the `cache` collection mutable
   the call is a prefill that keeps every layer's keys and values; `decode=True` makes the
   call one step of one token per row over that cache.

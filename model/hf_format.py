@@ -5,7 +5,7 @@ local, a query seeing the `sliding_window` keys up to itself (`ModelConfig.windo
 number). A local:global pattern has no form here, so it does not export.
 
 Pure mappings (no files, no devices), shared by the import (trainer/ckpt/hf_import.py) and the
-export (trainer/tools/export.py). No q/k permutation is needed: `transformers` rotates halves
+export (trainer/tools/hf_export.py). No q/k permutation is needed: `transformers` rotates halves
 (x[i], x[i + D/2]) and so does model/rope.py; only Meta's original interleaved checkpoints
 differ, and `transformers`' own conversion has already permuted those.
 

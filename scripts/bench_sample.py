@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 import bench_results  # noqa: E402  (scripts/, first on the path)
 import data  # noqa: E402
 from trainer.core.training import data_config  # noqa: E402
-from trainer.tools import run_flags, sample  # noqa: E402
+from trainer.tools import run_flags, sampling  # noqa: E402
 
 
 
@@ -36,10 +36,10 @@ def _sampler(attention: str, workdir: str | None):
   if workdir:
     config = run_flags.run_config(workdir)
     config.model.attention = attention
-    return sample.load(workdir, config, log=lambda line: None)[0]
+    return sampling.load(workdir, config, log=lambda line: None)[0]
   config = importlib.import_module("configs.tiny_cpu").get_config(attention)
   data.prepare(data_config(config))
-  return sample.untrained(config, log=lambda line: None)
+  return sampling.untrained(config, log=lambda line: None)
 
 
 def main() -> None:

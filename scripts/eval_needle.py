@@ -24,7 +24,7 @@ from absl import flags  # noqa: E402  (after the path fix above)
 
 from trainer.config import needle_grid  # noqa: E402
 from trainer.config import workdir as workdir_lock  # noqa: E402
-from trainer.tools import needle, run_flags, sample
+from trainer.tools import needle, run_flags, sampling
 from trainer.track import console, provenance, wandb_tracker
 
 
@@ -45,7 +45,7 @@ def main(argv: list[str]) -> None:
     _evaluate(f, argv)
   except KeyboardInterrupt:
     console.exit_interrupted()
-  except sample.RUN_ERRORS + (needle_grid.NeedleError, workdir_lock.WorkdirError) as error:
+  except sampling.RUN_ERRORS + (needle_grid.NeedleError, workdir_lock.WorkdirError) as error:
     console.exit_with_error(str(error))
 
 
@@ -66,9 +66,9 @@ def _evaluate(f, argv: list[str]) -> None:
     raise needle_grid.NeedleError(f"cannot write to {out_dir} (permission denied, or a "
                                   f"read-only file system)")
   if f.untrained:
-    sampler, name, step = sample.untrained(f.config), "untrained", 0
+    sampler, name, step = sampling.untrained(f.config), "untrained", 0
   else:
-    sampler, step = sample.load(f.workdir, f.config, f.step)
+    sampler, step = sampling.load(f.workdir, f.config, f.step)
     name = str(step)
   print(f"needles in {sampler.model_cfg.attention} attention, "
         f"{name if f.untrained else f'step {step}'}: lengths {lengths}, depths {depths}, "

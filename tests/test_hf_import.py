@@ -23,7 +23,7 @@ from trainer.core.optimizer import make_optimizer
 from trainer.core.state import abstract_state
 from trainer.core.training import model_config
 from trainer.run.loop import train
-from trainer.tools import export
+from trainer.tools import hf_export
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE_DIR = os.path.join(ROOT, "tests", "hf_fixtures")
@@ -181,7 +181,7 @@ def test_a_run_starts_from_the_checkpoint_and_exports_it_back_tensor_for_tensor(
   summary = train(config, workdir)
   assert summary["steps"] == 1 and np.isfinite(summary["last_loss"])
   lines = []
-  export.export(workdir, out, dtype="bfloat16", max_shard_bytes=100_000, log=lines.append)
+  hf_export.export(workdir, out, dtype="bfloat16", max_shard_bytes=100_000, log=lines.append)
   original = load_file(os.path.join(source, "model.safetensors"))
   written = {}
   with open(os.path.join(out, "model.safetensors.index.json")) as f:
@@ -220,8 +220,8 @@ def test_a_run_starts_from_the_checkpoint_and_exports_it_back_tensor_for_tensor(
       (dict(out=str(tmp_path / "nowhere" / "out")), "/nowhere does not exist"),
       (dict(max_shard_bytes=0), "--max_shard_gib must be positive")]:
     kwargs.setdefault("out", str(tmp_path / "refused"))
-    with pytest.raises(export.ExportError, match="^[^\n]*$") as error:
-      export.export(workdir, log=lines.append, **kwargs)
+    with pytest.raises(hf_export.ExportError, match="^[^\n]*$") as error:
+      hf_export.export(workdir, log=lines.append, **kwargs)
     assert message in str(error.value)
     assert not os.path.exists(kwargs["out"]) and not [
         p for p in os.listdir(tmp_path) if ".partial-" in p]
@@ -238,10 +238,10 @@ def test_an_interrupted_export_leaves_no_partial_directory(tmp_path, monkeypatch
   stale.mkdir()
   live.mkdir()
   (tmp_path / "tokenizer.model").write_bytes(b"pieces")
-  monkeypatch.setattr(export, "save_file", lambda *a, **k: os.kill(os.getpid(), signal.SIGTERM))
+  monkeypatch.setattr(hf_export, "save_file", lambda *a, **k: os.kill(os.getpid(), signal.SIGTERM))
   handler = signal.getsignal(signal.SIGTERM)
-  with pytest.raises(export.Terminated):
-    export.write_directory(str(tmp_path / "hf"), iter([("w", np.zeros(4, np.float32))]),
+  with pytest.raises(hf_export.Terminated):
+    hf_export.write_directory(str(tmp_path / "hf"), iter([("w", np.zeros(4, np.float32))]),
                            {"w": "model.safetensors"}, {}, str(tmp_path / "tokenizer.model"))
   assert [p for p in os.listdir(tmp_path) if ".partial-" in p] == [live.name]
   assert not os.path.exists(tmp_path / "hf")

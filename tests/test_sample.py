@@ -1,4 +1,4 @@
-"""Sampling (trainer/tools/sample.py): a ring prefill plus decoding over a KV cache sharded along
+"""Sampling (trainer/tools/sampling.py): a ring prefill plus decoding over a KV cache sharded along
 the ring gives, token for token, the greedy tokens of the dense model recomputing the whole
 row at every step; bad input stops in one line."""
 
@@ -16,7 +16,7 @@ import data
 import parallelism
 from model import Decoder
 from trainer.core.training import data_config, model_config
-from trainer.tools import needle, run_flags, sample
+from trainer.tools import needle, run_flags, sampling
 
 NEW_TOKENS = 8
 REFERENCE_LENGTH = 128  # Every reference forward pads to this: one compile for all steps.
@@ -91,7 +91,7 @@ def test_sharded_decoding_gives_the_dense_greedy_tokens(tiny_config, tokenizer, 
     config.mesh.sequence, config.mesh.ulysses = 2, 2
   params = _random_params(config)
   prompt = list(np.random.default_rng(prompt_length).integers(4, 500, prompt_length))
-  sampler = sample.Sampler(config, parallelism.make_mesh(config.mesh), params, tokenizer)
+  sampler = sampling.Sampler(config, parallelism.make_mesh(config.mesh), params, tokenizer)
   ours, stats = sampler.generate(prompt, NEW_TOKENS)
   assert ours == _dense_greedy(config, params, prompt, NEW_TOKENS, tokenizer)
   # The prompt is padded at the end to a multiple of what the layout needs (striped and
@@ -176,10 +176,10 @@ def test_a_checkpoint_samples_alike_under_striped_and_dense(trained_run):
   logged = []
   striped_config, dense_config = (_float32(run_flags.run_config(trained_run)) for _ in range(2))
   dense_config.model.attention = "dense"
-  striped, step = sample.load(trained_run, striped_config, log=logged.append)
-  dense, _ = sample.load(trained_run, dense_config, log=logged.append)
+  striped, step = sampling.load(trained_run, striped_config, log=logged.append)
+  dense, _ = sampling.load(trained_run, dense_config, log=logged.append)
   assert step == 2 and striped.model_cfg.attention == "striped"
-  prompt = sample.prompt_ids(striped.tokenizer, "the code of mira is amber . " * 25)
+  prompt = sampling.prompt_ids(striped.tokenizer, "the code of mira is amber . " * 25)
   assert len(prompt) + NEW_TOKENS > striped.config.data.seq_len  # Past the trained length.
   ours, _ = striped.generate(prompt, NEW_TOKENS)
   striped.generate(prompt, NEW_TOKENS)
@@ -252,8 +252,8 @@ def test_the_command_line_prints_json_and_stops_bad_input_in_one_line(trained_ru
                 "--max_new_tokens=3")
   assert result.returncode == 0, result.stderr
   printed = json.loads(result.stdout)
-  sampler, _ = sample.load(trained_run, run_flags.run_config(trained_run))
-  assert printed["prompt_ids"] == sample.prompt_ids(sampler.tokenizer, "the code of mira is")
+  sampler, _ = sampling.load(trained_run, run_flags.run_config(trained_run))
+  assert printed["prompt_ids"] == sampling.prompt_ids(sampler.tokenizer, "the code of mira is")
   assert printed["generated_ids"] == sampler.generate(printed["prompt_ids"], 3)[0]
   assert printed["text"] == sampler.tokenizer.decode(printed["generated_ids"])
 
@@ -287,8 +287,8 @@ def test_the_command_line_prints_json_and_stops_bad_input_in_one_line(trained_ru
       f"the override"]
 
   (tmp_path / "config.json").write_text(open(f"{trained_run}/config.json").read())
-  with pytest.raises(sample.SampleError, match="has no checkpoints/ directory"):
-    sample.load(str(tmp_path), run_flags.run_config(str(tmp_path)))
+  with pytest.raises(sampling.SampleError, match="has no checkpoints/ directory"):
+    sampling.load(str(tmp_path), run_flags.run_config(str(tmp_path)))
 
 
 def test_a_hugging_face_checkpoint_samples_what_transformers_predicts():
@@ -302,7 +302,7 @@ def test_a_hugging_face_checkpoint_samples_what_transformers_predicts():
   config.model.attention, config.model.dtype = "striped", "float32"
   config.mesh.update(fsdp=2, sequence=4)
   hf_import.apply_to_config(config)
-  sampler = sample.from_hf(config, log=lambda line: None)
+  sampler = sampling.from_hf(config, log=lambda line: None)
   recorded = load_file(os.path.join(directory, "expected.safetensors"))
   ids = [int(i) for i in recorded["input_ids"]]
   for length in (37, 90, 128):  # One capacity, one compile.
@@ -318,8 +318,8 @@ def test_the_untrained_baseline_of_an_imported_run_is_its_checkpoint():
   directory = os.path.join(os.path.dirname(__file__), "hf_fixtures", "llama_gqa_sharded")
   config = run_flags.hf_config(directory)
   hf_import.apply_to_config(config)
-  baseline = sample.untrained(config, log=lambda line: None)
-  imported = sample.from_hf(config, log=lambda line: None)
+  baseline = sampling.untrained(config, log=lambda line: None)
+  imported = sampling.from_hf(config, log=lambda line: None)
   same = jax.tree.map(lambda a, b: bool((np.asarray(a) == np.asarray(b)).all()),
                       baseline.params, imported.params)
   assert all(jax.tree.leaves(same))
@@ -327,26 +327,26 @@ def test_the_untrained_baseline_of_an_imported_run_is_its_checkpoint():
 
 def test_top_p_keeps_the_smallest_set_reaching_its_mass():
   logits_BV = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
-  draws = lambda top_p: {int(sample._choose(logits_BV, jax.random.key(seed), temperature=1.0,
+  draws = lambda top_p: {int(sampling._choose(logits_BV, jax.random.key(seed), temperature=1.0,
                                             top_p=top_p)[0]) for seed in range(60)}
   assert draws(0.4) == {0} and draws(0.7) == {0, 1} and draws(1.0) == {0, 1, 2, 3}
-  assert int(sample._choose(logits_BV, jax.random.key(0), temperature=0.0, top_p=1.0)[0]) == 0
+  assert int(sampling._choose(logits_BV, jax.random.key(0), temperature=0.0, top_p=1.0)[0]) == 0
   # A model vocabulary padded past the tokenizer's: the padding ids are never chosen.
   assert draws(1.0) == {0, 1, 2, 3}
-  assert {int(sample._choose(logits_BV, jax.random.key(seed), temperature=1.0, top_p=1.0,
+  assert {int(sampling._choose(logits_BV, jax.random.key(seed), temperature=1.0, top_p=1.0,
                              vocab=2)[0]) for seed in range(60)} == {0, 1}
 
 
 def test_bad_sampling_settings_stop_before_any_compile(tiny_config, tokenizer):
   config = tiny_config()
-  sampler = sample.Sampler(config, parallelism.make_mesh(config.mesh), {}, tokenizer)
+  sampler = sampling.Sampler(config, parallelism.make_mesh(config.mesh), {}, tokenizer)
   for kwargs, named in (({"top_p": 0.0}, "--top_p=0.0"), ({"top_p": 1.5}, "--top_p=1.5"),
                         ({"temperature": -1.0}, "--temperature=-1.0"),
                         ({"temperature": float("inf")}, "--temperature=inf"),
                         ({"temperature": float("nan")}, "--temperature=nan"),
                         ({"max_new_tokens": 0}, "--max_new_tokens=0")):
-    with pytest.raises(sample.SampleError) as error:
+    with pytest.raises(sampling.SampleError) as error:
       sampler.generate([1, 2, 3], **{"max_new_tokens": 4, "top_p": 0.9, **kwargs})
     assert str(error.value).startswith(named) and str(error.value).count("--") == 1
-  with pytest.raises(sample.SampleError, match="empty"):
+  with pytest.raises(sampling.SampleError, match="empty"):
     sampler.generate([], 4)

@@ -16,7 +16,7 @@ from test_sample import _float32, tokenizer  # noqa: F401  (a fixture)
 import parallelism
 from model import Decoder
 from trainer.core.training import model_config
-from trainer.tools import sample
+from trainer.tools import sampling
 
 _F32_TOL = dict(rtol=1e-5, atol=1e-5)
 PROMPT, NEW_TOKENS = 29, 5
@@ -75,7 +75,7 @@ def test_decoding_gives_the_dense_masked_logits(tiny_config, tokenizer, mask,  #
   tokens chosen, at that position."""
   config = _float32(tiny_config(attention, **MASKS[mask]))
   params = _params(config)
-  sampler = sample.Sampler(config, parallelism.make_mesh(config.mesh), params, tokenizer)
+  sampler = sampling.Sampler(config, parallelism.make_mesh(config.mesh), params, tokenizer)
   prompt = [int(i) for i in np.random.default_rng(PROMPT).integers(4, 500, PROMPT)]
   logits = []
   ours, _ = sampler.generate(prompt, NEW_TOKENS, capacity=CAPACITY, ignore_eos=True,

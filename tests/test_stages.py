@@ -22,7 +22,7 @@ from trainer.config.config_check import ConfigError, check_config
 from trainer.core.optimizer import make_optimizer, make_schedule
 from trainer.core.state import TrainState, carry_over_stage
 from trainer.run.loop import train
-from trainer.tools.export import export
+from trainer.tools.hf_export import export
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

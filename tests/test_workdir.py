@@ -27,7 +27,7 @@ from trainer.core.training import data_config
 from trainer.run import loop
 from trainer.run.loop import train
 from trainer.run.stop_signals import StoppedBeforeTraining
-from trainer.tools.export import ExportError, export
+from trainer.tools.hf_export import ExportError, export
 from trainer.tools.run_flags import run_config
 from trainer.track import console, tracking
 

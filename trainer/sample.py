@@ -1,5 +1,5 @@
 """`python -m trainer.sample --workdir RUN --prompt TEXT`: text from a run's checkpoint or a
-Hugging Face one (the command; trainer/tools/sample.py does the work).
+Hugging Face one (the command; trainer/tools/sampling.py does the work).
 
 Its flags, prompt and sampling settings are checked before JAX and the model's code are
 imported, so a mistyped flag or an empty prompt is said in a fraction of a second, not after
@@ -59,17 +59,17 @@ def main(argv: list[str]) -> None:
   # pylint: disable=g-import-not-at-top  # The flags are fine: now the seconds of imports.
   from ml_collections import config_flags
   from trainer.ckpt import hf_import
-  from trainer.tools import sample
+  from trainer.tools import sampling
   # pylint: enable=g-import-not-at-top
   config = f.config
   info = lambda line: print(line, file=sys.stderr, flush=True)
   try:
     if f.from_hf:
       info(hf_import.apply_to_config(config, config_flags.get_override_values(f["config"])))
-      sampler, step = sample.from_hf(config, info), None
+      sampler, step = sampling.from_hf(config, info), None
     else:
-      sampler, step = sample.load(f.workdir, config, f.step, info)
-    ids = sample.prompt_ids(sampler.tokenizer, text)
+      sampler, step = sampling.load(f.workdir, config, f.step, info)
+    ids = sampling.prompt_ids(sampler.tokenizer, text)
     info(f"{'step ' + str(step) if step is not None else 'from ' + f.from_hf}, "
          f"{sampler.model_cfg.attention} attention over "
          f"{sampler.num_shards} sequence shard(s), prompt {len(ids)} tokens")
@@ -85,7 +85,7 @@ def main(argv: list[str]) -> None:
                                        ignore_eos=f.ignore_eos)
   except KeyboardInterrupt:
     console.exit_interrupted()
-  except sample.RUN_ERRORS as error:
+  except sampling.RUN_ERRORS as error:
     console.exit_with_error(str(error))
   if f.json:
     print(json.dumps({"workdir": f.workdir, "from_hf": f.from_hf, "step": step,

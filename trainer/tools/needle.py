@@ -28,7 +28,7 @@ from data import sources, synthetic
 from trainer.config import needle_grid
 from trainer.config.needle_grid import NeedleError
 from trainer.core.training import data_config
-from trainer.tools.sample import SampleError, Sampler, capacity_for, prompt_ids
+from trainer.tools.sampling import SampleError, Sampler, capacity_for, prompt_ids
 
 
 @dataclasses.dataclass(frozen=True)
