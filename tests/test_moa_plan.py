@@ -79,8 +79,8 @@ def test_the_estimator_is_the_loss_change_of_masking_a_value_to_first_order():
 
 def test_the_integer_program_keeps_the_budget_and_the_head_that_looks_far():
   """Two layers of two heads at two lengths: one head's influence lies far back, the
-  others' on the last 4 keys; at a budget for one causal head (density 0.42 at 32), that head is the one
-  kept whole and the others take the 4-key window, the cheapest rule that loses nothing."""
+  others' on the last 4 keys; at a budget for one causal head (density 0.42 at 32), that
+  head is kept whole and the others take the 4-key window, the cheapest rule losing nothing."""
   lengths = (32, 64)
   rules = moa_search.candidates([4, 8], [0.0, 0.25], lengths)
   assert Rule(0.0, 1.0) in rules and len(rules) == 5  # Causal added once.
