@@ -120,22 +120,23 @@ def test_the_command_writes_a_plan_the_trainer_accepts(trained_run, tmp_path):
   from model import Decoder  # pylint: disable=g-import-not-at-top
   from model.moa_profile import all_global, profile_batch  # pylint: disable=g-import-not-at-top
   from trainer.config.config_check import check_config  # pylint: disable=g-import-not-at-top
-  from trainer.tools import moa_calibrate, run_flags, sample  # pylint: disable=g-import-not-at-top
+  from trainer.tools import moa_calibrate, run_flags  # pylint: disable=g-import-not-at-top
   config = run_flags.run_config(trained_run)
   request = moa_search.Request(0.25, (128, 256), rows=4, rules=tuple(moa_search.candidates(
       [8, 16, 32], [0.0, 0.125], [128, 256])), chunk=64)
   out, lines = str(tmp_path / "plan.json"), []
-  record = moa_calibrate.search(trained_run, config, None, request, out, lines.append)
+  sampler, origin = moa_calibrate.load_run(trained_run, config, None, lines.append)
+  record = moa_calibrate.search(sampler, origin, request, out, lines.append)
   assert [line.split(":")[0] for line in lines if line.startswith("profile")] == [
       "profile at 128", "profile at 256"] and lines[-1].startswith(f"wrote {out} (step 2")
   assert record["checkpoint_step"] == 2 and record["lengths"] == [128, 256]
   assert record["density_budget"] == 0.25 and record["calibration"]["rows"] == 4
+  assert record["calibration"]["loss_on"] == "answers"  # The synthetic corpus marks them.
   assert all(d <= 0.25 for d in record["density"].values())
   assert os.path.isfile(f"{out}.record.json") and os.path.isfile(f"{out}.profile.npz")
   config.model.head_spans = out
   check_config(config, jax.device_count())  # The trainer's own check of the plan.
 
-  sampler, _ = sample.load(trained_run, run_flags.run_config(trained_run))
   batch = next(moa_calibrate._batches(sampler, 128, request))  # pylint: disable=protected-access
   cfg = all_global(sampler.model_cfg)
   with jax.set_mesh(sampler.mesh), nn.logical_axis_rules(sampler.rules):

@@ -31,27 +31,50 @@ from model.moa_profile import all_global, profile_batch
 from trainer.config import workdir as workdir_files
 from trainer.tools import moa_search
 from trainer.tools.run_flags import SampleError
-from trainer.tools.sample import Sampler, load
+from trainer.tools.sample import Sampler, from_hf, load
+
+
+def loss_on(sampler: Sampler, request: moa_search.Request) -> str:
+  """Which tokens' loss the profile differentiates: "answers" (the tokens the dataset marks
+  as answers to a question asked far from its fact, the synthetic corpus's) or "all". MoA's
+  pipeline profiles the loss of long-range responses only (`pipeline_profile.py
+  --response_mask`): the whole text's loss is mostly local, and would send every head short.
+  "auto" takes answers where the dataset marks them."""
+  marks = data.evaluator_of(sampler.data_cfg) is not None
+  if request.loss_on == "answers" and not marks:
+    raise SampleError(f"--loss_on=answers: the dataset '{sampler.data_cfg.dataset}' marks no "
+                      f"answers; use --loss_on=all")
+  if request.loss_on == "auto":
+    return "answers" if marks else "all"
+  return request.loss_on
 
 
 def _batches(sampler: Sampler, length: int, request: moa_search.Request):
   """Calibration batches at `length` from the run's eval split, on the run's mesh: rows in
-  their original order, `config.train.batch_size` (or fewer) at a time."""
+  their original order, `config.train.batch_size` (or fewer) at a time, the loss kept on
+  the tokens `loss_on` names."""
   per_batch = min(request.rows, sampler.config.train.batch_size)
   shards = parallelism.batch_shards(sampler.mesh)
   if per_batch % shards or request.rows % per_batch:
     raise SampleError(f"--rows={request.rows} must be a multiple of {per_batch} (a batch of "
                       f"the run, over {shards} batch shard(s))")
   data_cfg = dataclasses.replace(sampler.data_cfg, seq_len=length)
+  answers = loss_on(sampler, request) == "answers"
   rows = data.make_iterator(data_cfg, data_cfg.eval_split, per_batch, "ring", 1,
                             seed=request.seed)
-  sharding = parallelism.batch_sharding(sampler.mesh)
-  for _ in range(request.rows // per_batch):
-    batch = data.fields(next(rows), data.TRAIN_FIELDS)
-    if not batch["loss_mask"].any():
-      raise SampleError(f"--lengths: the eval split '{data_cfg.eval_split}' gives no tokens "
-                        f"at length {length}")
-    yield data.to_global_batch(batch, sharding)
+  try:
+    for _ in range(request.rows // per_batch):
+      row = next(rows)
+      batch = data.fields(row, data.TRAIN_FIELDS)
+      if answers:
+        batch["loss_mask"] = batch["loss_mask"] * (row["answer_distance"] > 0)
+      if not batch["loss_mask"].any():
+        raise SampleError(f"--lengths: {request.rows} rows of the eval split "
+                          f"'{data_cfg.eval_split}' give no {'answer ' * answers}tokens at "
+                          f"length {length}; profile more --rows")
+      yield data.to_global_batch(batch, parallelism.batch_sharding(sampler.mesh))
+  finally:
+    rows.close()
 
 
 def profile(sampler: Sampler, request: moa_search.Request, log: Callable[[str], None]) -> dict:
@@ -75,15 +98,16 @@ def profile(sampler: Sampler, request: moa_search.Request, log: Callable[[str], 
   return {"profiles": profiles, "loss": losses}
 
 
-def record_of(workdir: str, step: int, request: moa_search.Request, choice: moa_search.Choice,
-              plan_bytes: bytes, losses: dict, seconds: float, eval_split: str) -> dict:
-  """What the plan was computed from and what it keeps, for `<plan>.record.json`."""
+def record_of(origin: dict, request: moa_search.Request, choice: moa_search.Choice,
+              plan_bytes: bytes, losses: dict, seconds: float, eval_split: str,
+              tokens: str) -> dict:
+  """What the plan was computed from (`origin`: the checkpoint) and what it keeps, for
+  `<plan>.record.json`."""
   return {
-      "plan_sha256": hashlib.sha256(plan_bytes).hexdigest(),
-      "workdir": os.path.abspath(workdir), "checkpoint_step": step,
+      "plan_sha256": hashlib.sha256(plan_bytes).hexdigest(), **origin,
       "density_budget": request.density, "lengths": list(request.lengths),
       "calibration": {"split": eval_split, "rows": request.rows, "seed": request.seed,
-                      "order": "original (dense attention, the run's dataset)"},
+                      "loss_on": tokens, "order": "original (dense attention)"},
       "candidates": [list(rule) for rule in request.rules],
       "density": {str(n): d for n, d in choice.density.items()},
       "influence_lost": {str(n): x for n, x in choice.lost.items()},
@@ -94,12 +118,22 @@ def record_of(workdir: str, step: int, request: moa_search.Request, choice: moa_
   }
 
 
-def search(workdir: str, config: ml_collections.ConfigDict, step: int | None,
-           request: moa_search.Request, out: str, log: Callable[[str], None] = print) -> dict:
-  """Profiles step `step` of `workdir`, searches, writes the plan to `out` (and its record
-  and profile beside it); returns the record."""
-  start = time.perf_counter()
+def load_run(workdir: str | None, config: ml_collections.ConfigDict, step: int | None,
+             log: Callable[[str], None]) -> tuple[Sampler, dict]:
+  """The model to profile, as the sampler reads it, and where it came from: step `step`
+  (default the newest) of `workdir`, or without one the Hugging Face directory of
+  `config.init.from_hf` (after `hf_import.apply_to_config`)."""
+  if workdir is None:
+    return from_hf(config, log), {"from_hf": os.path.abspath(config.init.from_hf)}
   sampler, step = load(workdir, config, step, log)
+  return sampler, {"workdir": os.path.abspath(workdir), "checkpoint_step": step}
+
+
+def search(sampler: Sampler, origin: dict, request: moa_search.Request, out: str,
+           log: Callable[[str], None] = print) -> dict:
+  """Profiles `sampler`'s model (from `origin`: `load_run`), searches, writes the plan to
+  `out` (and its record and profile beside it); returns the record."""
+  start = time.perf_counter()
   measured = profile(sampler, request, log)
   layers, heads = sampler.model_cfg.num_layers, sampler.model_cfg.num_heads
   log(f"search: {layers} layers x {heads} heads, {len(request.rules)} candidate rules, "
@@ -109,8 +143,9 @@ def search(workdir: str, config: ml_collections.ConfigDict, step: int | None,
   except ValueError as error:
     raise SampleError(f"--density={request.density}: {error}") from None
   plan_bytes = (json.dumps(moa_search.plan_json(choice)) + "\n").encode()
-  record = record_of(workdir, step, request, choice, plan_bytes, measured["loss"],
-                     time.perf_counter() - start, sampler.data_cfg.eval_split)
+  record = record_of(origin, request, choice, plan_bytes, measured["loss"],
+                     time.perf_counter() - start, sampler.data_cfg.eval_split,
+                     loss_on(sampler, request))
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
   workdir_files.write_atomically(out, plan_bytes)
   workdir_files.write_atomically(
@@ -119,5 +154,6 @@ def search(workdir: str, config: ml_collections.ConfigDict, step: int | None,
   for length in request.lengths:
     log(f"plan at {length}: density {choice.density[length]:.3f}, "
         f"{100 * choice.lost[length]:.1f}% of the profiled influence dropped")
-  log(f"wrote {out} (step {step}; record {out}.record.json)")
+  made_from = origin.get("from_hf") or f"step {origin['checkpoint_step']}"
+  log(f"wrote {out} ({made_from}; record {out}.record.json)")
   return record

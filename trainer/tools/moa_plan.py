@@ -2,15 +2,18 @@
 
     python -m trainer.tools.moa_plan --workdir RUN --density 0.25 --lengths 128,256 \\
         [--out RUN/moa_plan.json] [--rows 8] [--step N] [--alphas ...] [--betas ...]
+    python -m trainer.tools.moa_plan --from_hf DIR --density 0.25 --lengths 4096 --out PLAN
     python -m trainer --config ... --config.model.head_spans=RUN/moa_plan.json --workdir NEW
 
 Profiles the run's checkpoint on `--rows` calibration rows of its eval split at each length
-(model/moa_profile.py), then picks one rule `alpha + beta * N` per layer and query head from
-the grid `--alphas` x `--betas` (and the causal rule) so that the model keeps at most
-`--density` of causal attention's (query, key) pairs at every profiled length, with the least
-estimated loss (trainer/tools/moa_search.py). Writes the plan the trainer reads, and beside it
-`<out>.record.json` (checkpoint step, lengths, budget, calibration rows, what it keeps) and
-`<out>.profile.npz`. Its flags and grid are checked before JAX is imported.
+(model/moa_profile.py; with `--from_hf`, a Hugging Face LLaMA read as `trainer.sample` reads
+it, on the eval split of the config's `data`: `--config.data.*`), then picks one rule
+`alpha + beta * N` per layer and query head from the grid `--alphas` x `--betas` (and the
+causal rule) so that the model keeps at most `--density` of causal attention's (query, key)
+pairs at every profiled length, with the least estimated loss (trainer/tools/moa_search.py).
+Writes the plan the trainer reads, and beside it `<out>.record.json` (checkpoint step,
+lengths, budget, calibration rows, what it keeps) and `<out>.profile.npz`. Its flags and
+grid are checked before JAX is imported.
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ def _define_flags() -> None:
   flags.DEFINE_string("betas", DEFAULT_BETAS, "Candidate betas (share of N), comma-separated.")
   flags.DEFINE_integer("chunk", 256, "Queries profiled at a time (bounds the memory).")
   flags.DEFINE_integer("seed", 0, "Seed of the calibration rows' order.")
+  flags.DEFINE_enum("loss_on", "auto", ["auto", "answers", "all"], "Tokens whose loss is "
+                    "profiled: the dataset's answers (as MoA profiles responses), all, or "
+                    "auto (answers where the dataset marks them).")
 
 
 def _numbers(flag: str, text: str | None, kind=float) -> list:
@@ -72,7 +78,7 @@ def request_of(f):
     raise SampleError(f"--alphas={f.alphas} --betas={f.betas}: the candidate grid is empty (a "
                       f"rule needs a span alpha + beta * N of at least 1 key at every length)")
   return moa_search.Request(f.density, tuple(sorted(set(lengths))), f.rows, tuple(rules),
-                           f.chunk, f.seed)
+                           f.chunk, f.seed, f.loss_on)
 
 
 def length_problem(config: ml_collections.ConfigDict,
@@ -90,17 +96,25 @@ def length_problem(config: ml_collections.ConfigDict,
 
 def main(argv: list[str]) -> None:
   """The command line (module docstring)."""
-  f = parse_run_flags(argv, _define_flags)
+  f = parse_run_flags(argv, _define_flags, allow_hf=True)
   info = lambda line: print(line, file=sys.stderr, flush=True)
   try:
     request = request_of(f)  # Before seconds of imports and minutes of profiling.
+    if f.from_hf and not f.out:
+      raise SampleError("--out=PLAN is needed with --from_hf (a plan goes beside a run by "
+                        "default, and there is none)")
+    out = f.out or os.path.join(f.workdir, "moa_plan.json")
     problem = length_problem(f.config, request)
     if problem:
       raise SampleError(problem)
     use_cpu_devices(f.config)
     from trainer.tools import moa_calibrate  # pylint: disable=g-import-not-at-top
-    out = f.out or os.path.join(f.workdir, "moa_plan.json")
-    moa_calibrate.search(f.workdir, f.config, f.step, request, out, info)
+    if f.from_hf:
+      from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+      from trainer.ckpt import hf_import  # pylint: disable=g-import-not-at-top
+      info(hf_import.apply_to_config(f.config, config_flags.get_override_values(f["config"])))
+    sampler, origin = moa_calibrate.load_run(f.workdir, f.config, f.step, info)
+    moa_calibrate.search(sampler, origin, request, out, info)
   except SampleError as error:
     console.exit_with_error(str(error))
 

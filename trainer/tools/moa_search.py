@@ -35,6 +35,7 @@ class Request:
   rules: tuple[Rule, ...]
   chunk: int = 256  # Queries whose [heads, chunk, length] matrices are formed at a time.
   seed: int = 0
+  loss_on: str = "auto"  # Tokens whose loss is profiled: answers, all, or auto (moa_calibrate).
 
 
 class Choice(NamedTuple):
