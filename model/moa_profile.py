@@ -14,8 +14,9 @@ histogram per layer, whose suffix sums are the influence each span loses. G need
 gradient at the attention's output (dL/dO_i . v_j), so one backward pass serves every layer,
 and the [queries, keys] matrices are formed `chunk` queries at a time, never whole.
 
-The model is profiled with full causal attention (as MoA profiles the dense model): its own
-blocks, one at a time, so each layer's roped q, k, v and output gradient can be read.
+The model is profiled with full causal attention (as MoA profiles the dense model) by its own
+blocks and the run's attention (a ring's layout too), one block at a time, so each layer's
+roped q, k, v and output gradient can be read.
 """
 
 from __future__ import annotations
@@ -58,36 +59,37 @@ def pair_effects(q_BCHD, k_BSKD, v_BSKD, dout_BCHD, visible_BCS, softcap: float 
   return jnp.where(alone_B11C1, -probs_BHCS * grad_BHCS, effect)
 
 
-def influence_by_distance(q_BSHD, k_BSKD, v_BSKD, dout_BSHD, segment_ids_BS, chunk: int,
-                          softcap: float = 0.0) -> jax.Array:
-  """[H, S]: |MoA effect| summed over rows and queries, per distance d = i - j of key j
-  behind query i (causal pairs of one document), computed `chunk` queries at a time."""
+def influence_by_distance(q_BSHD, k_BSKD, v_BSKD, dout_BSHD, segment_ids_BS, index_BS,
+                          chunk: int, softcap: float = 0.0) -> jax.Array:
+  """[H, N]: |MoA effect| summed over rows and queries, per distance d = i - j of key j
+  behind query i (causal pairs of one document), computed `chunk` queries at a time. The row
+  may be in any layout's order: `index_BS` is each token's original place, as the ring's
+  layouts keep it (`token_index`), so the distance and the causal rule are the original's."""
   batch, seq, heads, _ = q_BSHD.shape
   if seq % chunk:
     raise ValueError(f"a profile's query chunk ({chunk}) must divide its length ({seq})")
-  keys_S = jnp.arange(seq)
 
   def one_chunk(start, total_HS):
     take = lambda x: jax.lax.dynamic_slice_in_dim(x, start * chunk, chunk, axis=1)
-    queries_C = start * chunk + jnp.arange(chunk)
-    behind_CS = queries_C[:, None] - keys_S[None, :]
-    visible_BCS = (behind_CS >= 0)[None] & (
+    behind_BCS = take(index_BS)[:, :, None] - index_BS[:, None, :]
+    visible_BCS = (behind_BCS >= 0) & (
         take(segment_ids_BS)[:, :, None] == segment_ids_BS[:, None, :])
     effect_BHCS = pair_effects(take(q_BSHD), k_BSKD, v_BSKD, take(dout_BSHD), visible_BCS,
                                softcap)
-    summed_HCS = jnp.sum(jnp.abs(effect_BHCS), axis=0)
     # Unseen pairs hold 0, so sending every key ahead of its query to distance 0 adds nothing.
-    distance_CS = jnp.maximum(behind_CS, 0)
-    return total_HS.at[:, distance_CS.reshape(-1)].add(summed_HCS.reshape(heads, -1))
+    distance_BCS = jnp.maximum(behind_BCS, 0)
+    summed_HX = jnp.moveaxis(jnp.abs(effect_BHCS), 1, 0).reshape(heads, -1)
+    return total_HS.at[:, distance_BCS.reshape(-1)].add(summed_HX)
 
   return jax.lax.fori_loop(0, seq // chunk, one_chunk, jnp.zeros((heads, seq), jnp.float32))
 
 
 def all_global(cfg: ModelConfig) -> ModelConfig:
   """`cfg` with full causal attention in every layer, what MoA profiles: no window, layer
-  pattern or span plan (a run trained with them is profiled as its dense model), no remat."""
+  pattern or span plan (a run trained with them is profiled as its causal model), no remat.
+  Its layout and kernel stay the run's, so a row that trains on its ring profiles on it."""
   return dataclasses.replace(cfg, window=0, layer_pattern="", head_spans="", sink_tokens=0,
-                             local_rope_theta=0.0, attention="dense", remat="none")
+                             local_rope_theta=0.0, remat="none")
 
 
 def _interceptor(cfg: ModelConfig, positions_BS, dout_BSHD, captured: dict):
@@ -133,15 +135,16 @@ def _loss_and_captures(cfg: ModelConfig, params: dict, douts, batch: dict):
 
 
 def profile_batch(cfg: ModelConfig, params: dict, batch: dict, chunk: int):
-  """(mean loss, [L, H, S] influence per layer, head and distance) of one batch of rows
-  in their original order; `cfg` as `all_global` makes it. Jit it with `cfg` and `chunk`
-  static."""
+  """(mean loss, [L, H, S] influence per layer, head and distance) of one batch of rows in
+  `cfg`'s layout (with its `token_index`); `cfg` as `all_global` makes it. Jit it with `cfg`
+  and `chunk` static."""
   batch_size, seq = batch["tokens"].shape
   douts = jnp.zeros((cfg.num_layers, batch_size, seq, cfg.num_heads, cfg.head_size),
                     jnp.float32)
   (loss, captures), grads = jax.value_and_grad(
       lambda d: _loss_and_captures(cfg, params, d, batch), has_aux=True)(douts)
   per_layer = [influence_by_distance(c["query"], c["key"], c["value"], grads[layer],
-                                     batch["segment_ids"], chunk, cfg.attention_softcap)
+                                     batch["segment_ids"], batch["token_index"], chunk,
+                                     cfg.attention_softcap)
                for layer, c in enumerate(captures)]
   return loss, jnp.stack(per_layer)

@@ -73,8 +73,15 @@ def test_the_estimator_is_the_loss_change_of_masking_a_value_to_first_order():
     for j in range(i + 1):
       by_distance[:, i - j] += np.abs(np.asarray(effect))[:, :, i, j].sum(0)
   for chunk in (2, 3, 6):
-    np.testing.assert_allclose(influence_by_distance(q, k, v, dout, segments, chunk),
+    index = jnp.broadcast_to(jnp.arange(S), (B, S))
+    np.testing.assert_allclose(influence_by_distance(q, k, v, dout, segments, index, chunk),
                                by_distance, rtol=1e-5, atol=1e-7)
+  # Any order of the row (a ring layout's), told by each token's original index: the same.
+  order = jnp.asarray([3, 0, 5, 1, 4, 2])
+  permuted = lambda x: x[:, order]
+  np.testing.assert_allclose(influence_by_distance(
+      *map(permuted, (q, k, v, dout, segments, jnp.broadcast_to(jnp.arange(S), (B, S)))), 3),
+      by_distance, rtol=1e-5, atol=1e-7)
 
 
 def test_the_integer_program_keeps_the_budget_and_the_head_that_looks_far():

@@ -1,8 +1,8 @@
 """MoA's profile and search over a run: calibration rows, the influence profile, the plan.
 
 A checkpoint of `--workdir` (the newest, or `--step`) is read as the sampler reads it; the
-run's eval split gives the calibration rows, cut at each profiled length in their original
-order; `model.moa_profile` turns each batch into each head's influence per distance, summed
+run's eval split gives the calibration rows, cut at each profiled length in the run's
+layout; `model.moa_profile` turns each batch into each head's influence per distance, summed
 over the rows; `trainer.tools.moa_search` picks one rule per head. The plan is written where
 a run takes it (`--config.model.head_spans=PLAN`) and beside it a record of what it came
 from (`<plan>.record.json`) and the profile itself (`<plan>.profile.npz`), so a search at
@@ -50,9 +50,9 @@ def loss_on(sampler: Sampler, request: moa_search.Request) -> str:
 
 
 def _batches(sampler: Sampler, length: int, request: moa_search.Request):
-  """Calibration batches at `length` from the run's eval split, on the run's mesh: rows in
-  their original order, `config.train.batch_size` (or fewer) at a time, the loss kept on
-  the tokens `loss_on` names."""
+  """Calibration batches at `length` from the run's eval split, on the run's mesh in its
+  layout, `config.train.batch_size` rows (or fewer) at a time, the loss kept on the tokens
+  `loss_on` names."""
   per_batch = min(request.rows, sampler.config.train.batch_size)
   shards = parallelism.batch_shards(sampler.mesh)
   if per_batch % shards or request.rows % per_batch:
@@ -60,12 +60,12 @@ def _batches(sampler: Sampler, length: int, request: moa_search.Request):
                       f"the run, over {shards} batch shard(s))")
   data_cfg = dataclasses.replace(sampler.data_cfg, seq_len=length)
   answers = loss_on(sampler, request) == "answers"
-  rows = data.make_iterator(data_cfg, data_cfg.eval_split, per_batch, "ring", 1,
-                            seed=request.seed)
+  rows = data.make_iterator(data_cfg, data_cfg.eval_split, per_batch,
+                            sampler.model_cfg.layout, sampler.num_shards, seed=request.seed)
   try:
     for _ in range(request.rows // per_batch):
       row = next(rows)
-      batch = data.fields(row, data.TRAIN_FIELDS)
+      batch = data.fields(row, data.TRAIN_FIELDS + ("token_index",))
       if answers:
         batch["loss_mask"] = batch["loss_mask"] * (row["answer_distance"] > 0)
       if not batch["loss_mask"].any():
@@ -107,7 +107,7 @@ def record_of(origin: dict, request: moa_search.Request, choice: moa_search.Choi
       "plan_sha256": hashlib.sha256(plan_bytes).hexdigest(), **origin,
       "density_budget": request.density, "lengths": list(request.lengths),
       "calibration": {"split": eval_split, "rows": request.rows, "seed": request.seed,
-                      "loss_on": tokens, "order": "original (dense attention)"},
+                      "loss_on": tokens},
       "candidates": [list(rule) for rule in request.rules],
       "density": {str(n): d for n, d in choice.density.items()},
       "influence_lost": {str(n): x for n, x in choice.lost.items()},

@@ -83,14 +83,17 @@ def request_of(f):
 
 def length_problem(config: ml_collections.ConfigDict,
                    request: moa_search.Request) -> str | None:
-  """Why the run cannot profile a requested length; None if it can: the row spreads over
-  the run's sequence shards, as in training."""
-  unit = config.mesh.sequence * config.mesh.ulysses
+  """Why the run cannot profile a requested length; None if it can: the row must split over
+  the run's sequence shards in its layout and tiles, as a training row must. Imports JAX."""
+  from trainer.tools.sample import capacity_for  # pylint: disable=g-import-not-at-top
+  shards, ulysses = config.mesh.sequence, config.mesh.ulysses
   for length in request.lengths:
-    if length < 2 or length % unit:
-      return (f"--lengths: {length} cannot be profiled by this run: its mesh splits a row "
-              f"over {unit} devices (mesh.sequence x mesh.ulysses), so a length is a "
-              f"multiple of {unit}, at least 2")
+    fits = capacity_for(length, config, shards, ulysses)
+    if fits != length:
+      return (f"--lengths: {length} cannot be profiled by this run: its "
+              f"{config.model.attention} attention over {shards * ulysses} sequence "
+              f"device(s) takes rows of {fits} tokens there (a multiple of what its layout "
+              f"and tiles need)")
   return None
 
 
@@ -104,10 +107,10 @@ def main(argv: list[str]) -> None:
       raise SampleError("--out=PLAN is needed with --from_hf (a plan goes beside a run by "
                         "default, and there is none)")
     out = f.out or os.path.join(f.workdir, "moa_plan.json")
+    use_cpu_devices(f.config)
     problem = length_problem(f.config, request)
     if problem:
       raise SampleError(problem)
-    use_cpu_devices(f.config)
     from trainer.tools import moa_calibrate  # pylint: disable=g-import-not-at-top
     if f.from_hf:
       from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
