@@ -39,10 +39,10 @@ def evaluate(workdir: str, config, step: int | None, length: int, batches: int) 
   import parallelism  # pylint: disable=g-import-not-at-top
   from model import Decoder  # pylint: disable=g-import-not-at-top
   from trainer.core.step import eval_step  # pylint: disable=g-import-not-at-top
-  from trainer.tools import sample  # pylint: disable=g-import-not-at-top
+  from trainer.tools import sampling  # pylint: disable=g-import-not-at-top
   config = config.copy_and_resolve_references()
   config.data.seq_len = length
-  sampler, step = sample.load(workdir, config, step, lambda line: None)
+  sampler, step = sampling.load(workdir, config, step, lambda line: None)
   evaluator = data.evaluator_of(sampler.data_cfg)
   model = Decoder(dataclasses.replace(sampler.model_cfg, remat="none"))
   step_fn = jax.jit(functools.partial(eval_step, model=model, evaluator=evaluator))

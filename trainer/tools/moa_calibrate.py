@@ -31,7 +31,7 @@ from model.moa_profile import all_global, profile_batch
 from trainer.config import workdir as workdir_files
 from trainer.tools import moa_search
 from trainer.tools.run_flags import SampleError
-from trainer.tools.sample import Sampler, from_hf, load
+from trainer.tools.sampling import Sampler, from_hf, load
 
 
 def loss_on(sampler: Sampler, request: moa_search.Request) -> str:

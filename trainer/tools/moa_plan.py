@@ -85,7 +85,7 @@ def length_problem(config: ml_collections.ConfigDict,
                    request: moa_search.Request) -> str | None:
   """Why the run cannot profile a requested length; None if it can: the row must split over
   the run's sequence shards in its layout and tiles, as a training row must. Imports JAX."""
-  from trainer.tools.sample import capacity_for  # pylint: disable=g-import-not-at-top
+  from trainer.tools.sampling import capacity_for  # pylint: disable=g-import-not-at-top
   shards, ulysses = config.mesh.sequence, config.mesh.ulysses
   for length in request.lengths:
     fits = capacity_for(length, config, shards, ulysses)
