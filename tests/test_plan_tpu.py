@@ -15,12 +15,17 @@ needs_libtpu = pytest.mark.skipif(
 @needs_libtpu
 def test_the_tiny_config_plans_for_a_described_tpu_slice(tiny_config):
   """8 chips of a v5e slice (2x4): the TPU's own buffer assignment, judged against its 16 GiB
-  of HBM, with the kernel `auto` runs there."""
-  plan, compiled = dry_run.memory_plan(tiny_config("striped"), 16.0, target="v5e")
+  of HBM. At 128-token ring blocks `auto` runs splash, and Mosaic compiles its forward, dq
+  and dK/dV kernels (not interpreted); the ring's transfers are compiled for the slice."""
+  config = tiny_config("striped", **{"data.seq_len": 512, "model.attention_tile": 128})
+  plan, compiled = dry_run.memory_plan(config, 16.0, target="v5e")
   assert plan["compiled_for"] == "TPU v5 lite" and plan["devices"] == 8
   assert plan["fits"] and plan["floor_total_bytes"] == plan["total_bytes"] > 0
-  assert plan["kernel"] == "xla" and "ring_overlap" not in plan
-  assert "collective-permute" in compiled.as_text()  # the ring, compiled for the slice
+  assert plan["kernel"] == "splash" and "ring_overlap" not in plan
+  text = compiled.as_text()
+  assert "collective-permute" in text
+  for phase in ("fwd", "dq", "dkv"):
+    assert f"splash_mha_{phase}_segmented" in text, phase
 
 
 def test_slices_are_named_as_cloud_tpu_names_them():

@@ -157,7 +157,7 @@ def test_the_resolved_record_fills_the_mesh_and_names_the_auto_kernel():
   assert (config.model.kernel, resolved["attention_kernel"], resolved["backend"]) == (
       "auto", "xla", "cpu")
   assert [parallelism.resolve_kernel("auto", backend) for backend in ("gpu", "tpu", "cpu")] == [
-      "cudnn", "xla", "xla"]
+      "cudnn", "splash", "xla"]
   assert parallelism.resolve_kernel("pallas", "cpu") == "pallas"  # A named kernel is kept.
 
 

@@ -92,8 +92,11 @@ def devices(kind: str, chips: int) -> tuple[jax.Device, ...]:
   os.environ.setdefault("TPU_LIBRARY_PATH", _library())
   # libtpu asks a TPU VM's metadata server for the accelerator and its workers unless told;
   # here there is none, and each question would print a warning. Read once, when it loads.
+  # Nor does a compile hold a TPU: several planning processes (the tests' workers) may load
+  # libtpu at once, which its lockfile would refuse.
   for name, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"),
-                      ("TPU_ACCELERATOR_TYPE", f"{kind}-{chips * CHIPS[kind].cores_per_chip}")):
+                      ("TPU_ACCELERATOR_TYPE", f"{kind}-{chips * CHIPS[kind].cores_per_chip}"),
+                      ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")):
     os.environ.setdefault(name, value)
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   name = topology(kind, chips)
