@@ -128,6 +128,7 @@ def test_auto_runs_splash_on_tpus_only():
   assert not all(kernel_splash.band(q, k, None) for q, k in zip(*zigzag.pair_index))
 
 
+@pytest.mark.slow(10)
 def test_ring_attention_with_splash_matches_dense():
   """Striped ring attention over 4 fake devices, the splash kernel named: exact to dense."""
   inputs = packed_inputs(seq_len=N * 128, seed=5)

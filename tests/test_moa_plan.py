@@ -120,6 +120,7 @@ def trained_run(tmp_path_factory, shared_data_dir):
   return workdir
 
 
+@pytest.mark.slow(35)
 def test_the_command_writes_a_plan_the_trainer_accepts(trained_run, tmp_path):
   """The search over a checkpoint writes a plan that the trainer's config check takes, at
   the budget at every profiled length, with a record of what it came from; the profile's

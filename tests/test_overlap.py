@@ -10,23 +10,22 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from parallelism import Mask, MaskSpec, overlap, ring_attention
+from parallelism import overlap, ring_attention
 from trainer.plan import plan_target
 
 SEQ_LEN, HEADS, HEAD_DIM = 32768, 8, 128
 
 
-def compiled_text(layout, strategy="ring", window=None, options=None):
+def compiled_text(layout, strategy="ring", options=None):
   """The scheduled program of ring attention's gradient on 8 described H100s."""
   devices = plan_target.devices("h100", 8)
   ulysses = 2 if strategy == "hybrid" else 1
   mesh = Mesh(np.array(devices).reshape(8 // ulysses, ulysses), ("sequence", "ulysses"))
   row = NamedSharding(mesh, P(None, ("sequence", "ulysses")))
   x = jax.ShapeDtypeStruct((1, SEQ_LEN, HEADS, HEAD_DIM), jnp.bfloat16, sharding=row)
-  mask = Mask.of(MaskSpec(window=window))
 
   def loss(q, k, v):
-    out = ring_attention(q, k, v, mask, layout=layout, mesh=mesh, strategy=strategy,
+    out = ring_attention(q, k, v, None, layout=layout, mesh=mesh, strategy=strategy,
                          tile_size=512)
     return out.astype(jnp.float32).sum()
 
@@ -36,14 +35,12 @@ def compiled_text(layout, strategy="ring", window=None, options=None):
     return lowered.compile({**plan_target.compiler_options(devices), **(options or {})}).as_text()
 
 
-@pytest.mark.parametrize("layout, strategy, window", [
-    ("ring", "ring", None), ("striped", "ring", None), ("zigzag", "ring", None),
-    ("striped", "hybrid", None),
-    ("ring", "ring", 4096),  # a ring cut short: blocks sent straight by their shift
-])
-def test_every_ring_step_overlaps_a_kernel(layout, strategy, window):
-  found = overlap.transfers(compiled_text(layout, strategy, window))
-  # K/V and dK/dV at least (a ring cut short sends K/V once for both passes).
+@pytest.mark.slow(5)
+@pytest.mark.parametrize("layout, strategy", [
+    ("ring", "ring"), ("striped", "ring"), ("zigzag", "ring"), ("striped", "hybrid")])
+def test_every_ring_step_overlaps_a_kernel(layout, strategy):
+  found = overlap.transfers(compiled_text(layout, strategy))
+  # K/V and dK/dV at least.
   assert len(found) >= 2 and {t.nbytes for t in found} >= {2 * 4096 * HEADS * HEAD_DIM * 2,
                                                            2 * 4096 * HEADS * HEAD_DIM * 4}
   assert not overlap.exposed(found), overlap.summary(found)

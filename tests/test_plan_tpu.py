@@ -12,6 +12,7 @@ needs_libtpu = pytest.mark.skipif(
     reason=f"XLA's TPU compiler (libtpu) is not in {tpu_target.PLUGIN_DIR}: `make plan_tpu`")
 
 
+@pytest.mark.slow(15)
 @needs_libtpu
 def test_the_tiny_config_plans_for_a_described_tpu_slice(tiny_config):
   """8 chips of a v5e slice (2x4): the TPU's own buffer assignment, judged against its 16 GiB
