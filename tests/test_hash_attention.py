@@ -16,7 +16,7 @@ from parallelism import kernel_xla, kernels
 from parallelism.kernel_grads import Merged
 from parallelism.masks import Mask, MaskSpec
 from parallelism.schedule import ring_schedule
-from tests.test_ring_attention import (_F32_TOL, assert_close, make_inputs)
+from attention_helpers import (F32_TOL, assert_close, make_inputs)
 
 BUCKETS = 4
 
@@ -108,12 +108,12 @@ def test_block_kernel_lse_and_gradients_with_buckets(side_by_side, monkeypatch):
   out, lse = kernel_xla.block_fwd(q, k, v, mask, **at)
   grads = kernel_xla.block_bwd(q, k, v, mask, Merged.of(out, lse, dout), **at)
   want, want_lse = hash_reference(q, k, v, dout, index, seg, *codes)
-  assert_close((out, *grads), want, **_F32_TOL)
+  assert_close((out, *grads), want, **F32_TOL)
   assert len(walks) == (3 if side_by_side else 0)  # the forward, dq, and dk with dv
   empty = _empty_rows(index, seg, *codes)
   assert empty.any()
   assert np.all(np.asarray(lse)[empty] == -np.inf)
-  np.testing.assert_allclose(np.asarray(lse)[~empty], np.asarray(want_lse)[~empty], **_F32_TOL)
+  np.testing.assert_allclose(np.asarray(lse)[~empty], np.asarray(want_lse)[~empty], **F32_TOL)
 
 
 def test_the_kernel_skips_tiles_by_bucket_at_run_time():
@@ -142,7 +142,7 @@ def test_the_model_dense_path_applies_the_buckets():
   got = model_dense(q, k, v, Mask.of(MaskSpec(sparse="hash", hash_buckets=BUCKETS), seg,
                                      codes=codes))
   want = hash_reference(q, k, v, dout, index, seg, *codes)[0][0]
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), **_F32_TOL)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), **F32_TOL)
 
 
 def test_only_xla_applies_buckets():
@@ -211,4 +211,4 @@ def test_the_model_gives_the_same_logits_dense_and_zigzag():
                 - want).max() > 1e-2
 
   logits, _ = under_zigzag(fields, params, (tokens, positions, segments))
-  np.testing.assert_allclose(logits, want, **_F32_TOL)
+  np.testing.assert_allclose(logits, want, **F32_TOL)

@@ -20,7 +20,7 @@ from parallelism.layouts import LAYOUTS
 from parallelism.kernel_grads import Merged
 from parallelism.masks import Mask, MaskSpec, Side, visible
 from parallelism.schedule import held_block, ring_schedule
-from tests.test_ring_attention import (_F32_TOL, dense_attention)
+from attention_helpers import (F32_TOL, dense_attention)
 from tests.test_schedule import _visible_from_lists
 from tests.test_windows import (DECODER, _packed_inputs, decoder_batch, decoder_params,
                                 under_zigzag)
@@ -101,7 +101,7 @@ def test_dense_attention_with_spans_is_each_head_alone():
   got = jax.jit(lambda q, k, v, seg, spans: model_dense(q, k, v, Mask.of(SPEC, seg, spans=spans)))(
       q, k, v, seg, jnp.asarray(SPANS))
   np.testing.assert_allclose(got, per_head_reference(q, k, v, dout, index, seg, SPANS)[0],
-                             **_F32_TOL)
+                             **F32_TOL)
 
 
 def _plan(tmp_path, alpha, beta, name="plan.json"):
@@ -156,7 +156,7 @@ def test_a_decoder_with_a_span_plan_matches_dense_in_zigzag(tmp_path):
                 - want).max() > 1e-2
 
   logits, _ = under_zigzag(fields, params, (tokens, positions, segments))
-  np.testing.assert_allclose(logits, want, **_F32_TOL)
+  np.testing.assert_allclose(logits, want, **F32_TOL)
 
 
 def test_a_decode_step_with_per_head_spans_matches_each_head_alone():
@@ -184,7 +184,7 @@ def test_a_decode_step_with_per_head_spans_matches_each_head_alone():
         scores = k_all[seen, h // 2] @ q[row, 0, h] / np.sqrt(dim)
         weights = np.exp(scores - scores.max())
         want = weights @ v_all[seen, h // 2] / weights.sum()
-        np.testing.assert_allclose(out[row, 0, h], want, **_F32_TOL)
+        np.testing.assert_allclose(out[row, 0, h], want, **F32_TOL)
 
 
 def test_the_pallas_kernels_with_spans_lower_to_triton_for_cuda(monkeypatch):

@@ -31,7 +31,7 @@ from parallelism.kernel_grads import Merged
 from parallelism.masks import Mask, MaskSpec
 from parallelism.ring_attention import ring_attention
 from parallelism.schedule import ring_schedule
-from tests.test_ring_attention import (_F32_TOL, assert_close, make_inputs, reference,
+from attention_helpers import (F32_TOL, assert_close, make_inputs, reference,
                                        ring_in_layout, seq_mesh)
 
 
@@ -330,7 +330,7 @@ def test_the_decomposition_by_mask_shape_is_exact(layout, reference_cudnn):
   inputs = make_inputs(seq_len=128, seed=3)
   got = ring_in_layout(layout, seq_mesh(4), *inputs, packed=False, tile_size=8,
                        kernel="cudnn")
-  assert_close(got, reference(*inputs), **_F32_TOL)
+  assert_close(got, reference(*inputs), **F32_TOL)
 
 
 def _packed_rows(batch_rows=((37, 90), (5, 6, 7, 8, 9, 64, 100, 120)), length=128):
@@ -358,7 +358,7 @@ def test_packed_documents_are_exact_in_every_layout(layout, documents_per_call,
   monkeypatch.setattr(kernel_cudnn.cudnn_packing, "DOCUMENTS_PER_CALL", documents_per_call)
   inputs = make_inputs(batch=2, seq_len=128, segments=_packed_rows(), seed=4)
   got = ring_in_layout(layout, seq_mesh(4), *inputs, tile_size=8, kernel="cudnn")
-  assert_close(got, reference(*inputs), **_F32_TOL)
+  assert_close(got, reference(*inputs), **F32_TOL)
 
 
 def test_dense_attention_is_cudnn_with_documents_apart(reference_cudnn):
@@ -378,7 +378,7 @@ def test_dense_attention_is_cudnn_with_documents_apart(reference_cudnn):
 
   for rows in (_packed_rows(), busy):
     q, k, v, dout, index, seg = make_inputs(batch=2, seq_len=128, segments=rows, seed=5)
-    assert_close(run(q, k, v, dout, seg), reference(q, k, v, dout, index, seg), **_F32_TOL)
+    assert_close(run(q, k, v, dout, seg), reference(q, k, v, dout, index, seg), **F32_TOL)
 
 
 # Jitted: one compile per shape, where op-by-op dispatch compiled each of their ops.

@@ -26,7 +26,7 @@ from parallelism.layouts import LAYOUTS
 from parallelism.kernel_grads import Merged
 from parallelism.masks import Mask, MaskSpec, Side
 from parallelism.schedule import ring_schedule, schedule_of_order
-from tests.test_ring_attention import dense_attention
+from attention_helpers import dense_attention
 
 _F32_TOL = dict(atol=1e-5, rtol=1e-5)
 N, BLOCK, HEADS, HEAD_DIM, TILE = 4, 64, 4, 16, 16

@@ -24,7 +24,7 @@ from parallelism import kernel_splash, kernel_xla, kernels
 from parallelism.kernel_grads import Merged
 from parallelism.masks import Mask, MaskSpec, Side
 from parallelism.schedule import ring_schedule
-from tests.test_ring_attention import packed_inputs, reference, ring_in_layout, seq_mesh
+from attention_helpers import packed_inputs, reference, ring_in_layout, seq_mesh
 
 _F32_TOL = dict(atol=1e-5, rtol=1e-5)
 N, BLOCK, HEADS, KV_HEADS, HEAD_DIM, TILE = 4, 256, 4, 2, 16, 128  # splash: 128-token blocks

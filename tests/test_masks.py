@@ -13,7 +13,7 @@ sees key j (original positions) iff j <= i, they are in the same document, and
   m = clip(u_j - tau_i, 0, 1) (log m added to the logit);
 and logits are capped at c tanh(logit / c) with a soft cap c. Inputs are made in the
 original order, permuted into the layout, and the results unpermuted for comparison.
-Tolerance: float32 rounding (tests/test_ring_attention.py's `_F32_TOL`).
+Tolerance: float32 rounding (tests/test_ring_attention.py's `F32_TOL`).
 """
 
 import dataclasses
@@ -30,7 +30,7 @@ from model.sparsek import prefix_thresholds
 from parallelism.layouts import permute, unpermute
 from parallelism.masks import Mask, MaskSpec, Side, problem
 from parallelism.ring_attention import ring_attention
-from tests.test_ring_attention import _F32_TOL
+from attention_helpers import F32_TOL
 
 HEADS, HEAD_DIM, SINKS = 4, 16, 3
 SPANS = (3, 17, 9, 40)  # per query head; GQA 4:2 pairs heads (0, 1) and (2, 3)
@@ -198,7 +198,7 @@ def test_every_mask_matches_its_dense_reference(case):
                    spans, spec=case.spec)
   for name, g, w in zip(("out", "dq", "dk", "dv", "dtau", "du"), got, want):
     assert np.isfinite(g).all(), name
-    np.testing.assert_allclose(g, np.asarray(w), err_msg=name, **_F32_TOL)
+    np.testing.assert_allclose(g, np.asarray(w), err_msg=name, **F32_TOL)
   if case.spec.selects:  # the scorer's gradients are not all zero
     assert np.abs(got[4]).max() > 1e-2 and np.abs(got[5]).max() > 1e-2
   if case.spec != MaskSpec():  # the mask is not ignored: plain causal attention differs

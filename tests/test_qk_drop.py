@@ -19,7 +19,7 @@ from model import Decoder, ModelConfig
 from model.dropping import CHUNK, drop_codes, kept_count
 from parallelism.layouts import permute, unpermute
 from tests.test_hash_attention import assert_one_line_config_error
-from tests.test_ring_attention import _F32_TOL, seq_mesh
+from attention_helpers import F32_TOL, seq_mesh
 
 
 _drop_codes = jax.jit(drop_codes, static_argnums=(0, 1, 2, 3, 4, 6))
@@ -81,7 +81,7 @@ def test_the_model_gives_the_same_logits_dense_and_zigzag():
   mesh = jax.make_mesh((8,), ("sequence",), axis_types=(AxisType.Auto,))
   with jax.set_mesh(mesh), nn.logical_axis_rules((("activation_seq", "sequence"),)):
     logits = jax.jit(zigzag.apply)(params, *[permute(x, "zigzag", 8) for x in batch])
-  np.testing.assert_allclose(unpermute(np.asarray(logits), "zigzag", 8), want, **_F32_TOL)
+  np.testing.assert_allclose(unpermute(np.asarray(logits), "zigzag", 8), want, **F32_TOL)
 
 
 @pytest.mark.parametrize("overrides,field", [

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from parallelism.masks import Mask, MaskSpec
-from tests.test_ring_attention import (_F32_TOL, assert_close, make_inputs, ring_in_layout,
+from attention_helpers import (F32_TOL, assert_close, make_inputs, ring_in_layout,
                                        seq_mesh)
 
 SINKS = 3
@@ -79,7 +79,7 @@ def test_ring_with_sinks_matches_dense_over_several_rounds():
   positions = positions.copy()
   positions[1] = np.arange(128) % 5
   want = sink_reference(*inputs, positions, (9,) * 4)
-  assert_close(_ring("ring", 4, inputs, positions, window=9), want, **_F32_TOL)
+  assert_close(_ring("ring", 4, inputs, positions, window=9), want, **F32_TOL)
   plain = sink_reference(*inputs, positions, (9,) * 4, sinks=0)
   assert np.abs(np.asarray(plain[0][0]) - np.asarray(want[0][0])).max() > 1e-2  # row 0 too
 
@@ -121,7 +121,7 @@ def test_a_decode_step_reads_the_sinks_beyond_the_window(capacity):
                          k_all[seen]) / np.sqrt(dim)
       weights = np.exp(scores - scores.max(-1, keepdims=True))
       want = np.einsum("kgc,ckd->kgd", weights / weights.sum(-1, keepdims=True), v_all[seen])
-      np.testing.assert_allclose(np.asarray(out)[row, 0], want.reshape(heads, dim), **_F32_TOL)
+      np.testing.assert_allclose(np.asarray(out)[row, 0], want.reshape(heads, dim), **F32_TOL)
 
 
 def test_the_model_dense_path_sees_the_sinks():
@@ -132,7 +132,7 @@ def test_the_model_dense_path_sees_the_sinks():
   spec = MaskSpec(window=max(SPANS), narrowest=min(SPANS), sink_tokens=SINKS)
   got = model_dense(q, k, v, Mask.of(spec, seg, positions=jnp.asarray(positions),
                                      spans=jnp.asarray(SPANS)))
-  np.testing.assert_allclose(got, want, **_F32_TOL)
+  np.testing.assert_allclose(got, want, **F32_TOL)
 
 
 @pytest.mark.parametrize("fields,message", [

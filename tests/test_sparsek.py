@@ -6,7 +6,7 @@ thresholds and scores) in ring, striped and zigzag on 1-8 devices, GQA, packed d
 rows that see nothing; tile skipping; the model's dense and zigzag paths; config errors are
 one line.
 
-Tolerances as tests/test_ring_attention.py (`_F32_TOL`).
+Tolerances as tests/test_ring_attention.py (`F32_TOL`).
 """
 
 import functools
@@ -22,7 +22,7 @@ from parallelism.layouts import permute, unpermute
 from parallelism.masks import Mask, MaskSpec
 from parallelism.schedule import ring_schedule
 from tests.test_hash_attention import assert_one_line_config_error
-from tests.test_ring_attention import _F32_TOL, make_inputs, seq_mesh
+from attention_helpers import F32_TOL, make_inputs, seq_mesh
 
 K, WINDOW = 4, 3  # keys kept per query, keys always seen (itself and the two before)
 
@@ -267,7 +267,7 @@ def test_block_kernel_lse_and_tile_skipping():
   out, lse = jax.jit(functools.partial(kernel_xla.block_fwd, **at))(
       q, k, v, Mask.of(_spec(0), seg, scores=(tau, u)))
   _, want_lse = sparsek_reference(q, k, v, dout, index, seg, tau, u, window=0)
-  np.testing.assert_allclose(lse, want_lse, **_F32_TOL)
+  np.testing.assert_allclose(lse, want_lse, **F32_TOL)
   assert lse[0, 5, 0] == -np.inf
   index_T = schedule.pair_index[0][0]
   count = lambda tau, u, w: int(kernel_sparsek.computed_tiles(
@@ -314,7 +314,7 @@ def test_the_model_dense_and_zigzag_agree():
                        devices=jax.devices()[:4])
   with jax.set_mesh(mesh), nn.logical_axis_rules((("activation_seq", "sequence"),)):
     got = jax.jit(zigzag.apply)(params, *(permute(x, "zigzag", 4) for x in batch))
-  np.testing.assert_allclose(unpermute(np.asarray(got), "zigzag", 4), want, **_F32_TOL)
+  np.testing.assert_allclose(unpermute(np.asarray(got), "zigzag", 4), want, **F32_TOL)
 
 
 @pytest.mark.parametrize("overrides,field", [

@@ -17,7 +17,7 @@ from parallelism.layouts import permute, unpermute
 from parallelism.masks import Mask
 from parallelism.ring_attention import ring_attention
 from parallelism.strategies import kv_repeat
-from tests.test_ring_attention import _F32_TOL, assert_close, make_inputs, reference
+from attention_helpers import F32_TOL, assert_close, make_inputs, reference
 
 RULES = (("activation_batch", "data"), ("activation_seq", ("sequence", "ulysses")),
          ("activation_heads", "tensor"), ("activation_kv_heads", "tensor"))
@@ -59,7 +59,7 @@ def test_allgather_matches_dense(layout, n, num_kv):
   inputs = make_inputs(batch=2, seq_len=64, num_heads=4, num_kv=num_kv, head_dim=8,
                        segments=packed_segments(2, 64), seed=n)
   got = run_strategy("allgather", layout, mesh_of(n, 1), *inputs)
-  assert_close(got, reference(*inputs), **_F32_TOL)
+  assert_close(got, reference(*inputs), **F32_TOL)
 
 
 # Degree 4 over 2 K/V heads (repeated twice) runs under hybrid below: Ulysses is hybrid's
@@ -70,7 +70,7 @@ def test_ulysses_matches_dense(ulysses, num_kv):
   inputs = make_inputs(batch=2, seq_len=64, num_heads=8, num_kv=num_kv, head_dim=8,
                        segments=packed_segments(2, 64), seed=ulysses + num_kv)
   got = run_strategy("ulysses", "striped", mesh_of(1, ulysses), *inputs)
-  assert_close(got, reference(*inputs), **_F32_TOL)
+  assert_close(got, reference(*inputs), **F32_TOL)
 
 
 # Each layout once, rings of 2 and 4, K/V heads repeated (Ulysses 4) and not (Ulysses 2).
@@ -80,7 +80,7 @@ def test_hybrid_matches_dense(layout, ring, ulysses):
   inputs = make_inputs(batch=2, seq_len=64, num_heads=8, num_kv=2, head_dim=8,
                        segments=packed_segments(2, 64), seed=ring)
   got = run_strategy("hybrid", layout, mesh_of(ring, ulysses), *inputs)
-  assert_close(got, reference(*inputs), **_F32_TOL)
+  assert_close(got, reference(*inputs), **F32_TOL)
 
 
 def test_hybrid_with_heads_over_tensor():
@@ -88,7 +88,7 @@ def test_hybrid_with_heads_over_tensor():
   inputs = make_inputs(batch=1, seq_len=64, num_heads=8, num_kv=2, head_dim=8,
                        segments=packed_segments(1, 64), seed=11)
   got = run_strategy("hybrid", "zigzag", mesh_of(2, 2, tensor=2), *inputs)
-  assert_close(got, reference(*inputs), **_F32_TOL)
+  assert_close(got, reference(*inputs), **F32_TOL)
 
 
 def test_kv_repeat():

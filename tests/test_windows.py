@@ -19,7 +19,7 @@ from parallelism import tiles, traffic
 from parallelism.layouts import LAYOUTS
 from parallelism.masks import Mask, MaskSpec, Side, visible
 from parallelism.schedule import compare_layouts, held_block, ring_schedule
-from tests.test_ring_attention import (_F32_TOL, make_inputs)
+from attention_helpers import (F32_TOL, make_inputs)
 from tests.test_schedule import _shape_of, _visible_from_lists
 
 
@@ -194,7 +194,7 @@ def test_local_and_global_layers_in_one_scan_match_dense_in_a_ring_cut_short():
       params, tokens, positions, segments)[0]) - float(want)) > 1e-2
 
   logits, (got, grads) = under_zigzag(fields, params, (tokens, positions, segments), loss)
-  np.testing.assert_allclose(logits, np.asarray(want_logits), **_F32_TOL)
+  np.testing.assert_allclose(logits, np.asarray(want_logits), **F32_TOL)
   np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
   # Each gradient sums 2 x 64 x 101 terms: float32 rounding relative to the largest entry.
   for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
@@ -253,7 +253,7 @@ def test_a_local_decode_step_reads_the_window_and_matches_dense(layout):
                          k_all[seen]) / np.sqrt(dim)
       weights = np.exp(scores - scores.max(-1, keepdims=True))
       want = np.einsum("kgc,ckd->kgd", weights / weights.sum(-1, keepdims=True), v_all[seen])
-      np.testing.assert_allclose(np.asarray(out)[row, 0], want.reshape(heads, dim), **_F32_TOL)
+      np.testing.assert_allclose(np.asarray(out)[row, 0], want.reshape(heads, dim), **F32_TOL)
       np.testing.assert_array_equal(np.asarray(key_cache)[row, np.argsort(order)[p]], k[row, 0])
 
   def flops(capacity):
