@@ -21,12 +21,11 @@ import dataclasses
 import re
 
 from parallelism.ring import HOME_HOP
-from parallelism.traffic import array_bytes
+from parallelism import traffic
 
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.-]+) .*\{$")
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?([\w.-]+) = (.*?) ([\w-]+)\((.*)$")
-_CALLED = re.compile(r"(?:calls|body|to_apply|branch_computations|condition|true_computation|false_computation)=\{?([^,}]*"
-                     r"(?:, %[\w.-]+)*)\}?")
+_CALLED = re.compile(r"(?:calls|body|to_apply|branch_computations|condition|true_computation"
+                     r"|false_computation)=\{?([^,}]*(?:, %[\w.-]+)*)\}?")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 # Custom calls that move or describe data rather than compute (none is a kernel).
 _NOT_KERNELS = ("AllocateBuffer", "SliceToDynamic", "PadToStatic", "MoveToHost",
@@ -55,20 +54,12 @@ class _Instruction:
 
 
 def _computations(hlo_text: str) -> dict[str, list[_Instruction]]:
-  computations, current = {}, None
-  for line in hlo_text.splitlines():
-    if current is None:
-      match = _COMPUTATION.match(line)
-      if match:
-        current = computations.setdefault(match.group(1), [])
-      continue
-    if line.startswith("}"):
-      current = None
-      continue
-    match = _INSTRUCTION.match(line)
-    if match:
-      current.append(_Instruction(*match.groups()))
-  return computations
+  """Each computation's instructions in schedule order (`traffic.computations` splits them)."""
+  found = {}
+  for name, lines in traffic.computations(hlo_text)[0].items():
+    matches = (_INSTRUCTION.match(line) for line in lines)
+    found[name] = [_Instruction(*match.groups()) for match in matches if match]
+  return found
 
 
 def _called(instruction: _Instruction) -> list[str]:
@@ -101,11 +92,6 @@ def _kernel(instruction: _Instruction, computations, seen=None) -> str | None:
   return None
 
 
-def _nbytes(type_text: str) -> int:
-  """Bytes received: a done's array(s), or a synchronous transfer's."""
-  return array_bytes(type_text)
-
-
 def transfers(hlo_text: str) -> list[Transfer]:
   """Every `collective-permute` of a scheduled program, in program order, with the kernels
   scheduled between its start and its done."""
@@ -115,16 +101,15 @@ def transfers(hlo_text: str) -> list[Transfer]:
     started = {}
     for instruction in instructions:
       home = HOME_HOP in instruction.rest
+      received = traffic.array_bytes(instruction.type)  # a done's, or a synchronous one's
       if instruction.op == "collective-permute":
-        found.append(Transfer(instruction.name, computation, _nbytes(instruction.type), (),
-                              home))
+        found.append(Transfer(instruction.name, computation, received, (), home))
       elif instruction.op == "collective-permute-start":
         started[instruction.name] = ([], home)
       elif instruction.op == "collective-permute-done":
         start = instruction.rest.split(")")[0].strip().lstrip("%")
         kernels, home = started.pop(start, ([], False))
-        found.append(Transfer(start, computation, _nbytes(instruction.type), tuple(kernels),
-                              home))
+        found.append(Transfer(start, computation, received, tuple(kernels), home))
       else:
         kernel = _kernel(instruction, computations)
         if kernel:

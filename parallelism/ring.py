@@ -268,7 +268,7 @@ def backward_pass(q_BTHD, k_BTKD, v_BTKD, mask: Mask, merged: Merged, *, axis: s
     # is sent on now, in flight while this step's kernels run, and this step's share is
     # added once it has arrived. Sent after the kernels instead, it had nothing to overlap
     # under `ring` (its empty pairs' conditional waits for it) and only the dq kernel
-    # under striped and zigzag (trainer/plan/overlap.py reads the compiled schedule).
+    # under striped and zigzag (parallelism/overlap.py reads the compiled schedule).
     arrived = lax.ppermute(travelling, axis, shifted(1, num_shards))
     q_side, side_s = step(s, q_side, *block)
     return q_side, _add(arrived, side_s)

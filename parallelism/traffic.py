@@ -89,25 +89,35 @@ def _sent(kind: str, result_bytes: int, line: str) -> float:
   return result_bytes * (group - 1) / group  # all-gather, all-to-all
 
 
+def computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
+  """A compiled module's text split into its computations: (name -> the lines after its
+  header, in the module's order, which is the schedule's in a scheduled module; the entry
+  computation's name). Lines after a computation's closing brace belong to none."""
+  found, current, entry = {}, None, None
+  for line in hlo_text.splitlines():
+    header = _HEADER.match(line)
+    if header and line.rstrip().endswith("{"):
+      current = found.setdefault(header.group(2), [])
+      entry = header.group(2) if header.group(1) else entry
+    elif line.startswith("}"):
+      current = None
+    elif current is not None:
+      current.append(line)
+  return found, entry
+
+
 def hlo_bytes(hlo_text: str) -> dict[str, float]:
   """Bytes each device sends per run of the compiled module `hlo_text`, by collective kind
   (key 'unknown_trips' counts while loops with collectives whose trip count XLA did not
   record: their bodies count once)."""
-  computations, current, entry = {}, None, None
-  for line in hlo_text.splitlines():
-    header = _HEADER.match(line)
-    if header and line.rstrip().endswith("{"):
-      current = computations.setdefault(header.group(2), [])
-      entry = header.group(2) if header.group(1) else entry
-    elif current is not None:
-      current.append(line)
+  computations_, entry = computations(hlo_text)
   unknown = [0]
 
   def total(name: str, seen: tuple = ()) -> dict[str, float]:
     out = dict.fromkeys(_KINDS + ("async_collectives",), 0.0)
-    if name not in computations or name in seen:
+    if name not in computations_ or name in seen:
       return out
-    for line in computations[name]:
+    for line in computations_[name]:
       collective = _COLLECTIVE.match(line)
       if collective and "-done" not in line:
         type_text, kind, started = collective.groups()

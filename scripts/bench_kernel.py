@@ -30,8 +30,9 @@ Parts (each appends JSON lines to results/bench_kernel.jsonl):
   `ring_attention` issues the transfer before computing: forward sends K/V (bf16), the
   backward sends K/V and the float32 dK/dV accumulators (one step behind, and home after
   the last step), over each link of `--links` (NVLink and a 400 Gb/s link between nodes
-  by default), from the same timings. Critical path = sum over steps. Reported as ideal / critical path
-  with ideal = N x t(causal block); ring should be near N/(2N-1). The log-sum-exp merges
+  by default), from the same timings. Critical path = sum over steps. Reported as ideal /
+  critical path with ideal = N x t(causal block); ring should be near N/(2N-1). The
+  log-sum-exp merges
   and delta are left out (elementwise, the same for every layout).
 Timing: warm-up calls, then the median of repeats, each call synchronised with
 block_until_ready (perf_counter around it); every input random normal, never zeros.
@@ -59,6 +60,7 @@ from parallelism.layouts import LAYOUTS  # noqa: E402
 from parallelism.kernel_grads import Merged  # noqa: E402
 from parallelism.masks import Mask, MaskSpec, Side  # noqa: E402
 from parallelism.schedule import ring_schedule  # noqa: E402
+from trainer.config import flops  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "results", "bench_kernel.jsonl")
@@ -317,9 +319,7 @@ def _class_key(schedule, pair: int, config) -> bytes:
                    for bq, bk in sizes)
 
 
-# The links the ring part compares, bytes/s per direction: a node's NVLink (an H100's or
-# H200's, through the NVSwitch) and a 400 Gb/s link between nodes (one NIC per GPU).
-LINKS = {"nvlink": 450e9, "ib_400g": 50e9}
+LINKS = flops.LINK_BYTES_PER_S  # what the ring part compares, bytes/s per direction
 
 
 def critical_paths(t_SD2, t_causal, kv_s: float, dkv_s: float) -> dict[str, float]:

@@ -34,6 +34,13 @@ PEAK_FLOPS = {
     "tpu_v5p": 459e12,
     "tpu_v6e": 918e12,
 }
+# The links a GPU ring runs over, bytes/s per direction from each GPU: a node's NVLink (an
+# H100's or H200's, through its NVSwitch) and a 400 Gb/s link between nodes (one InfiniBand
+# NIC per GPU); and the GPUs of a node (HGX). What the planner's link lines, the strategy
+# table's defaults and the GPU check's ring emulation assume.
+LINK_BYTES_PER_S = {"nvlink": 450e9, "ib_400g": 50e9}
+GPUS_PER_NODE = 8
+
 # A TPU by kind (`v5p`, `tpu_v5p`) or slice, as Cloud TPU names one (`v5p-16`).
 TPU_NAME = re.compile(r"^(?:tpu_)?(v4|v5e|v5p|v6e)(?:-(\d+))?$")
 

@@ -5,7 +5,7 @@
   backward has two: the next K/V block and the dK/dV accumulator, which travels one step
   behind its block (`parallelism.ring.backward_pass`). With a limit of one the scheduler
   waits for the accumulator before it issues the K/V transfer, and the accumulator overlaps
-  nothing. Two lets both run under the step's kernels (`trainer/plan/overlap.py` reads the
+  nothing. Two lets both run under the step's kernels (`parallelism/overlap.py` reads the
   compiled schedule; `--dry_run` prints its verdict, tests/test_plan_gpu.py keeps it true).
 
 A user's `XLA_FLAGS` wins: an option named there is not passed (options passed to a compile

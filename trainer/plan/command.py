@@ -36,11 +36,14 @@ _COMPARE = flags.DEFINE_bool(
     "compare_strategies", False, "Dry run: plan every sequence-parallel strategy and ring x "
     "Ulysses split of the config's sequence devices (trainer/plan/strategy_plan.py): memory from "
     "each compiled step, bytes sent, attention balance and an estimated step time.")
-_INTRA_GBPS = flags.DEFINE_float("intra_node_gbps", 450.0, "--compare_strategies: GB/s per "
-                                 "device inside a node (H100 NVLink: 450).")
-_INTER_GBPS = flags.DEFINE_float("inter_node_gbps", 50.0, "--compare_strategies: GB/s per "
-                                 "device across nodes (400 Gb/s InfiniBand: 50).")
-_NODE_SIZE = flags.DEFINE_integer("node_size", 8, "--compare_strategies: devices per node.")
+_INTRA_GBPS = flags.DEFINE_float(
+    "intra_node_gbps", flops.LINK_BYTES_PER_S["nvlink"] / 1e9, "--compare_strategies: GB/s "
+    "per device inside a node (H100 NVLink).")
+_INTER_GBPS = flags.DEFINE_float(
+    "inter_node_gbps", flops.LINK_BYTES_PER_S["ib_400g"] / 1e9, "--compare_strategies: GB/s "
+    "per device across nodes (400 Gb/s InfiniBand).")
+_NODE_SIZE = flags.DEFINE_integer("node_size", flops.GPUS_PER_NODE,
+                                  "--compare_strategies: devices per node.")
 
 _PLAN_FLAGS = ("find_max_seq_len", "compare_strategies", "device_memory_gib", "plan_compiler",
                "plan_mfu", "plan_accelerator", "intra_node_gbps", "inter_node_gbps", "node_size")

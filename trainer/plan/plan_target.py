@@ -44,7 +44,7 @@ from trainer.plan import COMPILERS, tpu_target
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PLUGIN_DIR = os.environ.get("PLAN_GPU_DIR") or os.path.join(ROOT, ".plan_gpu")
-DEVICES_PER_HOST = 8  # HGX nodes: a topology of more devices is 8-GPU hosts.
+DEVICES_PER_HOST = flops.GPUS_PER_NODE  # a topology of more devices is hosts of this many
 
 # The fields XLA's GPU compiler reads, from XLA's own target specs
 # (xla/backends/gpu/target_config/specs/{h100_sxm,h200,h100_pcie,a100_sxm_80}.txtpb).

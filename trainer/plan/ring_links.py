@@ -20,10 +20,12 @@ import jax.numpy as jnp
 import ml_collections
 
 from parallelism import traffic
+from trainer.config import flops
 from trainer.plan import plan_report
 
-LINKS = (("NVLink", 450e9), ("400 Gb/s between nodes", 50e9))
-NODE_SIZE = 8  # GPUs of an HGX node, as plan_target.DEVICES_PER_HOST
+LINKS = (("NVLink", flops.LINK_BYTES_PER_S["nvlink"]),
+         ("400 Gb/s between nodes", flops.LINK_BYTES_PER_S["ib_400g"]))
+NODE_SIZE = flops.GPUS_PER_NODE
 
 
 def shapes(config: ml_collections.ConfigDict, shape: dict[str, int]) -> traffic.Shapes:

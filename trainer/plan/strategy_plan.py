@@ -79,8 +79,10 @@ def estimate(config: ml_collections.ConfigDict, shape: dict[str, int], balance: 
 
 
 def compare(config: ml_collections.ConfigDict, device_memory_gib: float | None = None,
-            mfu: float = 0.4, accelerator: str = "h100", intra_node_gbps: float = 450.0,
-            inter_node_gbps: float = 50.0, node_size: int = 8,
+            mfu: float = 0.4, accelerator: str = "h100",
+            intra_node_gbps: float = flops.LINK_BYTES_PER_S["nvlink"] / 1e9,
+            inter_node_gbps: float = flops.LINK_BYTES_PER_S["ib_400g"] / 1e9,
+            node_size: int = flops.GPUS_PER_NODE,
             log: Callable[[str], None] = print,
             target: str | None = None) -> list[dict[str, Any]]:
   """Plans every split of the config's sequence devices, in every layout; prints and
