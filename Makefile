@@ -22,7 +22,7 @@ PLAN_GPU_STAMP := $(PLAN_GPU)/.installed-cuda13
 PLAN_TPU := .plan_tpu
 PLAN_TPU_STAMP := $(PLAN_TPU)/.installed
 
-.PHONY: train test bench compare plan_gpu plan_tpu bench_plan gpu_check slurm_packages
+.PHONY: train test docs bench compare plan_gpu plan_tpu bench_plan gpu_check slurm_packages
 
 # mimalloc for the tests (pinned, in its own folder, preloaded only by `make test`): the
 # suite is mostly XLA compiling tiny programs, and glibc's malloc took about a sixth of that
@@ -44,6 +44,14 @@ train: $(STAMP)
 TEST_WORKERS ?= 3
 test: $(STAMP) $(PLAN_GPU_STAMP) $(PLAN_TPU_STAMP) $(MIMALLOC) slurm_packages
 	LD_PRELOAD="$(PRELOAD)" $(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder $(ARGS)
+
+# The manual (docs/, mkdocs.yml) as a site in site/: MkDocs with Material, strict, so a broken
+# link, a missing anchor or a page left out of the nav fails it (tests/test_docs.py builds it
+# too). `make docs ARGS=serve` serves it at http://127.0.0.1:8000 while you edit.
+# (NO_MKDOCS_2_WARNING: Material's notice of its end of life, which strict mode would not
+# fail on, kept out of the build's output.)
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs $(or $(ARGS),build)
 
 # Striped vs ring with one process per core (scripts/compare_demo.py): the gain the tiny
 # default cannot show.
@@ -109,5 +117,5 @@ $(MIMALLOC): constraints.txt $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	@scripts/venv.sh $(VENV)
-	$(VENV)/bin/pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]'
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test,docs]'
 	touch $(STAMP)

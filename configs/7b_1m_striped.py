@@ -14,7 +14,7 @@ configs/7b_256k_striped.py at four times the length, on one ring of 8 devices (o
   host memory instead of on the device (256 GiB of the node's host memory in all), and
   recomputes the rest of the layer;
 - parameters and AdamW state are sharded over all 8 devices (ZeRO-3 over the ring).
-The planner's figures for it (H100s, 8 and 16 devices, offload and full) are in the README
+The planner's figures for it (H100s, 8 and 16 devices, offload and full) are in docs/planning.md
 and results/bench_plan.jsonl; they need XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 (the
 Dockerfile's; JAX's default 0.75 would not hold this config).
 """

@@ -136,10 +136,11 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
   config.data.on_bad_file = "skip"  # text_files: skip (and count) or fail on unreadable files.
   config.data.prefetch = 2  # Batches prepared ahead in the background.
 
-  # Where the parameters start. A Hugging Face LLaMA checkpoint directory (config.json,
-  # *.safetensors, tokenizer.model) sets the model's shape, RoPE and tokenizer from its files
-  # and starts step 0 from its weights; empty starts from random weights (seed).
+  # Where the parameters start.
   config.init = ml_collections.ConfigDict()
+  # A Hugging Face LLaMA checkpoint directory (config.json, *.safetensors, tokenizer.model):
+  # it sets the model's shape, RoPE and tokenizer from its files and starts step 0 from its
+  # weights; empty starts from random weights (seed).
   config.init.from_hf = ""
 
   config.train = ml_collections.ConfigDict()

@@ -1,4 +1,5 @@
-"""The data pipeline (see DESIGN.md): TFDS builders, SentencePiece, packing, layouts, global batches.
+"""The data pipeline (docs/architecture.md): TFDS builders, SentencePiece, packing, layouts,
+global batches.
 
     cfg = data.DataConfig(**config.data.to_dict())
     data.prepare(cfg)                      # once; cached under cfg.data_dir

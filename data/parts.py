@@ -2,7 +2,7 @@
 
 A 50 MB one-line book tokenized in one SentencePiece call stalls the pipeline for tens of
 seconds and holds gigabytes of host memory (`scripts/bench_data.py --case 8k`; figures in
-the README and results/bench_data.jsonl). Here a document longer than `PART_CHARS` characters is cut just before a whitespace character
+docs/data.md and results/bench_data.jsonl). Here a document longer than `PART_CHARS` characters is cut just before a whitespace character
 into parts of at most that many characters, and the packer asks for one part at a time
 (`packing.Part`). The tokenizers trained here map newlines and tabs to spaces, drop leading
 whitespace and never let a piece cross a space, so the parts' ids joined are exactly the

@@ -147,7 +147,7 @@ def _preparation_error(cfg: DataConfig, error: BaseException) -> DataError:
   if any(word in str(e).lower() for e in chain for word in _NETWORK_WORDS):
     return DataError(f"downloading TFDS dataset '{cfg.dataset}' failed ({first}); without "
                      f"network access, prepare it where there is some and copy data.data_dir="
-                     f"{cfg.data_dir} here, or train on a local copy (README, 'Datasets')")
+                     f"{cfg.data_dir} here, or train on a local copy (docs/data.md)")
   return DataError(f"cannot prepare TFDS dataset '{cfg.dataset}' under data.data_dir="
                    f"{cfg.data_dir}: {first}; prepare it there beforehand (array_record) or "
                    f"fix data.dataset")

@@ -1,4 +1,4 @@
-"""The LLaMA-style decoder (see DESIGN.md): typed config, layers, attention dispatch."""
+"""The LLaMA-style decoder (see docs/architecture.md): typed config, layers, attention dispatch."""
 
 from model.attention import dense_attention, dense_kernel, dense_line
 from model.config import ATTENTIONS, KERNELS, REMAT_POLICIES, ModelConfig

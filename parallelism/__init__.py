@@ -1,6 +1,6 @@
 """Mesh, logical axis rules, sequence layouts, the static ring schedule, sequence-parallel
 attention (ring, all-gather, Ulysses, hybrid) and the sampler's decode attention over a
-sharded KV cache (see DESIGN.md)."""
+sharded KV cache (see docs/architecture.md)."""
 
 from parallelism.decoding import CACHE_NAMES, cache_positions, decode_attention, decode_rules
 from parallelism.kernel_cudnn import (dense_attention as cudnn_dense_attention,

@@ -59,7 +59,7 @@ _BY_BACKEND = {"gpu": "cudnn", "tpu": "splash"}  # what `auto` resolves to; else
 def resolve(name: str, backend: str | None = None) -> str:
   """The kernel `name` runs on `backend` (default: `target.backend()`, JAX's or a plan's
   described GPUs or TPUs). `auto` is `cudnn` on GPUs, the faster fused kernel there by `make
-  gpu_check` (figures: README, results/gpu_check/), `splash` on TPUs (Pallas Mosaic, the
+  gpu_check` (figures: docs/gpus.md, results/gpu_check/), `splash` on TPUs (Pallas Mosaic, the
   only fused kernel with a TPU lowering), and `xla` elsewhere: on the CPU the Pallas
   kernels only interpret. Where cuDNN cannot take a layer, `choose` goes on to `pallas`,
   then `xla`; where splash cannot, to `xla`."""

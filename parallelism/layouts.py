@@ -1,6 +1,6 @@
 """Sequence layouts: the once-per-batch permutation of the sequence axis.
 
-With N shards on the `sequence` mesh axis (see DESIGN.md, "The sequence layout contract"):
+With N shards on the `sequence` mesh axis (docs/architecture.md, "The sequence layout contract"):
 
 - `ring`: identity; shard d holds tokens [d*S/N, (d+1)*S/N).
 - `striped`: shard d holds original tokens d, d+N, d+2N, ... in order.

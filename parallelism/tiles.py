@@ -1,8 +1,8 @@
 """The tile skip rule: which (query tile, key tile) pairs attention must compute.
 
-One rule serves every layout (DESIGN.md, "The attention contract"): query i sees key j iff
-`0 <= token_index[i] - token_index[j] < window` (and their segment ids match: a run-time
-mask left to the kernels). `window=None` is causal; a window of w keys includes the query
+One rule serves every layout (docs/architecture.md, "The attention contract"): query i sees
+key j iff `0 <= token_index[i] - token_index[j] < window` (and their segment ids match: a
+run-time mask left to the kernels). `window=None` is causal; a window of w keys includes the query
 itself, as Hugging Face's `sliding_window` = w, flash-attn's `window_size=(w - 1, 0)` and
 splash's `LocalMask((w - 1, 0))`. A tile pair, summarised by `d = q - k` in
 `[q_min - k_max, q_max - k_min]`, is:

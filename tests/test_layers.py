@@ -1,4 +1,4 @@
-"""The packages import downward only, so the train path reads in one look (DESIGN.md):
+"""The packages import downward only, so the train path reads in one look (docs/architecture.md):
 configs import ml_collections and configs; data, model and parallelism never import the
 trainer (data neither model); and inside `trainer/` each sub-package imports only those
 below it, in the order of `trainer/__init__.py`."""

@@ -88,11 +88,11 @@ def test_decoding_gives_the_dense_masked_logits(tiny_config, tokenizer, mask,  #
 
 
 def test_the_words_say_every_mask_decodes():
-  """configs/base.py's comments said "no decoding" of each mask and the README's SparseK
+  """configs/base.py's comments said "no decoding" of each mask and the manual's SparseK
   section "not built yet: decoding", beside the test above that decodes them (issue #57)."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   with open(os.path.join(root, "configs", "base.py")) as f:
     assert "no decoding" not in f.read().lower()
-  with open(os.path.join(root, "README.md")) as f:
-    readme = " ".join(f.read().split())
-  assert not [s for s in re.findall(r"not built yet[^.]*", readme, re.I) if "decoding" in s]
+  with open(os.path.join(root, "docs", "masks.md")) as f:
+    manual = " ".join(f.read().split())
+  assert not [s for s in re.findall(r"not built yet[^.]*", manual, re.I) if "decoding" in s]
