@@ -52,26 +52,27 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
   # Sink tokens: local layers also see the first k positions of each document, however far
   # back (StreamingLLM / MoA's "first k tokens", per packed document); 0: none.
   config.model.sink_tokens = 0
-  # Run-time sparse attention (issue #38): "none", or "hash" (SCFA's hash attention: per layer
-  # and head, q and k fall in one of hash_buckets buckets by argmax([xR, -xR]) of a fixed
-  # random projection R, and a query sees only the earlier keys of its document and bucket;
-  # model/hashing.py). Exact masked attention in every layout and strategy (xla kernel, which
-  # skips tiles by code at run time); sampling and needle evals decode with it exactly.
+  # Run-time sparse attention, decided per token at run time; exact masked attention in every
+  # layout and strategy (xla kernel, which skips tiles at run time), decoded exactly by
+  # sampling and needle evals. One of:
+  # - "none";
+  # - "hash" (SCFA's hash attention): per layer and head, q and k fall in one of hash_buckets
+  #   buckets by argmax([xR, -xR]) of a fixed random projection R, and a query sees only the
+  #   earlier keys of its document and bucket (model/hashing.py);
+  # - "qk_drop" (SCFA's QK-dropping): per layer and head, each chunk of 64 consecutive
+  #   positions keeps floor((1 - rate) * 64 + 1/2) queries and as many keys, by a fixed seeded
+  #   hash of (layer, head, position), the same in every layout, in training and eval; a kept
+  #   query sees the earlier kept keys of its document, a dropped one gives 0
+  #   (model/dropping.py);
+  # - "sparsek" (SparseK, Lou et al. 2024): a learned score per token and kv head (u = x W, a
+  #   weight of each layer) and per query the soft top-k mask clip(u - tau, 0, 1) over its
+  #   document's keys at least sparsek_window back, summing to sparsek_k; the sparsek_window
+  #   keys up to itself are always seen (model/sparsek.py). Ring strategy only.
   config.model.sparse = "none"
-  config.model.hash_buckets = 0  # Buckets of hash attention: even, 2 to 2 x head size; 0: none.
-  # "qk_drop" (SCFA's QK-dropping): per layer and head, each chunk of 64 consecutive positions
-  # keeps floor((1 - rate) * 64 + 1/2) queries and as many keys, by a fixed seeded hash of
-  # (layer, head, position), the same in every layout, in training and eval (model/dropping.py);
-  # a kept query sees the earlier kept keys of its document, a dropped one gives 0. Decoded
-  # exactly (sampling, needle evals).
-  config.model.qk_drop_rate = 0.0  # Share of queries and keys dropped, in (0, 1); 0 without it.
-  # "sparsek" (SparseK, Lou et al. 2024): a learned score per token and kv head (u = x W, a
-  # weight of each layer) and per query the soft top-k mask clip(u - tau, 0, 1) over its
-  # document's keys at least sparsek_window back, summing to sparsek_k; the sparsek_window keys
-  # up to itself are always seen (model/sparsek.py). Ring strategy only; decoded exactly
-  # (sampling, needle evals).
-  config.model.sparsek_k = 0  # Keys the soft top-k mask keeps per query, >= 1; 0 without it.
-  config.model.sparsek_window = 0  # Keys up to itself a query always sees; 0: none.
+  config.model.hash_buckets = 0  # hash: buckets, even, 2 to 2 x head size; 0 without it.
+  config.model.qk_drop_rate = 0.0  # qk_drop: share of queries and keys dropped, in (0, 1).
+  config.model.sparsek_k = 0  # sparsek: keys the soft top-k mask keeps per query, >= 1.
+  config.model.sparsek_window = 0  # sparsek: keys up to itself a query always sees; 0: none.
   config.model.norm_eps = 1e-5  # RMSNorm epsilon.
   config.model.tie_embeddings = False  # Share the input embedding with the output projection.
   config.model.init_std = 0.02  # Std of the normal initialiser of every matrix.

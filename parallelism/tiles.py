@@ -1,6 +1,6 @@
 """The tile skip rule: which (query tile, key tile) pairs attention must compute.
 
-One rule serves every layout (docs/architecture.md, "The attention contract"): query i sees
+One rule serves every layout (`parallelism.masks.visible`, docs/masks.md): query i sees
 key j iff `0 <= token_index[i] - token_index[j] < window` (and their segment ids match: a
 run-time mask left to the kernels). `window=None` is causal; a window of w keys includes the query
 itself, as Hugging Face's `sliding_window` = w, flash-attn's `window_size=(w - 1, 0)` and

@@ -1,6 +1,7 @@
 """MkDocs hooks of the manual (`mkdocs.yml`, `make docs`): the config reference, generated from
 the comments of `configs/base.py` so that the defaults and their meaning have one source, and
-the files of `results/`, which the manual's pages link to where they cite a figure.
+the files of `results/`, which the manual's pages link to where they cite a figure (as
+`../results/...`, which a code host resolves too).
 
 `python scripts/docs_site.py` prints the reference's Markdown.
 """
@@ -55,6 +56,11 @@ def _comments(source: str) -> dict[int, tuple[str, bool]]:
   return found
 
 
+def _joined(lines: list[str]) -> str:
+  """Comment lines as one table cell: a line that starts "- " starts a line of its own."""
+  return " ".join(line if not line.startswith("- ") else "<br>" + line for line in lines)
+
+
 def parse(path: str = BASE_CONFIG) -> tuple[list[str], dict[str, str], list[Field]]:
   """The groups in order, each group's own comment, and every field of `get_config`."""
   source = open(path).read()
@@ -74,7 +80,7 @@ def parse(path: str = BASE_CONFIG) -> tuple[list[str], dict[str, str], list[Fiel
       above.insert(0, comments[row][0])
       row -= 1
     after = comments.get(statement.lineno)
-    text = " ".join(above + ([after[0]] if after and not after[1] else []))
+    text = _joined(above + ([after[0]] if after and not after[1] else []))
     if _is_group(statement.value):
       groups.append(name)
       group_comments[name] = text
@@ -119,6 +125,12 @@ def reference_markdown(path: str = BASE_CONFIG) -> str:
     for field in long_defaults:
       out += [f"`{field.name}` defaults to:", "", "```python", field.default, "```", ""]
   return "\n".join(out)
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+  """MkDocs hook: the pages link to `../results/...`, as the files lie beside docs/ on a code
+  host; on the site results/ sits beside the pages."""
+  return markdown.replace("](../results/", "](results/")
 
 
 def on_files(files, config):
