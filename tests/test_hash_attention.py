@@ -97,16 +97,21 @@ def test_block_kernel_lse_and_gradients_with_buckets(side_by_side, monkeypatch):
   backward from that lse, against dense; walking the tiles one at a time (a CPU's way) and
   3 side by side (a GPU's, in batches whose shorter lists are masked; 3 leaves a remainder)."""
   from parallelism import row_tiles  # pylint: disable=g-import-not-at-top
-  walks = []  # The kernel runs eagerly here, so each walk asks (a jit's cache would not).
+  walks = []  # Each walk asks while the kernels trace: once each, in this test's own jit.
   if side_by_side:
     monkeypatch.setattr(row_tiles, "tiles_side_by_side",
                         lambda count, tile: walks.append(count) or min(count, side_by_side))
   (q, k, v, dout, index, seg), codes = _packed_inputs(seq_len=32)
   schedule = ring_schedule("ring", 32, 1)
   at = dict(schedule=schedule, pair=schedule.pair[0, 0], tile=8)
-  mask = Mask.of(MaskSpec(sparse="hash", hash_buckets=BUCKETS), seg, codes=codes)
-  out, lse = kernel_xla.block_fwd(q, k, v, mask, **at)
-  grads = kernel_xla.block_bwd(q, k, v, mask, Merged.of(out, lse, dout), **at)
+
+  @jax.jit  # One compile; op by op, each of the kernels' loops compiled on its own (2x CPU).
+  def forward_and_backward(q, k, v, dout, seg, codes):
+    mask = Mask.of(MaskSpec(sparse="hash", hash_buckets=BUCKETS), seg, codes=codes)
+    out, lse = kernel_xla.block_fwd(q, k, v, mask, **at)
+    return out, lse, kernel_xla.block_bwd(q, k, v, mask, Merged.of(out, lse, dout), **at)
+
+  out, lse, grads = forward_and_backward(q, k, v, dout, seg, codes)
   want, want_lse = hash_reference(q, k, v, dout, index, seg, *codes)
   assert_close((out, *grads), want, **F32_TOL)
   assert len(walks) == (3 if side_by_side else 0)  # the forward, dq, and dk with dv
