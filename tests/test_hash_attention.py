@@ -49,8 +49,12 @@ def _visible(index, seg, q_codes, k_codes, window=None):
 
 def hash_reference(q, k, v, dout, index, seg, q_codes, k_codes, window=None):
   """Dense masked attention: (out, dq, dk, dv) and lse [B, S, Hq] (-inf where nothing is seen)."""
-  visible = _visible(index, seg, q_codes, k_codes, window)
+  return _masked_reference(q, k, v, dout, _visible(index, seg, q_codes, k_codes, window))
 
+
+@jax.jit  # One compile per shape, where op-by-op dispatch compiled each of its ops.
+def _masked_reference(q, k, v, dout, visible):
+  """`hash_reference` given the mask `visible` [B, Hq, Sq, Sk]."""
   def attend(q, k, v):
     group = q.shape[2] // k.shape[2]
     kh, vh = (jnp.repeat(x, group, axis=2) for x in (k, v))
@@ -144,8 +148,9 @@ def test_the_kernel_skips_tiles_by_bucket_at_run_time():
 def test_the_model_dense_path_applies_the_buckets():
   from model.attention import dense_attention as model_dense  # pylint: disable=g-import-not-at-top
   (q, k, v, dout, index, seg), codes = _packed_inputs(seq_len=64)
-  got = model_dense(q, k, v, Mask.of(MaskSpec(sparse="hash", hash_buckets=BUCKETS), seg,
-                                     codes=codes))
+  got = jax.jit(lambda q, k, v, seg, codes: model_dense(  # one compile, not op by op
+      q, k, v, Mask.of(MaskSpec(sparse="hash", hash_buckets=BUCKETS), seg, codes=codes)))(
+          q, k, v, seg, codes)
   want = hash_reference(q, k, v, dout, index, seg, *codes)[0][0]
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), **F32_TOL)
 
