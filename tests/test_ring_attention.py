@@ -144,14 +144,19 @@ def test_block_kernel_masks_of_any_shape(order, monkeypatch):
         traced.append(name), update(*a, **kw))[1])
   q, k, v, dout, _, _ = make_inputs(batch=2, seq_len=32, num_heads=4, num_kv=2, seed=7)
   seg_BT = np.stack([np.zeros(32, np.int32), (np.arange(32) >= 13).astype(np.int32)])
-  for pair, (q_block, k_block) in enumerate(schedule.pair_blocks):
-    q_index, k_index = (np.stack([schedule.order[b]] * 2) for b in (q_block, k_block))
-    q_seg, k_seg = seg_BT, np.roll(seg_BT, 5, axis=1)
+
+  @jax.jit  # One compile for every pair (an argument, as in the ring), not op by op for each.
+  def forward_and_backward(q, k, v, dout, q_seg, k_seg, pair):
     at = dict(schedule=schedule, pair=pair, tile=8)
     out, lse = kernel_xla.block_fwd(q, k, v, pair_mask(q_seg, k_seg), **at)
     delta = jnp.sum(out * dout, axis=-1)
-    grads = kernel_xla.block_bwd(q, k, v, pair_mask(q_seg, k_seg), Merged(out, lse, dout, delta),
-                                 **at)
+    return out, kernel_xla.block_bwd(q, k, v, pair_mask(q_seg, k_seg),
+                                     Merged(out, lse, dout, delta), **at)
+
+  for pair, (q_block, k_block) in enumerate(schedule.pair_blocks):
+    q_index, k_index = (np.stack([schedule.order[b]] * 2) for b in (q_block, k_block))
+    q_seg, k_seg = seg_BT, np.roll(seg_BT, 5, axis=1)
+    out, grads = forward_and_backward(q, k, v, dout, q_seg, k_seg, pair)
     assert_close((out, *grads), block_reference(q, k, v, dout, q_index, q_seg, k_index, k_seg),
                  **F32_TOL)
   assert set(traced) == ({"_fwd_update_in_halves", "_bwd_update_in_halves"} if halves else set())
