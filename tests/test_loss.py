@@ -56,7 +56,7 @@ def test_chunked_scores_and_gradients_equal_the_full_logits(tie, mesh_shape, chu
       scores = model.apply({"params": params}, tokens, index, segments, targets, True)
       return jnp.mean(scores["loss"]), (scores["loss"], scores["correct"])
 
-    # One program for the two: one compile, not two (a third of the test's CPU).
+    # One program for the two: one compile, not two (a fifth of each case's CPU).
     both = jax.jit(lambda params: (jax.value_and_grad(full, has_aux=True)(params),
                                    jax.value_and_grad(chunked, has_aux=True)(params)))
     ((_, (want, want_hits)), want_grads), ((_, (got, got_hits)), got_grads) = both(state.params)
