@@ -49,8 +49,12 @@ def _visible(index, seg, q_codes, k_codes, window=None):
 
 def hash_reference(q, k, v, dout, index, seg, q_codes, k_codes, window=None):
   """Dense masked attention: (out, dq, dk, dv) and lse [B, S, Hq] (-inf where nothing is seen)."""
-  visible = _visible(index, seg, q_codes, k_codes, window)
+  return _masked_reference(q, k, v, dout, _visible(index, seg, q_codes, k_codes, window))
 
+
+@jax.jit  # One compile per shape, where op-by-op dispatch compiled each of its ops.
+def _masked_reference(q, k, v, dout, visible):
+  """`hash_reference` given the mask `visible` [B, Hq, Sq, Sk]."""
   def attend(q, k, v):
     group = q.shape[2] // k.shape[2]
     kh, vh = (jnp.repeat(x, group, axis=2) for x in (k, v))
@@ -97,16 +101,21 @@ def test_block_kernel_lse_and_gradients_with_buckets(side_by_side, monkeypatch):
   backward from that lse, against dense; walking the tiles one at a time (a CPU's way) and
   3 side by side (a GPU's, in batches whose shorter lists are masked; 3 leaves a remainder)."""
   from parallelism import row_tiles  # pylint: disable=g-import-not-at-top
-  walks = []  # The kernel runs eagerly here, so each walk asks (a jit's cache would not).
+  walks = []  # Each walk asks while the kernels trace: once each, in this test's own jit.
   if side_by_side:
     monkeypatch.setattr(row_tiles, "tiles_side_by_side",
                         lambda count, tile: walks.append(count) or min(count, side_by_side))
   (q, k, v, dout, index, seg), codes = _packed_inputs(seq_len=32)
   schedule = ring_schedule("ring", 32, 1)
   at = dict(schedule=schedule, pair=schedule.pair[0, 0], tile=8)
-  mask = Mask.of(MaskSpec(sparse="hash", hash_buckets=BUCKETS), seg, codes=codes)
-  out, lse = kernel_xla.block_fwd(q, k, v, mask, **at)
-  grads = kernel_xla.block_bwd(q, k, v, mask, Merged.of(out, lse, dout), **at)
+
+  @jax.jit  # One compile; op by op, each of the kernels' loops compiled on its own (2x CPU).
+  def forward_and_backward(q, k, v, dout, seg, codes):
+    mask = Mask.of(MaskSpec(sparse="hash", hash_buckets=BUCKETS), seg, codes=codes)
+    out, lse = kernel_xla.block_fwd(q, k, v, mask, **at)
+    return out, lse, kernel_xla.block_bwd(q, k, v, mask, Merged.of(out, lse, dout), **at)
+
+  out, lse, grads = forward_and_backward(q, k, v, dout, seg, codes)
   want, want_lse = hash_reference(q, k, v, dout, index, seg, *codes)
   assert_close((out, *grads), want, **F32_TOL)
   assert len(walks) == (3 if side_by_side else 0)  # the forward, dq, and dk with dv
@@ -139,8 +148,9 @@ def test_the_kernel_skips_tiles_by_bucket_at_run_time():
 def test_the_model_dense_path_applies_the_buckets():
   from model.attention import dense_attention as model_dense  # pylint: disable=g-import-not-at-top
   (q, k, v, dout, index, seg), codes = _packed_inputs(seq_len=64)
-  got = model_dense(q, k, v, Mask.of(MaskSpec(sparse="hash", hash_buckets=BUCKETS), seg,
-                                     codes=codes))
+  got = jax.jit(lambda q, k, v, seg, codes: model_dense(  # one compile, not op by op
+      q, k, v, Mask.of(MaskSpec(sparse="hash", hash_buckets=BUCKETS), seg, codes=codes)))(
+          q, k, v, seg, codes)
   want = hash_reference(q, k, v, dout, index, seg, *codes)[0][0]
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), **F32_TOL)
 

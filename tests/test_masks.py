@@ -94,6 +94,10 @@ def _row_inputs(case: Case, seed: int = 3):
   return q, k, v, dout, seg, (np.arange(length) - starts).astype(np.int32)
 
 
+# Jitted: one compile, where op-by-op dispatch compiled each of its ops (5x the CPU).
+_drop_codes = jax.jit(drop_codes, static_argnums=(0, 1, 2, 3, 4, 6))
+
+
 def _operands(case: Case, q, k, seg, seed: int = 3):
   """The spec's run-time operands in the original order: codes (queries', keys') or
   SparseK's (thresholds, scores), per-head spans."""
@@ -102,8 +106,8 @@ def _operands(case: Case, q, k, seg, seed: int = 3):
     proj = jnp.asarray(projections(1, k.shape[2], HEAD_DIM, spec.hash_buckets)[0])
     codes = tuple(np.asarray(bucket_codes(x, proj)) for x in (q, k))
   elif spec.sparse == "qk_drop":
-    codes = tuple(np.asarray(c) for c in drop_codes(2, q.shape[1], HEADS, k.shape[2],
-                                                    spec.qk_drop_rate, jnp.int32(0), "ring"))
+    codes = tuple(np.asarray(c) for c in _drop_codes(2, q.shape[1], HEADS, k.shape[2],
+                                                     spec.qk_drop_rate, jnp.int32(0), "ring"))
   elif spec.selects:
     u = (np.random.default_rng(seed).standard_normal(k.shape[:3]) * 2).astype(np.float32)
     tau = np.asarray(prefix_thresholds(jnp.asarray(u), jnp.asarray(seg), spec.sparsek_k,
@@ -113,38 +117,46 @@ def _operands(case: Case, q, k, seg, seed: int = 3):
   return codes, scores, spans
 
 
-@functools.partial(jax.jit, static_argnames=("spec",))
 def reference(q, k, v, dout, seg, positions, q_codes, k_codes, tau, u, spans, *,
               spec: MaskSpec):
   """Dense attention under `spec` from its definitions: (out, dq, dk, dv, dtau, du); rows
-  that see nothing give 0."""
+  that see nothing give 0. The spec's numbers go in as operands (a window as wide as the row
+  where there is none, no codes as zeros: every code equal), so one compile serves every
+  spec of a shape (compiled per spec, the references took nearly twice the CPU)."""
+  width = jnp.full((HEADS,), q.shape[1] if spec.window is None else spec.window)
+  zeros = lambda n: jnp.zeros((*q.shape[:2], n), jnp.int32)
+  return _reference(q, k, v, dout, seg, positions,
+                    zeros(HEADS) if q_codes is None else q_codes,
+                    zeros(k.shape[2]) if k_codes is None else k_codes, tau, u,
+                    width if spans is None else spans, spec.sink_tokens, spec.softcap,
+                    spec.selects, spec.sparsek_window)
+
+
+@jax.jit
+def _reference(q, k, v, dout, seg, positions, q_codes, k_codes, tau, u, width, sinks, softcap,
+               selects, sparsek_window):
+  """`reference` on operands: query i sees key j iff j <= i, same document, i - j < its head's
+  width or j at an in-document position below `sinks`, equal codes; logits capped where
+  `softcap` > 0; with `selects`, SparseK's window and weights."""
   group = HEADS // k.shape[2]
   index = jnp.arange(q.shape[1])
   behind = (index[:, None] - index[None, :])[None, None]  # [1, 1, Sq, Sk]
   head_kv = jnp.arange(HEADS) // group
   visible = (behind >= 0) & (seg[:, None, :, None] == seg[:, None, None, :])
-  if spec.window is not None:
-    width = jnp.full((HEADS,), spec.window) if spans is None else spans
-    near = behind < width[None, :, None, None]
-    if spec.sink_tokens:
-      near = near | (positions[:, None, None, :] < spec.sink_tokens)
-    visible = visible & near
-  if spec.coded:
-    visible = visible & (jnp.swapaxes(q_codes, 1, 2)[..., None]
-                         == jnp.swapaxes(k_codes, 1, 2)[:, head_kv, None, :])
+  near = (behind < width[None, :, None, None]) | (positions[:, None, None, :] < sinks)
+  visible = visible & near & (jnp.swapaxes(q_codes, 1, 2)[..., None]
+                              == jnp.swapaxes(k_codes, 1, 2)[:, head_kv, None, :])
 
   def attend(q, k, v, tau, u):
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k[:, :, head_kv], precision="highest")
     s = s * HEAD_DIM ** -0.5
-    if spec.softcap:
-      s = spec.softcap * jnp.tanh(s / spec.softcap)
-    seen = visible
-    if spec.selects:
-      gap = jnp.swapaxes(u, 1, 2)[:, head_kv, None, :] - jnp.swapaxes(tau, 1, 2)[..., None]
-      close = behind < spec.sparsek_window
-      m = jnp.where(close, 1.0, jnp.clip(gap, 0.0, 1.0))
-      seen = seen & (close | (gap > 0))
-      s = s + jnp.log(jnp.where(seen, m, 1.0))
+    cap = jnp.where(softcap > 0, softcap, 1.0)  # 1: no 0/0 in the branch not taken
+    s = jnp.where(softcap > 0, cap * jnp.tanh(s / cap), s)
+    gap = jnp.swapaxes(u, 1, 2)[:, head_kv, None, :] - jnp.swapaxes(tau, 1, 2)[..., None]
+    close = behind < sparsek_window
+    m = jnp.where(close, 1.0, jnp.clip(gap, 0.0, 1.0))
+    seen = jnp.where(selects, visible & (close | (gap > 0)), visible)
+    s = s + jnp.log(jnp.where(selects & seen, m, 1.0))  # log 1: no log 0 where not SparseK
     s = jnp.where(seen, s, -jnp.inf)
     top = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.exp(s - jnp.where(jnp.isfinite(top), top, 0.0))

@@ -97,7 +97,12 @@ def test_block_kernel_rows_that_see_nothing():
   seg = np.zeros((1, 16), np.int32)
   dout = rng.standard_normal(q.shape, np.float32)
   want = block_reference(q, k, v, dout, q_index, seg, k_index, seg)
-  out, lse = kernel_xla.block_fwd(q, k, v, Mask(), schedule=schedule, pair=pair, tile=4)
+
+  @functools.partial(jax.jit, static_argnums=(0, 1))  # one compile each, not op by op
+  def forward(schedule, pair, q, k, v):
+    return kernel_xla.block_fwd(q, k, v, Mask(), schedule=schedule, pair=pair, tile=4)
+
+  out, lse = forward(schedule, pair, q, k, v)
   assert np.isfinite(np.asarray(out)).all()
   np.testing.assert_array_equal(np.asarray(out)[:, :8], 0.0)
   assert np.all(np.asarray(lse)[:, :8] == -np.inf)
@@ -109,8 +114,7 @@ def test_block_kernel_rows_that_see_nothing():
   future = ring_schedule("ring", 32, 2)
   empty_pair = future.pair[0, 1]
   assert future.shapes[empty_pair] == "empty" and future.empty[0, 1]
-  out_f, lse_f = kernel_xla.block_fwd(q, k, v, Mask(), schedule=future, pair=empty_pair,
-                                      tile=4)
+  out_f, lse_f = forward(future, empty_pair, q, k, v)
   np.testing.assert_array_equal(np.asarray(out_f), 0.0)
   assert np.all(np.asarray(lse_f) == -np.inf)
   merged, merged_lse = merge(out_f, lse_f, out_f, lse_f)
@@ -120,8 +124,9 @@ def test_block_kernel_rows_that_see_nothing():
   np.testing.assert_allclose(np.asarray(merged), np.asarray(out), **F32_TOL)
 
   # With one block its lse is the global one, so block_bwd is the whole gradient.
-  grads = kernel_xla.block_bwd(q, k, v, Mask(), Merged.of(out, lse, dout), schedule=schedule,
-                               pair=pair, tile=4)
+  grads = jax.jit(lambda q, k, v, out, lse, dout: kernel_xla.block_bwd(
+      q, k, v, Mask(), Merged.of(out, lse, dout), schedule=schedule, pair=pair, tile=4))(
+          q, k, v, out, lse, dout)
   for got, w in zip(grads, want[1:]):
     np.testing.assert_allclose(np.asarray(got), np.asarray(w), **F32_TOL)
   np.testing.assert_array_equal(np.asarray(grads[0])[:, :8], 0.0)
@@ -144,14 +149,19 @@ def test_block_kernel_masks_of_any_shape(order, monkeypatch):
         traced.append(name), update(*a, **kw))[1])
   q, k, v, dout, _, _ = make_inputs(batch=2, seq_len=32, num_heads=4, num_kv=2, seed=7)
   seg_BT = np.stack([np.zeros(32, np.int32), (np.arange(32) >= 13).astype(np.int32)])
-  for pair, (q_block, k_block) in enumerate(schedule.pair_blocks):
-    q_index, k_index = (np.stack([schedule.order[b]] * 2) for b in (q_block, k_block))
-    q_seg, k_seg = seg_BT, np.roll(seg_BT, 5, axis=1)
+
+  @jax.jit  # One compile for every pair (an argument, as in the ring), not op by op for each.
+  def forward_and_backward(q, k, v, dout, q_seg, k_seg, pair):
     at = dict(schedule=schedule, pair=pair, tile=8)
     out, lse = kernel_xla.block_fwd(q, k, v, pair_mask(q_seg, k_seg), **at)
     delta = jnp.sum(out * dout, axis=-1)
-    grads = kernel_xla.block_bwd(q, k, v, pair_mask(q_seg, k_seg), Merged(out, lse, dout, delta),
-                                 **at)
+    return out, kernel_xla.block_bwd(q, k, v, pair_mask(q_seg, k_seg),
+                                     Merged(out, lse, dout, delta), **at)
+
+  for pair, (q_block, k_block) in enumerate(schedule.pair_blocks):
+    q_index, k_index = (np.stack([schedule.order[b]] * 2) for b in (q_block, k_block))
+    q_seg, k_seg = seg_BT, np.roll(seg_BT, 5, axis=1)
+    out, grads = forward_and_backward(q, k, v, dout, q_seg, k_seg, pair)
     assert_close((out, *grads), block_reference(q, k, v, dout, q_index, q_seg, k_index, k_seg),
                  **F32_TOL)
   assert set(traced) == ({"_fwd_update_in_halves", "_bwd_update_in_halves"} if halves else set())
