@@ -89,6 +89,11 @@ def parse(path: str = BASE_CONFIG) -> tuple[list[str], dict[str, str], list[Fiel
   return groups, group_comments, fields
 
 
+def _group_of(name: str) -> str:
+  """"model.rope_scaling.type" -> "model.rope_scaling"; a top-level field's is ""."""
+  return name.rpartition(".")[0]
+
+
 def _cell(text: str) -> str:
   return text.replace("|", "\\|")
 
@@ -102,10 +107,8 @@ def reference_markdown(path: str = BASE_CONFIG) -> str:
          "Override any field on the command line with `--config.<group>.<field>=value`;",
          "[Running a config](running.md) says how a config is checked. The named configs",
          "under `configs/` start from these defaults.", ""]
-  sections = [""] + sorted(groups, key=groups.index)
-  for group in sections:
-    members = [f for f in fields
-               if (f.name.rsplit(".", 1)[0] if "." in f.name else "") == group]
+  for group in [""] + groups:  # "": the top level's fields
+    members = [f for f in fields if _group_of(f.name) == group]
     if not members:
       continue
     out += [f"## `{group}`" if group else "## Top level", ""]

@@ -6,9 +6,8 @@ import re
 import subprocess
 import sys
 
-import ml_collections
-
 from configs import base
+from trainer.config.fields import flatten
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -16,17 +15,9 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import docs_site  # noqa: E402
 
 
-def _leaves(config: ml_collections.ConfigDict, prefix: str = "") -> set[str]:
-  out = set()
-  for key, value in config.items():
-    name = prefix + key
-    out |= _leaves(value, name + ".") if isinstance(value, ml_collections.ConfigDict) else {name}
-  return out
-
-
 def test_the_config_reference_has_every_field_of_base_with_its_meaning():
   _, _, fields = docs_site.parse()
-  assert sorted(f.name for f in fields) == sorted(_leaves(base.get_config()))
+  assert sorted(f.name for f in fields) == sorted(flatten(base.get_config().to_dict()))
   assert [f.name for f in fields if not f.comment] == []
   page = docs_site.reference_markdown()
   assert all(f"`{f.name}`" in page for f in fields)
