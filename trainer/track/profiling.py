@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import glob
 import gzip
+import heapq
 import json
 import os
 import re
@@ -124,8 +125,9 @@ def summarise(trace_path: str) -> dict[str, float]:
   collectives, other ops, and idle. A device op is an event with an `hlo_op` argument, on
   the GPU's streams when the trace has a GPU; a device is a GPU (all its streams: XLA runs
   cuDNN's and other ops on side streams), or on the CPU a `device_ordinal`. An op counts
-  its own time, less the ops nested in it (a loop's body) on its stream. Overlapping
-  streams of one GPU can make the busy shares exceed 1."""
+  its own time, less the ops nested in it (a loop's body) on its stream; ops of one stream
+  that overlap count their shared time once. Overlapping streams of one GPU can make the busy
+  shares exceed 1; a CPU device's shares never do."""
   with gzip.open(trace_path, "rt") as f:
     events = json.load(f)["traceEvents"]
   process = {e["pid"]: e["args"]["name"] for e in events
@@ -136,25 +138,15 @@ def summarise(trace_path: str) -> dict[str, float]:
     args = e.get("args") or {}
     if e.get("ph") == "X" and "hlo_op" in args and (not gpus or e["pid"] in gpus):
       device = e["pid"] if gpus else args.get("device_ordinal", "0")
-      stream = e["tid"] if gpus else 0  # the CPU's threads of one device nest as one stream
+      stream = e["tid"] if gpus else 0  # the CPU's threads of one device: one stream
       streams[device, stream].append((e["ts"], e["dur"], f"{e['name']} {args['hlo_op']}"))
   busy = collections.defaultdict(float)
   spans: dict = {}  # device -> [first op's start, last op's end] over all its streams
   for (device, _), stream_ops in streams.items():
-    stream_ops.sort(key=lambda op: (op[0], -op[1]))
-    first, last = stream_ops[0][0], max(ts + dur for ts, dur, _ in stream_ops)
+    first, last = min(ts for ts, _, _ in stream_ops), max(ts + dur for ts, dur, _ in stream_ops)
     span = spans.setdefault(device, [first, last])
     span[0], span[1] = min(span[0], first), max(span[1], last)
-    open_ops: list = []  # [end, category, own time] of the ops enclosing the current one
-    for ts, dur, text in stream_ops:
-      while open_ops and open_ops[-1][0] <= ts:
-        _, kind, own = open_ops.pop()
-        busy[kind] += own
-      if open_ops:
-        open_ops[-1][2] -= min(dur, open_ops[-1][0] - ts)  # nested: not its parent's time
-      kind = next((name for name, pattern in CATEGORIES if pattern.search(text)), "other")
-      open_ops.append([ts + dur, kind, dur])
-    for _, kind, own in open_ops:
+    for kind, own in _own_times(stream_ops):
       busy[kind] += own
   total = sum(last - first for first, last in spans.values())
   if not total:
@@ -162,3 +154,25 @@ def summarise(trace_path: str) -> dict[str, float]:
   shares = {name: busy[name] / total for name, _ in (*CATEGORIES, ("other", None))}
   shares["idle"] = max(0.0, 1.0 - sum(shares.values()))
   return shares
+
+
+def _own_times(stream_ops):
+  """(category, time) of each stretch of one stream, given its ops as (start, duration,
+  text): each instant goes to the op that started last among those running then, so a
+  loop's body is not its loop's time, and ops that overlap without nesting (a CPU device's
+  ops on two threads) count their shared time once, never more than the stream's span."""
+  ops = sorted(stream_ops, key=lambda op: (op[0], -op[1]))  # a parent before what it holds
+  edges = sorted({t for ts, dur, _ in ops for t in (ts, ts + dur)})
+  running: list = []  # heap of (-start, -order, end, category): the latest start on top
+  following = iter(enumerate(ops))
+  upcoming = next(following, None)
+  for begin, end in zip(edges[:-1], edges[1:]):
+    while upcoming and upcoming[1][0] <= begin:
+      order, (ts, dur, text) = upcoming
+      kind = next((name for name, pattern in CATEGORIES if pattern.search(text)), "other")
+      heapq.heappush(running, (-ts, -order, ts + dur, kind))
+      upcoming = next(following, None)
+    while running and running[0][2] <= begin:  # ended ops on top go; others when on top
+      heapq.heappop(running)
+    if running:
+      yield running[0][3], end - begin
