@@ -28,7 +28,7 @@ PLAN_TPU := .plan_tpu
 UV_INSTALL = $(VENV)/bin/uv pip install --quiet --compile-bytecode -c constraints.txt
 PLAN_TPU_STAMP := $(PLAN_TPU)/.installed
 
-.PHONY: train test docs bench compare plan_gpu plan_tpu bench_plan gpu_check slurm_packages
+.PHONY: train test test_setup docs bench compare plan_gpu plan_tpu bench_plan gpu_check slurm_packages
 
 # mimalloc for the tests (pinned, in its own folder, preloaded only by `make test`): the
 # suite is mostly XLA compiling tiny programs, and glibc's malloc took about a sixth of that
@@ -42,13 +42,18 @@ PRELOAD = $$(LD_PRELOAD=$(abspath $(MIMALLOC)) env true 2>&1 | grep -q . || echo
 train: $(STAMP)
 	$(VENV)/bin/python -m trainer --config configs/tiny_cpu.py $(ARGS)
 
-# Three workers on 2 cores: most tests wait on one single-threaded XLA compile, and the
-# third fills the time the others wait on subprocesses and the Slurm job's daemons (about
-# 10% idle with two: 714 s, against 668 s and 706 s with three, on one quiet 2-core machine).
-# Whole modules to a worker (a module-scoped fixture runs once), in the order
+# Four workers on 2 cores: the cores idled about 7% of a run with three (the time tests wait
+# on subprocesses, Slurm's daemons and peers' timeouts), under 3% with four (635 s against
+# 650 s and 677 s with three, and 677 s with two, on one 2-core machine, one day; peak 2.2 GB
+# per worker). Whole modules to a worker (a module-scoped fixture runs once), in the order
 # tests/conftest.py sets: modules with slow tests first, the slowest first.
-TEST_WORKERS ?= 3
-test: $(STAMP) $(PLAN_GPU_STAMP) $(PLAN_TPU_STAMP) $(MIMALLOC) slurm_packages
+TEST_WORKERS ?= 4
+# What the tests need, made in parallel (on a new machine: apt-get's Slurm beside uv's venv,
+# then the three folders the venv's uv installs).
+test_setup:
+	@$(MAKE) --no-print-directory -j 4 $(STAMP) $(PLAN_GPU_STAMP) $(PLAN_TPU_STAMP) $(MIMALLOC) \
+	  slurm_packages
+test: test_setup
 	LD_PRELOAD="$(PRELOAD)" $(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder $(ARGS)
 
 # The manual (docs/, mkdocs.yml) as a site in site/: MkDocs with Material, strict, so a broken
