@@ -42,12 +42,13 @@ PRELOAD = $$(LD_PRELOAD=$(abspath $(MIMALLOC)) env true 2>&1 | grep -q . || echo
 train: $(STAMP)
 	$(VENV)/bin/python -m trainer --config configs/tiny_cpu.py $(ARGS)
 
-# Four workers on 2 cores: the cores idled about 7% of a run with three (the time tests wait
-# on subprocesses, Slurm's daemons and peers' timeouts), under 3% with four (635 s against
-# 650 s and 677 s with three, and 677 s with two, on one 2-core machine, one day; peak 2.2 GB
-# per worker). Whole modules to a worker (a module-scoped fixture runs once), in the order
+# Three workers on 2 cores: one more than the cores, for the time tests wait on subprocesses,
+# Slurm's daemons and peers' timeouts. Sampled from /proc/stat every 2 s, the cores idle
+# only in a run's last 10-15 s with three or with four (four ran no faster: 635-684 s,
+# against 580-677 s with three, on one 2-core machine whose speed varied by 10% that day).
+# Whole modules to a worker (a module-scoped fixture runs once), in the order
 # tests/conftest.py sets: modules with slow tests first, the slowest first.
-TEST_WORKERS ?= 4
+TEST_WORKERS ?= 3
 # What the tests need, made in parallel (on a new machine: apt-get's Slurm beside uv's venv,
 # then the three folders the venv's uv installs).
 test_setup:
