@@ -8,6 +8,13 @@ VENV := .venv
 STAMP := $(VENV)/.installed-py3.12
 ARGS ?=
 
+# uv installs the pinned packages into the venv (whose pip installs uv itself) and the folders
+# beside it: it fetches, unpacks and compiles the bytecode in parallel. From empty download
+# caches, `make test`'s whole set-up took 36 s on a 2-core machine, 82 s with pip. The
+# bytecode is compiled at install, as pip did: every test's subprocess imports JAX.
+UV_INSTALL = $(VENV)/bin/uv pip install --quiet --compile-bytecode --python $(VENV)/bin/python \
+  -c constraints.txt
+
 # XLA's GPU compiler for `--dry_run` (trainer/plan/plan_target.py): the CUDA 13 plugin our GPU
 # machines run, pinned, in its own folder rather than the venv, where JAX would load it into
 # every process (and, without CUDA, say so on every run). No GPU is needed. The tests plan
@@ -20,12 +27,6 @@ PLAN_GPU_STAMP := $(PLAN_GPU)/.installed-cuda13
 # to start a TPU backend in every process. No TPU is needed; without it the TPU plan tests
 # skip and say why.
 PLAN_TPU := .plan_tpu
-
-# uv installs the pinned packages (pip, the venv's own, installs uv itself): on one 2-core
-# machine pip took 58 s for the venv with its download cache warm, uv 24 s with its cache
-# empty, downloads included (it fetches, unpacks and compiles the bytecode in parallel). The
-# bytecode is compiled at install, as pip did: every test's subprocess imports JAX.
-UV_INSTALL = $(VENV)/bin/uv pip install --quiet --compile-bytecode -c constraints.txt
 PLAN_TPU_STAMP := $(PLAN_TPU)/.installed
 
 .PHONY: train test test_setup docs bench compare plan_gpu plan_tpu bench_plan gpu_check slurm_packages
@@ -45,7 +46,7 @@ train: $(STAMP)
 # Three workers on 2 cores: one more than the cores, for the time tests wait on subprocesses,
 # Slurm's daemons and peers' timeouts. Sampled from /proc/stat every 2 s, the cores idle
 # only in a run's last 10-15 s with three or with four (four ran no faster: 635-684 s,
-# against 580-677 s with three, on one 2-core machine whose speed varied by 10% that day).
+# against 580-677 s with three, on one 2-core machine whose speed varied by up to 20% that day).
 # Whole modules to a worker (a module-scoped fixture runs once), in the order
 # tests/conftest.py sets: modules with slow tests first, the slowest first.
 TEST_WORKERS ?= 3
@@ -111,24 +112,24 @@ endif
 
 $(PLAN_GPU_STAMP): constraints.txt $(STAMP)
 	rm -rf $(PLAN_GPU)
-	$(UV_INSTALL) --python $(VENV)/bin/python --no-deps \
+	$(UV_INSTALL) --no-deps \
 	  --target $(PLAN_GPU) jax-cuda13-plugin jax-cuda13-pjrt
 	touch $(PLAN_GPU_STAMP)
 
 $(PLAN_TPU_STAMP): constraints.txt $(STAMP)
 	rm -rf $(PLAN_TPU)
-	$(UV_INSTALL) --python $(VENV)/bin/python --no-deps \
+	$(UV_INSTALL) --no-deps \
 	  --target $(PLAN_TPU) libtpu && touch $(PLAN_TPU_STAMP) || \
 	  echo "could not install libtpu: the TPU plan tests will skip"
 
 $(MIMALLOC): constraints.txt $(STAMP)
 	rm -rf $(MIMALLOC_DIR)
-	$(UV_INSTALL) --python $(VENV)/bin/python --no-deps \
+	$(UV_INSTALL) --no-deps \
 	  --target $(MIMALLOC_DIR) cmeel-mimalloc && touch $(MIMALLOC) || \
 	  echo "could not install mimalloc: the tests run on glibc's malloc (slower)"
 
 $(STAMP): pyproject.toml constraints.txt
 	@scripts/venv.sh $(VENV)
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check -c constraints.txt uv
-	$(UV_INSTALL) --python $(VENV)/bin/python -e '.[test,docs]'
+	$(UV_INSTALL) -e '.[test,docs]'
 	touch $(STAMP)
