@@ -63,14 +63,15 @@ DROP = MaskSpec(sparse="qk_drop", qk_drop_rate=0.5)
 SPARSEK = MaskSpec(sparse="sparsek", sparsek_k=8, sparsek_window=3)
 # Plain causal masks in the ring and zigzag layouts are checked against dense in
 # tests/test_ring_attention.py, tests/test_strategies.py and tests/test_kernel_cudnn.py;
-# here striped on 8 and an uneven ring of 3.
+# here striped on 8 and an uneven ring of 3. Hash attention in striped order is the hybrid
+# case's below; striped on 8 is the causal and SparseK cases'.
 CASES = [
     Case(MaskSpec(), "striped", 8),
     Case(MaskSpec(), "ring", 3, num_kv=4, packed=False, seq_len=96),
     Case(WINDOWED, "striped"), Case(MaskSpec(window=8), "zigzag", 8, num_kv=1),
     Case(BAND, "ring", 3, seq_len=96), Case(dataclasses.replace(BAND, sink_tokens=SINKS), "zigzag"),
-    Case(HASH, "ring"), Case(HASH, "striped", 8), Case(dataclasses.replace(HASH, window=24),
-                                                       "zigzag", 2, num_kv=1, packed=False),
+    Case(HASH, "ring"), Case(dataclasses.replace(HASH, window=24), "zigzag", 2, num_kv=1,
+                             packed=False),
     Case(DROP, "striped"), Case(SPARSEK, "ring", 2), Case(dataclasses.replace(
         SPARSEK, sparsek_window=0), "striped", 8, num_kv=1),
     # Strategies beyond the ring (tests/test_strategies.py: each with causal masks).

@@ -35,17 +35,16 @@ def test_the_gpu_plan_runs_the_fused_kernel_and_keeps_bf16(tiny_config, h100_pla
   # compiled to Triton, not interpreted: forward, dK/dV and dQ.
   assert text.count(f'custom_call_target="{TRITON}"') >= 3
   assert on_gpu["floor_total_bytes"] == on_gpu["total_bytes"] and on_gpu["fits"]
-  on_cpu, _ = dry_run.memory_plan(tiny_config("striped"), 80.0, floor=False)
-  assert on_cpu["compiled_for"] == "cpu"
-  # The same state either way.
-  for key in ("params", "param_bytes", "opt_state_bytes", "argument_bytes"):
-    assert on_gpu[key] == on_cpu[key], key
   # The GPU keeps bf16 activations bf16: its temporaries are below its own float32 compile's.
   # (Not below the CPU's: XLA:CPU from JAX 0.11 computes bf16 matmuls natively too, and on
   # this tiny config its plan holds less, 8.2 against the GPU's 10.3 MB.)
   as_float32, _ = dry_run.memory_plan(tiny_config("striped", **{"model.dtype": "float32"}),
                                       80.0, target="h100")
   assert on_gpu["temp_bytes"] < as_float32["temp_bytes"]
+  # The same state and arguments either way (float32 parameters and moments in both; the
+  # CPU plan's state is checked against a real step in tests/test_dry_run.py).
+  for key in ("params", "param_bytes", "opt_state_bytes", "argument_bytes"):
+    assert on_gpu[key] == as_float32[key], key
 
 
 def test_the_gpu_plan_says_whether_every_ring_step_overlaps(h100_plan):
