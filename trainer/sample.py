@@ -49,6 +49,7 @@ def _prompt_text(f) -> str:
 
 def main(argv: list[str]) -> None:
   """The command line (module docstring)."""
+  console.exit_at_ctrl_c()
   f = parse_run_flags(argv, _define_flags, allow_hf=True)
   text = _prompt_text(f)
   try:
@@ -83,8 +84,6 @@ def main(argv: list[str]) -> None:
     new_ids, timing = sampler.generate(ids, f.max_new_tokens, f.temperature, f.top_p, f.seed,
                                        on_token=None if f.json else stream,
                                        ignore_eos=f.ignore_eos)
-  except KeyboardInterrupt:
-    console.exit_interrupted()
   except sampling.RUN_ERRORS as error:
     console.exit_with_error(str(error))
   if f.json:

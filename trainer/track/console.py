@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import traceback
 
@@ -108,9 +109,24 @@ def exit_with_error(message: str) -> None:
 
 def exit_interrupted() -> None:
   """Exits 130 (a shell's code for Ctrl-C) after one line: the tools that only read stop
-  on Ctrl-C with nothing to save, and a KeyboardInterrupt traceback says nothing more."""
+  on Ctrl-C with nothing to save, and a KeyboardInterrupt traceback says nothing more.
+
+  At once, without the interpreter's teardown (their own cleanup ran as the interrupt
+  unwound): a Ctrl-C that lands inside Orbax's read leaves a half-made asyncio loop and
+  coroutines never awaited, whose collection at exit printed a traceback ('Exception
+  ignored in BaseEventLoop.__del__ ... no attribute _signal_handlers') and warnings."""
   _write_line(sys.stderr, "stopped by Ctrl-C")
-  sys.exit(130)
+  sys.stdout.flush()  # What was sampled or printed before the interrupt.
+  os._exit(130)  # pylint: disable=protected-access
+
+
+def exit_at_ctrl_c() -> None:
+  """For a tool with nothing to save or clean up (sampling): Ctrl-C calls `exit_interrupted`
+  wherever it lands. As a KeyboardInterrupt it could land inside a callback that Python's
+  garbage collector runs (JAX's), which Python prints as ignored: the tool then went on and
+  finished with exit code 0. Where SIGINT is ignored (a background job), it stays so."""
+  if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, lambda signum, frame: exit_interrupted())
 
 
 def install_reader_hooks() -> None:
