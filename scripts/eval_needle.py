@@ -39,6 +39,7 @@ def define_flags() -> None:
 
 
 def main(argv: list[str]) -> None:
+  console.exit_at_ctrl_c()  # Nothing to save but its W&B logging, which unwinds.
   f = run_flags.parse_run_flags(argv, define_flags)
   run_flags.use_cpu_devices(f.config)
   try:
@@ -103,20 +104,21 @@ def result_record(step: int, lengths: list[int], depths: list[float], trials: in
 def _log_to_wandb(config, workdir: str, step: int, rows: list[dict], png_path: str) -> None:
   if wandb_tracker.resolve_mode(config.wandb.mode) == "disabled":
     return
-  try:
-    workdir_lock.claim(workdir)  # The run's W&B is the training process's while it runs.
-  except workdir_lock.WorkdirError:
-    print("W&B: not logged, a process holds the workdir (training?); the files have it all")
-    return
-  try:
-    tracker = wandb_tracker.make(config, workdir)
-    if isinstance(tracker, wandb_tracker.WandbTracker):
-      columns = list(rows[0])
-      tracker.log_table_and_image(step, "needle", columns, [[r[c] for c in columns]
-                                                             for r in rows], png_path)
-      tracker.close()
-  finally:
-    workdir_lock.release(workdir)
+  with console.ctrl_c_unwinds():  # The lock and the W&B run are closed as it stops.
+    try:
+      workdir_lock.claim(workdir)  # The run's W&B is the training process's while it runs.
+    except workdir_lock.WorkdirError:
+      print("W&B: not logged, a process holds the workdir (training?); the files have it all")
+      return
+    try:
+      tracker = wandb_tracker.make(config, workdir)
+      if isinstance(tracker, wandb_tracker.WandbTracker):
+        columns = list(rows[0])
+        tracker.log_table_and_image(step, "needle", columns, [[r[c] for c in columns]
+                                                               for r in rows], png_path)
+        tracker.close()
+    finally:
+      workdir_lock.release(workdir)
 
 
 if __name__ == "__main__":

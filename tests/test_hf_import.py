@@ -227,25 +227,37 @@ def test_a_run_starts_from_the_checkpoint_and_exports_it_back_tensor_for_tensor(
         p for p in os.listdir(tmp_path) if ".partial-" in p]
 
 
-def test_an_interrupted_export_leaves_no_partial_directory(tmp_path, monkeypatch):
-  """SIGTERM while writing removes `<out>.partial-<pid>` (its default action left it behind,
-  gigabytes of it); the next export removes those of processes that are gone (SIGKILL), not
-  a live one's."""
+@pytest.mark.parametrize("signal_name, raised", [("SIGTERM", hf_export.Terminated),
+                                                  ("SIGINT", KeyboardInterrupt)])
+def test_an_interrupted_export_leaves_no_partial_directory(tmp_path, monkeypatch, signal_name,
+                                                           raised):
+  """SIGTERM or Ctrl-C while writing removes `<out>.partial-<pid>` (SIGTERM's default action
+  left it behind, gigabytes of it; the command line's Ctrl-C, which exits at once while it
+  reads, raises while it writes); the next export removes those of processes that are gone
+  (SIGKILL), not a live one's."""
   import signal  # pylint: disable=g-import-not-at-top
+  signum = getattr(signal, signal_name)
   gone = subprocess.Popen(["true"])
   gone.wait()
   stale, live = tmp_path / f"hf.partial-{gone.pid}", tmp_path / f"hf.partial-{os.getppid()}"
   stale.mkdir()
   live.mkdir()
   (tmp_path / "tokenizer.model").write_bytes(b"pieces")
-  monkeypatch.setattr(hf_export, "save_file", lambda *a, **k: os.kill(os.getpid(), signal.SIGTERM))
-  handler = signal.getsignal(signal.SIGTERM)
-  with pytest.raises(hf_export.Terminated):
-    hf_export.write_directory(str(tmp_path / "hf"), iter([("w", np.zeros(4, np.float32))]),
-                           {"w": "model.safetensors"}, {}, str(tmp_path / "tokenizer.model"))
+  monkeypatch.setattr(hf_export, "save_file", lambda *a, **k: os.kill(os.getpid(), signum))
+
+  def outside(signum, frame):  # What the command line runs outside the write (never here).
+    raise AssertionError("the handler from before the write ran inside it")
+
+  previous = signal.signal(signum, outside)
+  try:
+    with pytest.raises(raised):
+      hf_export.write_directory(str(tmp_path / "hf"), iter([("w", np.zeros(4, np.float32))]),
+                                {"w": "model.safetensors"}, {}, str(tmp_path / "tokenizer.model"))
+    assert signal.getsignal(signum) is outside  # Put back as it was.
+  finally:
+    signal.signal(signum, previous)
   assert [p for p in os.listdir(tmp_path) if ".partial-" in p] == [live.name]
   assert not os.path.exists(tmp_path / "hf")
-  assert signal.getsignal(signal.SIGTERM) == handler  # Put back as it was.
 
 
 def test_export_refuses_a_missing_step_in_one_line(tmp_path):

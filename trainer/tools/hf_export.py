@@ -137,7 +137,7 @@ def write_directory(out: str, tensors, plan: dict[str, str], hf_config: dict, to
   An error, Ctrl-C or SIGTERM removes the partial directory before it passes on."""
   partial = f"{out.rstrip('/')}.partial-{os.getpid()}"
   _remove_stale_partials(out)
-  with _sigterm_raises():
+  with _sigterm_raises(), console.ctrl_c_unwinds():
     try:
       os.makedirs(partial)
       total = _write_shards(tensors, plan, partial, log)
@@ -268,6 +268,7 @@ def main(argv: list[str]) -> None:
   # Orbax announces a read-only manager with warnings; the export says what it does itself.
   logging.set_verbosity(logging.ERROR)
   console.install_reader_hooks()  # A failed checkpoint read's echoes, folded.
+  console.exit_at_ctrl_c()  # While it reads; writing, it removes what it wrote first.
   if not _MAX_SHARD_GIB.value * 2**30 >= 1:  # nan too.
     console.exit_with_error(f"--max_shard_gib={_MAX_SHARD_GIB.value:g} must be positive")
   try:

@@ -11,11 +11,14 @@ these echoes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
+import threading
 import traceback
+from typing import Iterator
 
 CLOSED_LOOP = "Event loop is closed"
 
@@ -121,12 +124,29 @@ def exit_interrupted() -> None:
 
 
 def exit_at_ctrl_c() -> None:
-  """For a tool with nothing to save or clean up (sampling): Ctrl-C calls `exit_interrupted`
-  wherever it lands. As a KeyboardInterrupt it could land inside a callback that Python's
-  garbage collector runs (JAX's), which Python prints as ignored: the tool then went on and
-  finished with exit code 0. Where SIGINT is ignored (a background job), it stays so."""
+  """For the tools that read a checkpoint: Ctrl-C calls `exit_interrupted` wherever it lands
+  (but in `ctrl_c_unwinds` blocks). As a KeyboardInterrupt it could land in a callback that
+  Python's garbage collector runs (JAX's), which Python prints as ignored and the tool went
+  on to exit 0, or in Orbax's read, which then failed as if the checkpoint were damaged.
+  Where SIGINT is ignored (a background job), it stays so."""
   if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
     signal.signal(signal.SIGINT, lambda signum, frame: exit_interrupted())
+
+
+@contextlib.contextmanager
+def ctrl_c_unwinds() -> Iterator[None]:
+  """Within: Ctrl-C raises KeyboardInterrupt, as Python's default does, for work that must
+  clean up as it stops (a partial export removed, a W&B run closed); the handler before it is
+  put back after. Main thread only (Python runs signal handlers there)."""
+  if (threading.current_thread() is not threading.main_thread()
+      or signal.getsignal(signal.SIGINT) is signal.SIG_IGN):
+    yield
+    return
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGINT, previous)
 
 
 def install_reader_hooks() -> None:
