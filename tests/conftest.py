@@ -33,6 +33,8 @@ jax.config.update("jax_num_cpu_devices", 8)
 import functools  # noqa: E402
 import gc  # noqa: E402
 import importlib  # noqa: E402
+import json  # noqa: E402
+import resource  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -112,3 +114,27 @@ def pytest_collection_modifyitems(items):
     modules.setdefault(item.module.__name__, []).append(item)
   ordered = sorted(modules.values(), key=lambda group: -sum(map(seconds, group)))
   items[:] = [item for group in ordered for item in sorted(group, key=lambda i: -seconds(i))]
+
+
+# `TEST_CPU_REPORT=FILE make test` appends a JSON line per test to FILE: the CPU seconds of
+# its worker and of the subprocesses it waited for, setup included (the suite's time is its
+# CPU: docs/development.md). Not the processes Slurm starts, nor a killed one never waited.
+_CPU_REPORT = os.environ.get("TEST_CPU_REPORT")
+
+
+def _cpu_seconds() -> tuple[float, float]:
+  own, children = (resource.getrusage(who) for who in (resource.RUSAGE_SELF,
+                                                        resource.RUSAGE_CHILDREN))
+  return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  del nextitem
+  before = _cpu_seconds() if _CPU_REPORT else None
+  yield
+  if before:
+    after = _cpu_seconds()
+    with open(_CPU_REPORT, "a", encoding="utf-8") as f:
+      f.write(json.dumps({"test": item.nodeid, "cpu_s": round(after[0] - before[0], 2),
+                          "subprocess_cpu_s": round(after[1] - before[1], 2)}) + "\n")
