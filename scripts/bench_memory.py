@@ -51,6 +51,14 @@ DEVICES = 8
 MAX_RATIO = 2.1
 
 
+def _compile(config, devices) -> tuple:
+  """The trainer's step for `config`, checked and compiled on `devices`: (compiled, mesh)."""
+  with plan_target.compiling_for(devices):
+    check_config(config, DEVICES)
+  mesh = parallelism.make_mesh(config.mesh, devices)
+  return dry_run.compile_step(config, mesh)[0], mesh
+
+
 def measure(seq_len: int, remat: str, tile: int, devices, gpu: str) -> dict:
   config = importlib.import_module("configs.tiny_cpu").get_config("striped")
   config.mesh.update(data=1, fsdp=1, sequence=DEVICES, tensor=1)
@@ -58,11 +66,8 @@ def measure(seq_len: int, remat: str, tile: int, devices, gpu: str) -> dict:
   config.train.update(batch_size=1, micro_batches=1, remat=remat)
   if tile:
     config.model.attention_tile = tile
-  with plan_target.compiling_for(devices):
-    check_config(config, DEVICES)
-  mesh = parallelism.make_mesh(config.mesh, devices)
   start = time.monotonic()
-  compiled, _ = dry_run.compile_step(config, mesh)
+  compiled, _ = _compile(config, devices)
   return {"seq_len": seq_len, "remat": remat, "attention": "striped", "commit": bench_results.commit(),
           "loss_chunk": config.train.get("loss_chunk"),
           "tile": config.model.attention_tile, "devices": DEVICES,
@@ -79,10 +84,7 @@ def loss_chunking(devices) -> dict:
     config.model.update(vocab_size=vocab, attention_tile=128)
     config.data.seq_len = seq_len
     config.train.update(loss_chunk=chunk, batch_size=8)
-    with plan_target.compiling_for(devices):
-      check_config(config, DEVICES)
-    mesh = parallelism.make_mesh(config.mesh, devices)
-    compiled, _ = dry_run.compile_step(config, mesh)
+    compiled, mesh = _compile(config, devices)
     temps[chunk] = compiled.memory_analysis().temp_size_in_bytes
   local_rows = config.train.batch_size // (mesh.shape["data"] * mesh.shape["fsdp"])
   logits_bytes = local_rows * (seq_len // mesh.shape["sequence"]) * vocab * 4

@@ -15,14 +15,12 @@ of processes that are gone (SIGKILL), so no half-written directory stays behind.
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import json
 import os
 import shutil
 import signal
 import sys
-import threading
 import time
 
 import flax.linen as nn
@@ -137,7 +135,8 @@ def write_directory(out: str, tensors, plan: dict[str, str], hf_config: dict, to
   An error, Ctrl-C or SIGTERM removes the partial directory before it passes on."""
   partial = f"{out.rstrip('/')}.partial-{os.getpid()}"
   _remove_stale_partials(out)
-  with _sigterm_raises(), console.ctrl_c_unwinds():
+  with console.signals_handled_by({signal.SIGTERM: _raise_terminated}), \
+      console.ctrl_c_unwinds():
     try:
       os.makedirs(partial)
       total = _write_shards(tensors, plan, partial, log)
@@ -160,23 +159,10 @@ def write_directory(out: str, tensors, plan: dict[str, str], hf_config: dict, to
   return total
 
 
-@contextlib.contextmanager
-def _sigterm_raises():
-  """SIGTERM raises `Terminated` inside the block (main thread only: Python runs signal
-  handlers there), the previous handler restored after it."""
-  if threading.current_thread() is not threading.main_thread():
-    yield
-    return
-
-  def terminated(signum, frame):
-    del signum, frame
-    raise Terminated()
-
-  previous = signal.signal(signal.SIGTERM, terminated)
-  try:
-    yield
-  finally:
-    signal.signal(signal.SIGTERM, previous)
+def _raise_terminated(signum, frame):
+  """SIGTERM's handler while the files are written (`write_directory`)."""
+  del signum, frame
+  raise Terminated()
 
 
 def _remove_stale_partials(out: str) -> None:

@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 import traceback
-from typing import Iterator
+from typing import Callable, Iterator
 
 CLOSED_LOOP = "Event loop is closed"
 
@@ -134,19 +134,28 @@ def exit_at_ctrl_c() -> None:
 
 
 @contextlib.contextmanager
-def ctrl_c_unwinds() -> Iterator[None]:
-  """Within: Ctrl-C raises KeyboardInterrupt, as Python's default does, for work that must
-  clean up as it stops (a partial export removed, a W&B run closed); the handler before it is
-  put back after. Main thread only (Python runs signal handlers there)."""
-  if (threading.current_thread() is not threading.main_thread()
-      or signal.getsignal(signal.SIGINT) is signal.SIG_IGN):
+def signals_handled_by(handlers: dict[int, Callable]) -> Iterator[None]:
+  """Within: each signal of `handlers` runs its handler (one that raises, so that the block's
+  cleanup runs as it stops); the handlers before are put back after. Main thread only
+  (Python runs signal handlers there; elsewhere the block runs as it is)."""
+  if threading.current_thread() is not threading.main_thread():
     yield
     return
-  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+  previous = {signum: signal.signal(signum, handler) for signum, handler in handlers.items()}
   try:
     yield
   finally:
-    signal.signal(signal.SIGINT, previous)
+    for signum, handler in previous.items():
+      signal.signal(signum, handler)
+
+
+def ctrl_c_unwinds() -> contextlib.AbstractContextManager:
+  """Within: Ctrl-C raises KeyboardInterrupt, as Python's default does, for work that must
+  clean up as it stops (a partial export removed, a W&B run closed). Where SIGINT is ignored
+  (a background job), it stays so."""
+  if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    return contextlib.nullcontext()
+  return signals_handled_by({signal.SIGINT: signal.default_int_handler})
 
 
 def install_reader_hooks() -> None:
